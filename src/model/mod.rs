@@ -1,0 +1,2 @@
+//! The text model: configuration, weights and the CPU reference forward pass.
+pub mod config;

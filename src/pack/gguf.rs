@@ -1,0 +1,1 @@
+//! GGUF reader (llama architecture). Not written yet.

@@ -1,0 +1,1 @@
+//! Rebuilds a Hugging Face tokenizer.json from GGUF metadata. Not written yet.

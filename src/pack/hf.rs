@@ -1,0 +1,1 @@
+//! Hugging Face directory reader. Not written yet.

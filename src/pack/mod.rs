@@ -1,0 +1,40 @@
+//! Packers: turn models people already have into `.ninfer` artifacts.
+//!
+//! Every reader produces a [`PackSource`]: a normalized config, a Hugging Face
+//! `tokenizer.json`, and f32 tensors under Hugging Face names in the rotate-half RoPE
+//! layout. The artifact writer then stores them in the requested weight format.
+
+pub mod gguf;
+pub mod gguf_tokenizer;
+pub mod hf;
+
+use crate::model::config::ModelConfig;
+use serde::{Deserialize, Serialize};
+
+/// One dequantized tensor, row-major, under its Hugging Face name.
+pub struct SourceTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// One input file of a pack, recorded in the artifact's provenance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceFile {
+    pub path: String,
+    pub sha256: String,
+    pub bytes: u64,
+}
+
+/// Everything a reader extracts from its input.
+pub struct PackSource {
+    pub config: ModelConfig,
+    /// A Hugging Face `tokenizer.json`, verbatim (HF input) or rebuilt (GGUF input).
+    pub tokenizer_json: String,
+    pub tensors: Vec<SourceTensor>,
+    /// Where the weights came from: "gguf" or "huggingface".
+    pub source_kind: String,
+    pub source_files: Vec<SourceFile>,
+    /// The original tensor types seen in the input, e.g. {"Q4_1": 211, "F32": 61}.
+    pub source_dtypes: std::collections::BTreeMap<String, usize>,
+}

@@ -1,0 +1,1 @@
+//! Window protocol and NLL accumulation.
