@@ -6,16 +6,18 @@
 //! * [`artifact`] reads and writes the single-file `.ninfer` container;
 //! * [`pack`] turns GGUF files and Hugging Face directories into artifacts;
 //! * [`model`] holds the text-model configuration, weights and forward pass;
+//! * [`backend`] holds the compute kernels (the CPU reference);
 //! * [`kv`] defines the Main KV representations (the CPU code is the specification);
 //! * [`score`] implements the window protocol and NLL accumulation;
-//! * [`tokenizer`], [`corpus`] and [`report`] feed and describe a run.
-//!
-//! The CLI (`src/main.rs`) and the regression harness (`tests/harness.rs`) both call
-//! [`engine`], so scoring logic exists exactly once.
+//! * [`engine`] ties them together: the one API the CLI and the harness call;
+//! * [`tokenizer`] and [`report`] feed and describe a run.
 
 pub mod artifact;
+pub mod backend;
+pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod pack;
+pub mod report;
 pub mod score;
 pub mod tokenizer;

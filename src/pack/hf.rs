@@ -1,1 +1,259 @@
-//! Hugging Face directory reader. Not written yet.
+//! Hugging Face directory reader: `config.json`, `*.safetensors`, `tokenizer.json`.
+//!
+//! Supports `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM`. Tensor names
+//! are already the ones the artifact uses and RoPE is already rotate-half, so the work is
+//! reading the config faithfully (including the defaults transformers applies) and
+//! widening the weights to f32.
+
+use super::{PackSource, SourceFile, SourceTensor};
+use crate::model::config::{Family, ModelConfig, RopeScaling};
+use anyhow::{anyhow, bail, Context, Result};
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// sha256 and size of a file, for provenance.
+pub fn source_file(path: &Path) -> Result<SourceFile> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf).with_context(|| format!("{}: read failed", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        bytes += n as u64;
+        h.update(&buf[..n]);
+    }
+    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(SourceFile { path: name, sha256: hex::encode(h.finalize()), bytes })
+}
+
+fn get_usize(c: &Value, key: &str) -> Result<Option<usize>> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(|x| Some(x as usize))
+            .ok_or_else(|| anyhow!("config.json: `{key}` must be a non-negative integer")),
+    }
+}
+
+fn need_usize(c: &Value, key: &str) -> Result<usize> {
+    get_usize(c, key)?.ok_or_else(|| anyhow!("config.json: `{key}` is missing"))
+}
+
+fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| anyhow!("config.json: `{key}` must be a number")),
+    }
+}
+
+fn first_id(v: Option<&Value>) -> Option<u32> {
+    match v? {
+        Value::Number(n) => n.as_u64().map(|x| x as u32),
+        Value::Array(a) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
+        _ => None,
+    }
+}
+
+/// Translates a Hugging Face `config.json` into the engine's config.
+pub fn parse_config(c: &Value) -> Result<ModelConfig> {
+    let arch = c
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(|a| a.as_str())
+        .ok_or_else(|| anyhow!("config.json: `architectures` is missing"))?;
+    let family = match arch {
+        "LlamaForCausalLM" => Family::Llama,
+        "Qwen2ForCausalLM" => Family::Qwen2,
+        "Qwen3ForCausalLM" => Family::Qwen3,
+        other => bail!(
+            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        ),
+    };
+    if c.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("config.json: `mlp_bias: true` is not supported");
+    }
+    let hidden = need_usize(c, "hidden_size")?;
+    let heads = need_usize(c, "num_attention_heads")?;
+    let kv_heads = get_usize(c, "num_key_value_heads")?.unwrap_or(heads);
+    if heads == 0 {
+        bail!("config.json: `num_attention_heads` must be positive");
+    }
+    let head_dim = get_usize(c, "head_dim")?.unwrap_or(hidden / heads);
+    // transformers 5 moves RoPE settings under `rope_parameters`; 4.x keeps them at top level.
+    let rope = c.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = get_f64(c, "rope_theta")?
+        .or(rope.and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()))
+        .unwrap_or(10000.0);
+    let scaling_v = c.get("rope_scaling").filter(|v| !v.is_null()).or(rope);
+    let rope_scaling = match scaling_v {
+        None => None,
+        Some(s) => {
+            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+            match kind {
+                "default" => None,
+                "llama3" => {
+                    let f = |k: &str| {
+                        s.get(k).and_then(|v| v.as_f64()).ok_or_else(|| anyhow!("config.json: rope scaling `{k}` is missing"))
+                    };
+                    Some(RopeScaling {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position_embeddings: f("original_max_position_embeddings")? as u64,
+                    })
+                }
+                other => bail!("config.json: unsupported RoPE scaling `{other}` (supported: default, llama3)"),
+            }
+        }
+    };
+    let attention_bias = match family {
+        Family::Qwen2 => true,
+        _ => c.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
+    };
+    let cfg = ModelConfig {
+        family,
+        vocab_size: need_usize(c, "vocab_size")?,
+        hidden_size: hidden,
+        intermediate_size: need_usize(c, "intermediate_size")?,
+        num_layers: need_usize(c, "num_hidden_layers")?,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        rms_norm_eps: get_f64(c, "rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta,
+        rope_scaling,
+        max_position_embeddings: get_usize(c, "max_position_embeddings")?.unwrap_or(2048),
+        tie_word_embeddings: c.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        attention_bias,
+        qk_norm: family == Family::Qwen3,
+        bos_token_id: first_id(c.get("bos_token_id")),
+        eos_token_id: first_id(c.get("eos_token_id")),
+    };
+    cfg.validate().context("config.json")?;
+    Ok(cfg)
+}
+
+fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// Reads a Hugging Face model directory. `tokenizer` overrides `DIR/tokenizer.json`.
+pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
+    if !dir.is_dir() {
+        bail!("{}: not a directory", dir.display());
+    }
+    let cfg_path = dir.join("config.json");
+    let cfg_text = std::fs::read_to_string(&cfg_path).with_context(|| format!("{}: cannot read", cfg_path.display()))?;
+    let cfg_json: Value =
+        serde_json::from_str(&cfg_text).with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+    let config = parse_config(&cfg_json).with_context(|| dir.display().to_string())?;
+
+    let tok_path: PathBuf = tokenizer.map(Path::to_path_buf).unwrap_or_else(|| dir.join("tokenizer.json"));
+    let tokenizer_json = std::fs::read_to_string(&tok_path)
+        .with_context(|| format!("{}: cannot read tokenizer (pass --tokenizer FILE if it lives elsewhere)", tok_path.display()))?;
+    crate::tokenizer::Tokenizer::from_json(&tokenizer_json).with_context(|| tok_path.display().to_string())?;
+
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    shards.sort();
+    if shards.is_empty() {
+        bail!("{}: no *.safetensors files", dir.display());
+    }
+    let mut source_files = vec![source_file(&cfg_path)?, source_file(&tok_path)?];
+    let mut tensors = Vec::new();
+    let mut source_dtypes = BTreeMap::new();
+    for shard in &shards {
+        source_files.push(source_file(shard)?);
+        let file = std::fs::File::open(shard).with_context(|| format!("{}: cannot open", shard.display()))?;
+        // SAFETY: read-only mapping of a file this process does not modify.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", shard.display()))?;
+        let st = SafeTensors::deserialize(&mmap).map_err(|e| anyhow!("{}: invalid safetensors: {e}", shard.display()))?;
+        for (name, view) in st.tensors() {
+            if config.tie_word_embeddings && name == "lm_head.weight" {
+                continue; // a tied head saved twice
+            }
+            if name.ends_with("rotary_emb.inv_freq") {
+                continue; // a buffer some exporters save; recomputed from the config
+            }
+            *source_dtypes.entry(format!("{:?}", view.dtype())).or_insert(0) += 1;
+            let data = widen(view.dtype(), view.data()).ok_or_else(|| {
+                anyhow!("{}: tensor `{name}` has unsupported dtype {:?} (supported: F32, F16, BF16)", shard.display(), view.dtype())
+            })?;
+            tensors.push(SourceTensor { name, shape: view.shape().to_vec(), data });
+        }
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(PackSource {
+        config,
+        tokenizer_json,
+        tensors,
+        source_kind: "huggingface".into(),
+        source_files,
+        source_dtypes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen3_config_defaults() {
+        let c: Value = serde_json::from_str(
+            r#"{"architectures":["Qwen3ForCausalLM"],"vocab_size":100,"hidden_size":16,"intermediate_size":32,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+            "rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":true,"eos_token_id":[5,6]}"#,
+        )
+        .unwrap();
+        let m = parse_config(&c).unwrap();
+        assert_eq!(m.family, Family::Qwen3);
+        assert!(m.qk_norm && !m.attention_bias && m.tie_word_embeddings);
+        assert_eq!(m.eos_token_id, Some(5));
+    }
+
+    #[test]
+    fn unsupported_architecture_is_named() {
+        let c: Value = serde_json::from_str(r#"{"architectures":["MistralForCausalLM"]}"#).unwrap();
+        let e = parse_config(&c).unwrap_err().to_string();
+        assert!(e.contains("MistralForCausalLM"), "{e}");
+    }
+
+    #[test]
+    fn transformers5_rope_parameters() {
+        let c: Value = serde_json::from_str(
+            r#"{"architectures":["LlamaForCausalLM"],"vocab_size":100,"hidden_size":16,"intermediate_size":32,
+            "num_hidden_layers":1,"num_attention_heads":2,
+            "rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,
+            "high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        )
+        .unwrap();
+        let m = parse_config(&c).unwrap();
+        assert_eq!(m.rope_theta, 500000.0);
+        assert_eq!(m.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(m.num_kv_heads, 2);
+        assert_eq!(m.head_dim, 8);
+    }
+}

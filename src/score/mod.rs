@@ -1,1 +1,7 @@
-//! Window protocol and NLL accumulation.
+//! Scoring: the window protocol ([`window`]) and NLL accumulation ([`stats`]).
+
+pub mod stats;
+pub mod window;
+
+pub use stats::{NllSum, StreamScore, WindowScore};
+pub use window::{windows, Protocol, ProtocolError, Window};

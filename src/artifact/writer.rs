@@ -1,0 +1,109 @@
+//! Writes a [`PackSource`] as a `.ninfer` file, atomically (temp file, then rename).
+
+use super::digest::DigestBuilder;
+use super::{is_vector_tensor, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
+use crate::pack::PackSource;
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::{Dtype, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+struct OwnedTensor {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for &OwnedTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "F32",
+        Dtype::BF16 => "BF16",
+        _ => "OTHER",
+    }
+}
+
+/// Encodes, checks and writes the artifact; returns its digest.
+pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Result<String> {
+    src.config.validate()?;
+    let mut given: BTreeMap<&str, &crate::pack::SourceTensor> = BTreeMap::new();
+    for t in &src.tensors {
+        if given.insert(t.name.as_str(), t).is_some() {
+            bail!("tensor `{}` appears twice in the source", t.name);
+        }
+    }
+    let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    for (name, shape) in src.config.expected_tensors() {
+        let t = given
+            .remove(name.as_str())
+            .with_context(|| format!("the source has no tensor `{name}`"))?;
+        if t.shape != shape {
+            bail!("tensor `{name}` has shape {:?}, the config implies {:?}", t.shape, shape);
+        }
+        if t.data.len() != shape.iter().product::<usize>() {
+            bail!("tensor `{name}`: {} values for shape {:?}", t.data.len(), shape);
+        }
+        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+            bail!("tensor `{name}` holds a non-finite value at flat index {i}");
+        }
+        let (dtype, bytes) = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
+            (Dtype::F32, bytemuck::cast_slice::<f32, u8>(&t.data).to_vec())
+        } else {
+            let b: Vec<half::bf16> = t.data.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            (Dtype::BF16, bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec())
+        };
+        tensors.insert(name, OwnedTensor { dtype, shape, bytes });
+    }
+    if let Some(extra) = given.keys().next() {
+        bail!("the source has a tensor the config does not use: `{extra}`");
+    }
+
+    let provenance = Provenance {
+        packer: format!("ninfer-pack {}", env!("CARGO_PKG_VERSION")),
+        source_kind: src.source_kind.clone(),
+        source_files: src.source_files.clone(),
+        source_dtypes: src.source_dtypes.clone(),
+    };
+    let mut meta: BTreeMap<String, String> = BTreeMap::new();
+    meta.insert("format".into(), MAGIC.into());
+    meta.insert("format_version".into(), FORMAT_VERSION.to_string());
+    meta.insert("config".into(), serde_json::to_string(&src.config)?);
+    meta.insert("tokenizer".into(), src.tokenizer_json.clone());
+    meta.insert("weight_format".into(), format.name().into());
+    meta.insert("provenance".into(), serde_json::to_string(&provenance)?);
+
+    let mut d = DigestBuilder::new();
+    for (k, v) in &meta {
+        d.metadata(k, v);
+    }
+    for (name, t) in &tensors {
+        d.tensor(name, dtype_name(t.dtype), &t.shape, &t.bytes);
+    }
+    let digest = d.finish();
+    meta.insert("digest".into(), digest.clone());
+
+    let meta: HashMap<String, String> = meta.into_iter().collect();
+    let views: Vec<(&str, &OwnedTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    }
+    // serialize_to_file writes a sibling temp file and renames it into place.
+    safetensors::serialize_to_file(views, Some(meta), out)
+        .with_context(|| format!("{}: cannot write artifact", out.display()))?;
+    Ok(digest)
+}

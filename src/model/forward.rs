@@ -1,0 +1,146 @@
+//! The CPU reference forward pass, fused with the scoring head.
+//!
+//! One call processes one window: tokens `x[0..T)` at positions `0..T` with an empty KV
+//! cache, and returns `log p(x[i] | x[0..i))` for the requested targets. Keys (after RoPE)
+//! and values pass through the selected Main KV representation before attention reads
+//! them. Only the rows that predict a target go through the final norm and output head,
+//! and the head never holds more than one vocabulary chunk of logits per row block.
+
+use crate::backend::cpu::attention::{causal_attention, AttnShape};
+use crate::backend::cpu::head;
+use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
+use crate::backend::cpu::rope::{inv_freq, RopeTable};
+use crate::kv::KvDtype;
+use crate::model::config::ModelConfig;
+use crate::model::weights::Weights;
+use rayon::prelude::*;
+use thiserror::Error;
+
+/// A numerical failure inside a window (positions are relative to the window).
+#[derive(Debug, Error, PartialEq)]
+pub enum ForwardError {
+    #[error("token id {id} at window position {pos} is outside the vocabulary ({vocab})")]
+    TokenOutOfRange { id: u32, pos: usize, vocab: usize },
+    #[error("non-finite {which} value at layer {layer}, window position {pos}, KV head {head}")]
+    NonFiniteKv { which: &'static str, layer: usize, pos: usize, head: usize },
+}
+
+pub struct CpuModel {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    inv_freq: Vec<f64>,
+}
+
+impl CpuModel {
+    pub fn new(config: ModelConfig, weights: Weights) -> CpuModel {
+        let inv_freq = inv_freq(config.head_dim, config.rope_theta, config.rope_scaling.as_ref());
+        CpuModel { config, weights, inv_freq }
+    }
+
+    /// Log-probabilities of `tokens[first_target..]`, each given all earlier tokens of the
+    /// window. `first_target >= 1`.
+    pub fn window_logprobs(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let t_len = tokens.len();
+        assert!(first_target >= 1 && first_target <= t_len, "first_target out of range");
+        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let eps = c.rms_norm_eps;
+        let w = &self.weights;
+
+        // x[T, d]: the residual stream.
+        let mut x = vec![0.0f32; t_len * d];
+        for (pos, (&id, row)) in tokens.iter().zip(x.chunks_mut(d)).enumerate() {
+            let id_us = id as usize;
+            if id_us >= c.vocab_size {
+                return Err(ForwardError::TokenOutOfRange { id, pos, vocab: c.vocab_size });
+            }
+            row.copy_from_slice(&w.embed[id_us * d..(id_us + 1) * d]);
+        }
+        let rope = RopeTable::new(&self.inv_freq, t_len);
+        let qkv_w = qd + 2 * kvd;
+        let mut h = vec![0.0f32; t_len * d];
+        let mut qkv = vec![0.0f32; t_len * qkv_w];
+        let mut q = vec![0.0f32; t_len * qd];
+        let mut k = vec![0.0f32; t_len * kvd];
+        let mut v = vec![0.0f32; t_len * kvd];
+        let mut attn = vec![0.0f32; t_len * qd];
+        let mut gu = vec![0.0f32; t_len * 2 * f];
+        let mut act = vec![0.0f32; t_len * f];
+        let shape = AttnShape { tokens: t_len, q_heads: hq, kv_heads: hkv, head_dim: hd };
+
+        for (li, l) in w.layers.iter().enumerate() {
+            // Attention block.
+            rms_norm(&x, &l.attn_norm, eps, &mut h);
+            matmul_wt(&h, t_len, d, &l.wqkv, qkv_w, &mut qkv, false);
+            if let Some(b) = &l.bqkv {
+                qkv.par_chunks_mut(qkv_w).for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+            }
+            // Split qkv[T, q+2kv] into q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D].
+            for t in 0..t_len {
+                let r = &qkv[t * qkv_w..(t + 1) * qkv_w];
+                q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
+                k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
+                v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
+            }
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                rms_norm_inplace(&mut q, qn, eps);
+                rms_norm_inplace(&mut k, kn, eps);
+            }
+            rope.apply(&mut q, hq);
+            rope.apply(&mut k, hkv);
+            store_kv(&mut k, hkv, hd, kv, li, "key")?;
+            store_kv(&mut v, hkv, hd, kv, li, "value")?;
+            causal_attention(&q, &k, &v, &shape, &mut attn);
+            matmul_wt(&attn, t_len, qd, &l.wo, d, &mut x, true);
+
+            // MLP block.
+            rms_norm(&x, &l.mlp_norm, eps, &mut h);
+            matmul_wt(&h, t_len, d, &l.wgu, 2 * f, &mut gu, false);
+            swiglu(&gu, f, &mut act);
+            matmul_wt(&act, t_len, f, &l.wdown, d, &mut x, true);
+        }
+
+        // Row i predicts token i + 1: rows first_target-1 .. T-1.
+        let rows = t_len - first_target;
+        let mut hn = vec![0.0f32; rows * d];
+        hn.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
+            let i = first_target - 1 + r;
+            rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, eps, o);
+        });
+        let mut out = vec![0.0f32; rows];
+        head::logprobs(&hn, d, w.head(), c.vocab_size, &tokens[first_target..], &mut out);
+        Ok(out)
+    }
+}
+
+/// Passes every (token, KV head) vector of `x[T, Hkv, D]` through the KV representation,
+/// refusing non-finite values (a broken model must not be silently quantized).
+fn store_kv(
+    x: &mut [f32],
+    hkv: usize,
+    hd: usize,
+    kv: KvDtype,
+    layer: usize,
+    which: &'static str,
+) -> Result<(), ForwardError> {
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        let vec_idx = i / hd;
+        return Err(ForwardError::NonFiniteKv { which, layer, pos: vec_idx / hkv, head: vec_idx % hkv });
+    }
+    let is_key = which == "key";
+    x.par_chunks_mut(hd).for_each(|vec| {
+        if is_key {
+            kv.roundtrip_k(vec)
+        } else {
+            kv.roundtrip_v(vec)
+        }
+    });
+    Ok(())
+}

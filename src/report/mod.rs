@@ -1,0 +1,1 @@
+//! report.json and the stdout table.
