@@ -14,10 +14,15 @@
 
 pub mod artifact;
 pub mod backend;
+pub mod cli;
+pub mod corpus;
 pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod pack;
+pub mod registry;
 pub mod report;
+pub mod run;
 pub mod score;
 pub mod tokenizer;
+pub mod ui;

@@ -37,4 +37,14 @@ impl Tokenizer {
             .map_err(|e| anyhow!("tokenization failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
+
+    /// UTF-8 bytes of `text` covered by its first `n` tokens (for bits per byte of a
+    /// capped stream).
+    pub fn byte_len_of_prefix(&self, text: &str, n: usize) -> Result<u64> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        Ok(enc.get_offsets().iter().take(n).map(|o| o.1).max().unwrap_or(0) as u64)
+    }
 }

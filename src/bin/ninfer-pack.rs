@@ -1,1 +1,105 @@
-fn main(){}
+//! `ninfer-pack`: turn a GGUF file or a Hugging Face directory into a `.ninfer` artifact,
+//! and inspect or verify existing artifacts.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
+use ninfer_perplexity::pack::{gguf, hf, PackSource};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// Packs models into .ninfer artifacts and inspects them.
+#[derive(Parser, Debug)]
+#[command(name = "ninfer-pack", version, about)]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Pack a GGUF file (llama architecture; F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors).
+    Gguf {
+        /// The .gguf file.
+        input: PathBuf,
+        /// Output .ninfer path.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Stored weight format: bf16 or f32.
+        #[arg(long, default_value = "bf16")]
+        weights: String,
+    },
+    /// Pack a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
+    Hf {
+        /// The model directory.
+        input: PathBuf,
+        /// Output .ninfer path.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Stored weight format: bf16 or f32.
+        #[arg(long, default_value = "bf16")]
+        weights: String,
+        /// tokenizer.json to use instead of DIR/tokenizer.json.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
+    /// Print an artifact's description; with --verify, recompute its digest.
+    Inspect {
+        artifact: PathBuf,
+        #[arg(long)]
+        verify: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn pack(src: Result<PackSource>, weights: &str, output: &Path) -> Result<()> {
+    let format = WeightFormat::parse(weights).context("--weights")?;
+    let src = src?;
+    let digest = write_artifact(&src, format, output)?;
+    let c = &src.config;
+    eprintln!(
+        "packed {} ({} {:.1}M params, {} weights) digest {}",
+        output.display(),
+        c.family.name(),
+        c.num_params() as f64 / 1e6,
+        format.name(),
+        digest
+    );
+    Ok(())
+}
+
+fn run(args: Args) -> Result<()> {
+    match args.cmd {
+        Cmd::Gguf { input, output, weights } => pack(gguf::read_gguf(&input), &weights, &output),
+        Cmd::Hf { input, output, weights, tokenizer } => {
+            pack(hf::read_hf_dir(&input, tokenizer.as_deref()), &weights, &output)
+        }
+        Cmd::Inspect { artifact, verify } => {
+            let a = Artifact::open(&artifact)?;
+            if verify {
+                a.verify_digest()?;
+            }
+            let out = serde_json::json!({
+                "path": artifact.display().to_string(),
+                "digest": a.digest,
+                "digest_verified": verify,
+                "file_bytes": a.file_bytes,
+                "weight_format": a.weight_format.name(),
+                "params": a.config.num_params(),
+                "config": a.config,
+                "provenance": a.provenance,
+            });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(())
+        }
+    }
+}

@@ -1,1 +1,181 @@
-//! report.json and the stdout table.
+//! `report.json`: the full-precision, versioned record of a run, and the stdout table.
+//!
+//! Every value is unrounded (serde_json writes the shortest representation that parses
+//! back to the same f64). The schema is documented in `docs/report-schema.md`; bump
+//! [`SCHEMA_VERSION`] on any incompatible change.
+
+pub mod table;
+pub mod write;
+
+use crate::score::{NllSum, WindowScore};
+use serde::{Deserialize, Serialize};
+
+pub const SCHEMA: &str = "ninfer-perplexity.report";
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub schema: String,
+    pub schema_version: u32,
+    pub run_id: String,
+    pub tool: Tool,
+    pub started_unix_s: f64,
+    pub settings: Settings,
+    pub artifact: ArtifactInfo,
+    pub tokenizer: TokenizerInfo,
+    pub corpus: Option<CorpusInfo>,
+    pub streams: Vec<StreamReport>,
+    pub domains: Vec<Aggregate>,
+    pub overall: Aggregate,
+    pub timings: Timings,
+    pub throughput: Throughput,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    pub version: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    /// "corpus" or "text".
+    pub mode: String,
+    pub context: usize,
+    pub stride: usize,
+    pub kv_dtype: String,
+    pub kv_bytes_per_token_per_layer: usize,
+    pub quick: bool,
+    /// Per-stream token cap (smoke runs); `null` when every token is scored.
+    pub max_tokens: Option<usize>,
+    pub device: String,
+    pub device_class: String,
+    pub threads: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactInfo {
+    pub path: String,
+    pub digest: String,
+    pub digest_verified: bool,
+    pub file_bytes: u64,
+    pub family: String,
+    pub params: usize,
+    pub weight_format: String,
+    pub config: crate::model::config::ModelConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenizerInfo {
+    pub sha256: String,
+    pub vocab_size: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CorpusInfo {
+    pub name: String,
+    pub manifest: String,
+    pub manifest_sha256: String,
+}
+
+/// Totals for a stream, a domain or the whole run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Totals {
+    pub scored: u64,
+    pub nll_sum: f64,
+    pub nll_sq_sum: f64,
+    pub mean_nll: f64,
+    pub ppl: f64,
+    /// Standard error of the mean NLL, treating tokens as independent.
+    pub mean_nll_std_err: f64,
+    /// exp(mean_nll ± 1.96·std_err).
+    pub ppl_ci95: [f64; 2],
+    pub bytes: u64,
+    pub bits_per_byte: f64,
+}
+
+impl Totals {
+    pub fn new(s: &NllSum, bytes: u64) -> Totals {
+        let (lo, hi) = s.ppl_interval();
+        Totals {
+            scored: s.scored,
+            nll_sum: s.nll_sum,
+            nll_sq_sum: s.nll_sq_sum,
+            mean_nll: s.mean_nll(),
+            ppl: s.ppl(),
+            mean_nll_std_err: s.std_err(),
+            ppl_ci95: [lo, hi],
+            bytes,
+            bits_per_byte: s.bits_per_byte(bytes),
+        }
+    }
+
+    pub fn sum(&self) -> NllSum {
+        NllSum { scored: self.scored, nll_sum: self.nll_sum, nll_sq_sum: self.nll_sq_sum }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StreamReport {
+    pub id: String,
+    pub domain: String,
+    pub path: String,
+    pub sha256: String,
+    /// Tokens of the whole stream.
+    pub tokens: usize,
+    /// Tokens scored over (after a `--max-tokens` cap).
+    pub input_tokens: usize,
+    pub processed_tokens: usize,
+    #[serde(flatten)]
+    pub totals: Totals,
+    pub seconds: f64,
+    pub processed_tokens_per_s: f64,
+    pub windows: Vec<WindowScore>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Aggregate {
+    pub id: String,
+    pub title: String,
+    pub streams: usize,
+    pub input_tokens: usize,
+    #[serde(flatten)]
+    pub totals: Totals,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    pub load_s: f64,
+    pub tokenize_s: f64,
+    pub score_s: f64,
+    pub total_s: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Throughput {
+    pub processed_tokens: usize,
+    pub processed_tokens_per_s: f64,
+    pub scored_tokens_per_s: f64,
+}
+
+/// Token-weighted aggregation of streams into one row.
+pub fn aggregate<'a>(id: &str, title: &str, streams: impl Iterator<Item = &'a StreamReport>) -> Aggregate {
+    let mut s = NllSum::default();
+    let (mut n, mut bytes, mut input) = (0usize, 0u64, 0usize);
+    for st in streams {
+        s.add(&st.totals.sum());
+        bytes += st.totals.bytes;
+        input += st.input_tokens;
+        n += 1;
+    }
+    Aggregate { id: id.into(), title: title.into(), streams: n, input_tokens: input, totals: Totals::new(&s, bytes) }
+}
+
+/// Peak resident set size of this process (Linux), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

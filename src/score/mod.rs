@@ -4,4 +4,4 @@ pub mod stats;
 pub mod window;
 
 pub use stats::{NllSum, StreamScore, WindowScore};
-pub use window::{windows, Protocol, ProtocolError, Window};
+pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window};

@@ -1,0 +1,173 @@
+//! Command-line surface: raw clap arguments, validated into a [`RunConfig`].
+//!
+//! Validation happens before anything is loaded, so a bad flag costs nothing and never
+//! leaves output behind.
+
+use crate::backend::DeviceRequest;
+use crate::kv::KvDtype;
+use crate::score::Protocol;
+use crate::ui::LogLevel;
+use anyhow::{bail, Result};
+use clap::Parser;
+use std::path::PathBuf;
+
+/// Causal perplexity of a .ninfer artifact on a fixed corpus or a text file.
+#[derive(Parser, Debug)]
+#[command(name = "ninfer-perplexity", version, about, long_about = None)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
+pub struct Args {
+    /// The artifact: a .ninfer path or a name registered in eval/registry.json.
+    pub artifact: String,
+
+    /// Corpus manifest (e.g. eval/corpora/perplexity-1m/manifest.json).
+    #[arg(long, value_name = "MANIFEST", conflicts_with = "text")]
+    pub corpus: Option<PathBuf>,
+
+    /// Score only the corpus's quick streams (one per domain).
+    #[arg(long, requires = "corpus")]
+    pub quick: bool,
+
+    /// Score only these streams of the corpus (repeatable).
+    #[arg(long = "stream", value_name = "ID", requires = "corpus")]
+    pub streams: Vec<String>,
+
+    /// Directory holding the built corpus streams (default: streams/ beside the manifest).
+    #[arg(long, value_name = "DIR", requires = "corpus")]
+    pub stream_dir: Option<PathBuf>,
+
+    /// Score one UTF-8 text file as a single stream.
+    #[arg(long, value_name = "FILE")]
+    pub text: Option<PathBuf>,
+
+    /// Tokens per window (the model sees at most context-1 tokens of history).
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+
+    /// New targets scored per window after the first; must be below --context.
+    #[arg(long, default_value_t = 2048)]
+    pub stride: usize,
+
+    /// Main KV representation: bf16, int8, fp8, nvfp4, k8v4 or f32 (exact reference).
+    #[arg(long, default_value = "bf16", value_name = "DTYPE")]
+    pub kv_dtype: String,
+
+    /// Score only the first N tokens of each stream (bounded smoke runs).
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<usize>,
+
+    /// Directory for report.json; must be absent or empty
+    /// (default: profiles/perplexity/<run-id>/).
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+
+    /// CPU worker threads (default: one per core). Results do not depend on it.
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+
+    /// Recompute the artifact's digest and refuse it if the contents changed.
+    #[arg(long)]
+    pub verify_artifact: bool,
+
+    /// stderr verbosity.
+    #[arg(long, value_enum, default_value = "info")]
+    pub log_level: LogLevel,
+}
+
+/// What to score.
+#[derive(Clone, Debug)]
+pub enum Input {
+    Corpus { manifest: PathBuf, quick: bool, streams: Vec<String>, stream_dir: Option<PathBuf> },
+    Text(PathBuf),
+}
+
+/// Validated run configuration.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub artifact: String,
+    pub input: Input,
+    pub protocol: Protocol,
+    pub kv: KvDtype,
+    pub max_tokens: Option<usize>,
+    pub output: Option<PathBuf>,
+    pub device: DeviceRequest,
+    pub threads: usize,
+    pub verify_artifact: bool,
+    pub log_level: LogLevel,
+}
+
+impl Args {
+    pub fn validate(self) -> Result<RunConfig> {
+        let protocol = Protocol::new(self.context, self.stride)?;
+        let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        let device = DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        if let Some(m) = self.max_tokens {
+            if m < 2 {
+                bail!("--max-tokens must be at least 2 (got {m})");
+            }
+        }
+        let input = match (self.corpus, self.text) {
+            (Some(manifest), None) => Input::Corpus {
+                manifest,
+                quick: self.quick,
+                streams: self.streams,
+                stream_dir: self.stream_dir,
+            },
+            (None, Some(t)) => Input::Text(t),
+            _ => bail!("give exactly one of --corpus MANIFEST or --text FILE"),
+        };
+        Ok(RunConfig {
+            artifact: self.artifact,
+            input,
+            protocol,
+            kv,
+            max_tokens: self.max_tokens,
+            output: self.output,
+            device,
+            threads: self.threads,
+            verify_artifact: self.verify_artifact,
+            log_level: self.log_level,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<RunConfig> {
+        let mut v = vec!["ninfer-perplexity"];
+        v.extend_from_slice(args);
+        Args::try_parse_from(v).map_err(|e| anyhow::anyhow!(e.to_string()))?.validate()
+    }
+
+    #[test]
+    fn defaults_follow_the_spec() {
+        let c = parse(&["m.ninfer", "--text", "a.txt"]).unwrap();
+        assert_eq!(c.protocol, Protocol { context: 4096, stride: 2048 });
+        assert_eq!(c.kv, KvDtype::Bf16);
+    }
+
+    #[test]
+    fn errors_are_specific() {
+        let e = parse(&["m", "--text", "a", "--context", "8", "--stride", "8"]).unwrap_err().to_string();
+        assert!(e.contains("stride must be smaller than the context"), "{e}");
+        let e = parse(&["m", "--text", "a", "--stride", "0"]).unwrap_err().to_string();
+        assert!(e.contains("stride must be at least 1"), "{e}");
+        let e = parse(&["m", "--text", "a", "--kv-dtype", "fp9"]).unwrap_err().to_string();
+        assert!(e.contains("unknown KV dtype `fp9`") && e.contains("bf16, int8, fp8, nvfp4, k8v4, f32"), "{e}");
+        let e = parse(&["m", "--text", "a", "--corpus", "c.json"]).unwrap_err().to_string();
+        assert!(e.contains("cannot be used with"), "{e}");
+        let e = parse(&["m"]).unwrap_err().to_string();
+        assert!(e.contains("--corpus") && e.contains("--text"), "{e}");
+        let e = parse(&["m", "--text", "a", "--quick"]).unwrap_err().to_string();
+        assert!(e.contains("--corpus"), "{e}");
+        let e = parse(&["m", "--text", "a", "--device", "tpu"]).unwrap_err().to_string();
+        assert!(e.contains("unknown device `tpu`"), "{e}");
+        let e = parse(&["m", "--text", "a", "--max-tokens", "1"]).unwrap_err().to_string();
+        assert!(e.contains("--max-tokens must be at least 2"), "{e}");
+    }
+}
