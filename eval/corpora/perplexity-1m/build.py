@@ -1277,11 +1277,13 @@ def main(argv=None) -> int:
         w = max(len(s["id"]) for s in streams)
         total_b = total_t = 0
         for s in streams:
-            tok = (s.get("tokens") or {}).get("qwen3")
+            toks = s.get("tokens") or {}
+            tok, smol = toks.get("qwen3"), toks.get("smollm2")
             total_b += s["bytes"]
             total_t += tok or 0
-            print(f"  {s['id']:<{w}}  {s['bytes']:>8} bytes  {tok if tok else '?':>6} qwen3 tokens"
-                  f"  {'quick ' if s['quick'] else '      '}licence: {s['licence']}")
+            print(f"  {s['id']:<{w}}  {s['bytes']:>7} bytes  {tok or '?':>6} qwen3  "
+                  f"{smol or '?':>6} smollm2  {'quick ' if s['quick'] else '      '}"
+                  f"licence: {s['licence']}")
         print(f"  total {total_b} bytes, {total_t} qwen3 tokens, "
               f"{time.monotonic() - t0:.1f} s")
     return 0
