@@ -192,7 +192,8 @@ def run_cmd(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.Co
         return subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
-        raise BuildError(f"{cmd[0]} is not installed")
+        raise BuildError(f"{cmd[0]} is not installed: install it, or build from already "
+                         f"downloaded packages with --packages DIR")
 
 
 def last_line(text: str) -> str:
