@@ -24,12 +24,12 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+            acc[i] += x[i] * y[i];
         }
     }
     let mut tail = 0.0f32;
     for (x, y) in ra.iter().zip(rb) {
-        tail = x.mul_add(*y, tail);
+        tail += x * y;
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
@@ -67,7 +67,7 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
                     let vv = &v[(j * hkv + kh) * d..(j * hkv + kh + 1) * d];
                     let w = p * inv;
                     for (a, &b) in out.iter_mut().zip(vv) {
-                        *a = w.mul_add(b, *a);
+                        *a += w * b;
                     }
                 }
             }

@@ -1,16 +1,26 @@
 //! The output head fused with log-softmax and the target gather.
 //!
 //! For each scored row `h[r]` (already final-normed) and its target id, returns
-//! `log p(target) = logit[target] - logsumexp(logits)`. The vocabulary is processed in
-//! chunks with an online max/sum, so a window never materializes its full `[rows, vocab]`
-//! logits; row blocks run in parallel and each row's reduction has a fixed order.
+//! `log p(target) = logit[target] - logsumexp(logits)`. The vocabulary is cut into fixed
+//! chunks processed in parallel; each chunk yields, per row, its max, its sum of
+//! `exp(logit - max)` and the target logit if it holds the target, and the chunks are then
+//! combined in vocabulary order. Chunk boundaries are fixed constants, so the result does
+//! not depend on the thread count, and no more than `ROWS × VOCAB_CHUNK` logits exist at
+//! once per task.
 
 use rayon::prelude::*;
 
-/// Vocabulary entries per chunk.
-const VOCAB_CHUNK: usize = 4096;
-/// Rows per parallel task.
-const ROW_BLOCK: usize = 16;
+/// Vocabulary entries per chunk (fixed: it defines the reduction order).
+const VOCAB_CHUNK: usize = 2048;
+/// Rows per pass, bounding the per-task logits buffer.
+const ROWS: usize = 256;
+
+#[derive(Clone, Copy)]
+struct Partial {
+    max: f32,
+    sum: f32,
+    target: f32,
+}
 
 /// `h[rows, d]`, `w[vocab, d]`, `targets[rows]` -> `out[rows]` log-probabilities.
 pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], out: &mut [f32]) {
@@ -18,62 +28,64 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
     assert_eq!(h.len(), rows * d);
     assert_eq!(w.len(), vocab * d);
     assert_eq!(out.len(), rows);
-    out.par_chunks_mut(ROW_BLOCK)
-        .zip(h.par_chunks(ROW_BLOCK * d))
-        .zip(targets.par_chunks(ROW_BLOCK))
-        .for_each_init(
-            || vec![0.0f32; ROW_BLOCK * VOCAB_CHUNK],
-            |buf, ((o, hb), tb)| {
-                let r = tb.len();
-                let mut max = vec![f32::NEG_INFINITY; r];
-                let mut sum = vec![0.0f64; r];
-                let mut tlogit = vec![f32::NAN; r];
-                let mut v0 = 0;
-                while v0 < vocab {
-                    let vc = VOCAB_CHUNK.min(vocab - v0);
-                    let logits = &mut buf[..r * vc];
-                    // SAFETY: `hb` is [r, d], the rows v0..v0+vc of `w` are [vc, d], read as
-                    // their transpose, and `logits` is [r, vc]; all in bounds.
-                    unsafe {
-                        matrixmultiply::sgemm(
-                            r,
-                            d,
-                            vc,
-                            1.0,
-                            hb.as_ptr(),
-                            d as isize,
-                            1,
-                            w.as_ptr().add(v0 * d),
-                            1,
-                            d as isize,
-                            0.0,
-                            logits.as_mut_ptr(),
-                            vc as isize,
-                            1,
-                        );
-                    }
-                    for i in 0..r {
+    let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
+    for r0 in (0..rows).step_by(ROWS) {
+        let r = ROWS.min(rows - r0);
+        let hb = &h[r0 * d..(r0 + r) * d];
+        let tb = &targets[r0..r0 + r];
+        let partials: Vec<Vec<Partial>> = chunks
+            .par_iter()
+            .map(|&v0| {
+                let vc = VOCAB_CHUNK.min(vocab - v0);
+                let mut logits = vec![0.0f32; r * vc];
+                // SAFETY: `hb` is [r, d]; rows v0..v0+vc of `w` are read as a [d, vc]
+                // transpose view; `logits` is dense [r, vc]. All in bounds.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        r,
+                        d,
+                        vc,
+                        1.0,
+                        hb.as_ptr(),
+                        d as isize,
+                        1,
+                        w.as_ptr().add(v0 * d),
+                        1,
+                        d as isize,
+                        0.0,
+                        logits.as_mut_ptr(),
+                        vc as isize,
+                        1,
+                    );
+                }
+                (0..r)
+                    .map(|i| {
                         let row = &logits[i * vc..(i + 1) * vc];
-                        let t = tb[i] as usize;
-                        if (v0..v0 + vc).contains(&t) {
-                            tlogit[i] = row[t - v0];
-                        }
-                        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                        let new_max = max[i].max(m);
-                        let mut s = 0.0f32;
+                        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0.0f32;
                         for &x in row {
-                            s += (x - new_max).exp();
+                            sum += (x - max).exp();
                         }
-                        sum[i] = sum[i] * ((max[i] - new_max) as f64).exp() + s as f64;
-                        max[i] = new_max;
-                    }
-                    v0 += vc;
+                        let t = tb[i] as usize;
+                        let target = if (v0..v0 + vc).contains(&t) { row[t - v0] } else { f32::NAN };
+                        Partial { max, sum, target }
+                    })
+                    .collect()
+            })
+            .collect();
+        for i in 0..r {
+            let max = partials.iter().map(|p| p[i].max).fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f64;
+            let mut target = f32::NAN;
+            for p in &partials {
+                sum += p[i].sum as f64 * ((p[i].max - max) as f64).exp();
+                if !p[i].target.is_nan() {
+                    target = p[i].target;
                 }
-                for i in 0..r {
-                    o[i] = ((tlogit[i] - max[i]) as f64 - sum[i].ln()) as f32;
-                }
-            },
-        );
+            }
+            out[r0 + i] = ((target - max) as f64 - sum.ln()) as f32;
+        }
+    }
 }
 
 #[cfg(test)]

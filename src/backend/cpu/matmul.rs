@@ -1,17 +1,25 @@
 //! `y = x · Wᵀ` with `W` stored row-major as `[n, k]` (the Hugging Face layout).
 //!
-//! Rows of `x` are split across rayon threads; each chunk is one single-threaded sgemm.
-//! The packed GEMM never splits the reduction dimension and every output element is
-//! accumulated by the same kernel in the same k order whatever the chunk boundaries, so the
-//! result does not depend on the thread count.
+//! The output columns are split into contiguous blocks, one per rayon task, and each block
+//! is one single-threaded packed sgemm, so every weight is packed once per call. The GEMM
+//! never splits the reduction dimension and every output element is accumulated by the
+//! same kernel in the same k order wherever the block boundaries fall, so the result does
+//! not depend on the thread count (checked by a test).
 
 use rayon::prelude::*;
 
-/// Rows per parallel task; small enough to balance 2-16 threads, large enough for packing
-/// to pay off.
-const ROW_CHUNK: usize = 32;
+/// Column blocks are multiples of this (the microkernel's widest panel).
+const COL_ALIGN: usize = 16;
+/// Don't split below this many columns per task.
+const MIN_COLS: usize = 64;
 
-/// `out[m, n] = beta * out + x[m, k] · w[n, k]ᵀ`.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint column blocks of the output through this pointer.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
 pub fn matmul_wt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
     assert_eq!(x.len(), m * k, "x shape");
     assert_eq!(w.len(), n * k, "w shape");
@@ -20,32 +28,35 @@ pub fn matmul_wt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [
         return;
     }
     let beta = if accumulate { 1.0 } else { 0.0 };
-    out.par_chunks_mut(ROW_CHUNK * n)
-        .zip(x.par_chunks(ROW_CHUNK * k))
-        .for_each(|(o, xa)| {
-            let rows = xa.len() / k;
-            // SAFETY: the slices hold exactly rows*k, n*k and rows*n elements (asserted
-            // above and by the chunking), and the strides describe dense row-major `xa`,
-            // the transpose view of row-major `w`, and dense row-major `o`.
-            unsafe {
-                matrixmultiply::sgemm(
-                    rows,
-                    k,
-                    n,
-                    1.0,
-                    xa.as_ptr(),
-                    k as isize,
-                    1,
-                    w.as_ptr(),
-                    1,
-                    k as isize,
-                    beta,
-                    o.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-        });
+    let threads = rayon::current_num_threads().max(1);
+    let per = (n.div_ceil(threads)).div_ceil(COL_ALIGN) * COL_ALIGN;
+    let per = per.max(MIN_COLS).min(n);
+    let blocks: Vec<(usize, usize)> = (0..n).step_by(per).map(|j0| (j0, (j0 + per).min(n))).collect();
+    let o = SendPtr(out.as_mut_ptr());
+    blocks.par_iter().for_each(|&(j0, j1)| {
+        let o = o;
+        // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are read as a [k, j1-j0] transpose
+        // view; the output view starts at column j0 with row stride n and covers columns
+        // j0..j1 only, which no other task touches. All indices are in bounds by the asserts.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                j1 - j0,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr().add(j0 * k),
+                1,
+                k as isize,
+                beta,
+                o.0.add(j0),
+                n as isize,
+                1,
+            );
+        }
+    });
 }
 
 #[cfg(test)]
@@ -54,7 +65,7 @@ mod tests {
 
     #[test]
     fn matches_naive_product() {
-        let (m, k, n) = (70, 19, 13);
+        let (m, k, n) = (70, 19, 213);
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0).collect();
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 89) as f32 / 40.0 - 1.0).collect();
         let mut out = vec![0.5f32; m * n];
@@ -64,6 +75,23 @@ mod tests {
                 let want: f64 = 0.5 + (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>();
                 assert!((out[i * n + j] as f64 - want).abs() < 1e-4);
             }
+        }
+    }
+
+    #[test]
+    fn thread_count_does_not_change_bits() {
+        let (m, k, n) = (37, 301, 1000);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0).collect();
+        let run = |t: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+            let mut out = vec![0.0f32; m * n];
+            pool.install(|| matmul_wt(&x, m, k, &w, n, &mut out, false));
+            out
+        };
+        let one = run(1);
+        for t in [2, 3, 5, 8] {
+            assert!(one.iter().zip(run(t)).all(|(a, b)| a.to_bits() == b.to_bits()), "{t} threads");
         }
     }
 }

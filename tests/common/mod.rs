@@ -1,0 +1,53 @@
+//! Shared helpers for integration tests: repository paths and prepared artifacts.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A prepared artifact under `models/`, or a panic that says how to make it.
+pub fn artifact(name: &str) -> PathBuf {
+    let p = repo().join("models").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `bash eval/prepare-smollm2.sh` first (it fetches and packs the pinned SmolLM2)",
+        p.display()
+    );
+    p
+}
+
+pub fn cache_file(name: &str) -> PathBuf {
+    let p = repo().join("models/cache").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `bash eval/fetch-qwen3-tokenizer.sh` / `bash eval/fetch-smollm2.sh` first",
+        p.display()
+    );
+    p
+}
+
+pub fn read_json(rel: &str) -> serde_json::Value {
+    let p = repo().join(rel);
+    let t = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&t).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    // Integration tests are built next to the binaries (target/<profile>/deps/..).
+    let mut p = std::env::current_exe().unwrap();
+    p.pop();
+    if p.ends_with("deps") {
+        p.pop();
+    }
+    p.join(name)
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}
