@@ -24,15 +24,15 @@ pub struct Args {
     pub corpus: Option<PathBuf>,
 
     /// Score only the corpus's quick streams (one per domain).
-    #[arg(long, requires = "corpus")]
+    #[arg(long)]
     pub quick: bool,
 
     /// Score only these streams of the corpus (repeatable).
-    #[arg(long = "stream", value_name = "ID", requires = "corpus")]
+    #[arg(long = "stream", value_name = "ID")]
     pub streams: Vec<String>,
 
     /// Directory holding the built corpus streams (default: streams/ beside the manifest).
-    #[arg(long, value_name = "DIR", requires = "corpus")]
+    #[arg(long, value_name = "DIR")]
     pub stream_dir: Option<PathBuf>,
 
     /// Score one UTF-8 text file as a single stream.
@@ -116,7 +116,12 @@ impl Args {
                 streams: self.streams,
                 stream_dir: self.stream_dir,
             },
-            (None, Some(t)) => Input::Text(t),
+            (None, Some(t)) => {
+                if self.quick || !self.streams.is_empty() || self.stream_dir.is_some() {
+                    bail!("--quick, --stream and --stream-dir select corpus streams and need --corpus, not --text");
+                }
+                Input::Text(t)
+            }
             _ => bail!("give exactly one of --corpus MANIFEST or --text FILE"),
         };
         Ok(RunConfig {

@@ -1,7 +1,7 @@
 //! Registered artifacts: `eval/registry.json` names the artifacts under test, so the CLI
 //! and the harness can refer to them by name.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -75,8 +75,11 @@ pub fn resolve_artifact(arg: &str) -> Result<PathBuf> {
             return Ok(file);
         }
         let names: Vec<&str> = reg.artifacts.iter().map(|e| e.name.as_str()).collect();
-        return Err(anyhow!("{arg}: no such file, and not a name in {} (registered: {})", reg_path.display(), names.join(", ")))
-            .context("artifact");
+        bail!(
+            "{arg}: no such artifact file, and not a name registered in {} (registered: {})",
+            reg_path.display(),
+            names.join(", ")
+        );
     }
     bail!("{arg}: no such artifact file")
 }

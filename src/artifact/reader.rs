@@ -38,7 +38,7 @@ pub struct Artifact {
 
 fn explain(e: SafeTensorError) -> anyhow::Error {
     match e {
-        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength => {
+        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength | SafeTensorError::HeaderTooLarge => {
             anyhow!("not a .ninfer artifact (file too short or header length invalid)")
         }
         SafeTensorError::MetadataIncompleteBuffer => {
@@ -84,7 +84,7 @@ impl Artifact {
             .collect();
         match meta.get("format") {
             Some(m) if m == MAGIC => {}
-            Some(m) => bail!("wrong magic: `format` is `{m}`, expected `{MAGIC}`"),
+            Some(m) => bail!("not a .ninfer artifact (wrong magic: metadata `format` is `{m}`, expected `{MAGIC}`)"),
             None => bail!("not a .ninfer artifact: safetensors file without the `format` metadata key"),
         }
         let version = field(&meta, "format_version")?;

@@ -5,11 +5,54 @@
 //! The engine applies [`KvDtype::roundtrip_k`] / [`KvDtype::roundtrip_v`] to every
 //! (token, KV head) vector of `head_dim` values as it is written, and attention then reads
 //! only the dequantized values, the current token's own included.
+//!
+//! Each quantized element format has its own module holding the exact definition (rounding,
+//! order of f32 operations, zero and subnormal handling, stored layout): [`int8`], [`fp8`],
+//! [`nvfp4`]. Each offers `encode` (the stored payload and scales), `decode`, allocation-free
+//! `encode_into`/`decode_into`, and an in-place `roundtrip` that is, for finite input, bit for
+//! bit `decode(encode(x))`. Inputs must be finite: the engine calls [`find_non_finite`] first
+//! (non-finite input gives unspecified values, never a panic). Finite input always decodes
+//! to finite values.
+//! Every format accepts any `head_dim >= 1`; `nvfp4` treats a trailing partial block like a
+//! full one.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 pub mod bf16;
+pub mod fp8;
+pub mod int8;
+pub mod nvfp4;
+
+/// The index of the first NaN or infinity in `x`, if any. Quantized formats are defined for
+/// finite inputs only; the engine calls this before storing a vector and reports the position.
+pub fn find_non_finite(x: &[f32]) -> Option<usize> {
+    // Vectorizable scan first; the position only when something is there.
+    let any = x.iter().fold(false, |acc, v| {
+        acc | (v.to_bits() & 0x7F80_0000 == 0x7F80_0000)
+    });
+    if any {
+        x.iter().position(|v| !v.is_finite())
+    } else {
+        None
+    }
+}
+
+/// Clamps a decoded product to the finite range: `q · scale` overflows to ±inf only when the
+/// vector's amax is within a few ulps of `f32::MAX` (the scale rounded up); it is then stored
+/// as ±`f32::MAX`, so finite input always decodes to finite output.
+#[inline(always)]
+pub(crate) fn clamp_finite(v: f32) -> f32 {
+    v.clamp(-f32::MAX, f32::MAX)
+}
+
+/// `max |x_i|`, exact, 0 for an empty slice. Compares the magnitude bits as integers (their
+/// order is the order of the values for non-NaN floats), so it is branch free and
+/// vectorizes. A NaN yields a NaN, an infinity an infinity.
+#[inline]
+pub(crate) fn amax(x: &[f32]) -> f32 {
+    f32::from_bits(x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF)))
+}
 
 /// The storage format of keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -95,7 +138,9 @@ impl KvDtype {
 
     /// Storage cost in bytes per token per layer (keys + values, payload + scales).
     pub fn bytes_per_token_per_layer(self, num_kv_heads: usize, head_dim: usize) -> usize {
-        num_kv_heads * (self.key_elem().bytes_per_vector(head_dim) + self.value_elem().bytes_per_vector(head_dim))
+        num_kv_heads
+            * (self.key_elem().bytes_per_vector(head_dim)
+                + self.value_elem().bytes_per_vector(head_dim))
     }
 
     /// Replaces one key vector (one token, one KV head) by what the cache gives back.
@@ -110,11 +155,26 @@ impl KvDtype {
 }
 
 impl Elem {
-    pub fn check_head_dim(self, head_dim: usize) -> std::result::Result<(), String> {
+    pub fn name(self) -> &'static str {
         match self {
-            Elem::F32 | Elem::Bf16 | Elem::Int8 | Elem::Fp8 => Ok(()),
-            Elem::Nvfp4 => Err(format!("nvfp4 is not implemented yet (head_dim {head_dim})")),
+            Elem::F32 => "f32",
+            Elem::Bf16 => "bf16",
+            Elem::Int8 => "int8",
+            Elem::Fp8 => "fp8",
+            Elem::Nvfp4 => "nvfp4",
         }
+    }
+
+    /// Every format stores any positive head_dim (`nvfp4` with a partial last block when
+    /// head_dim is not a multiple of 16, and a zero pad nibble when it is odd); 0 is rejected.
+    pub fn check_head_dim(self, head_dim: usize) -> std::result::Result<(), String> {
+        if head_dim == 0 {
+            return Err(format!(
+                "{} cannot store vectors of head_dim 0",
+                self.name()
+            ));
+        }
+        Ok(())
     }
 
     /// Bytes to store one vector of `head_dim` values, scales included.
@@ -122,19 +182,35 @@ impl Elem {
         match self {
             Elem::F32 => 4 * head_dim,
             Elem::Bf16 => 2 * head_dim,
-            Elem::Int8 | Elem::Fp8 => head_dim + 4,
-            Elem::Nvfp4 => head_dim / 2 + head_dim.div_ceil(16) + 4,
+            Elem::Int8 => int8::bytes_per_vector(head_dim),
+            Elem::Fp8 => fp8::bytes_per_vector(head_dim),
+            Elem::Nvfp4 => nvfp4::bytes_per_vector(head_dim),
         }
     }
 
-    /// Quantize then dequantize in place.
+    /// Quantize then dequantize in place (no allocation).
     pub fn roundtrip(self, x: &mut [f32]) {
         match self {
             Elem::F32 => {}
             Elem::Bf16 => bf16::roundtrip(x),
-            Elem::Int8 | Elem::Fp8 | Elem::Nvfp4 => {
-                unimplemented!("KV format not implemented yet")
-            }
+            Elem::Int8 => int8::roundtrip(x),
+            Elem::Fp8 => fp8::roundtrip(x),
+            Elem::Nvfp4 => nvfp4::roundtrip(x),
+        }
+    }
+
+    /// The stored bytes of one vector (payload, then scales; see each format's module).
+    /// Its length is [`Elem::bytes_per_vector`].
+    pub fn encode_bytes(self, x: &[f32]) -> Vec<u8> {
+        match self {
+            Elem::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Elem::Bf16 => x
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            Elem::Int8 => int8::encode(x).to_bytes(),
+            Elem::Fp8 => fp8::encode(x).to_bytes(),
+            Elem::Nvfp4 => nvfp4::encode(x).to_bytes(),
         }
     }
 }

@@ -1,0 +1,201 @@
+//! End-to-end tests of the two binaries: real runs and every bad-input path a user can hit.
+//! Each error must be one line naming the file and the problem, exit non-zero, and leave no
+//! report behind.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn perplexity(args: &[&str]) -> Output {
+    Command::new(common::bin("ninfer-perplexity"))
+        .args(args)
+        .current_dir(common::repo())
+        .output()
+        .unwrap()
+}
+
+fn pack(args: &[&str]) -> Output {
+    Command::new(common::bin("ninfer-pack")).args(args).current_dir(common::repo()).output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a failed run with a single `error:` line containing every `needle`.
+fn assert_error(o: &Output, needles: &[&str]) {
+    let e = stderr(o);
+    assert!(!o.status.success(), "expected failure, got success; stderr: {e}");
+    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "exactly one error line expected: {e}");
+    for n in needles {
+        assert!(lines[0].contains(n), "error line lacks `{n}`: {}", lines[0]);
+    }
+    assert!(o.stdout.is_empty(), "no table on failure");
+}
+
+/// A tiny qwen3 artifact packed through the CLI.
+fn tiny_artifact(dir: &Path) -> PathBuf {
+    let out = dir.join("tiny.ninfer");
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    let o = pack(&[
+        "hf",
+        "eval/fixtures/tiny-qwen3",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--weights",
+        "f32",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "pack failed: {}", stderr(&o));
+    out
+}
+
+fn text_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn smollm2_text_run_prints_table_and_writes_report() {
+    let art = common::artifact("smollm2-135m-bf16.ninfer");
+    let tmp = common::tempdir();
+    let txt = text_file(tmp.path(), "t.txt", "The quick brown fox jumps over the lazy dog. ".repeat(8).as_bytes());
+    let out = tmp.path().join("out");
+    let o = perplexity(&[s(&art), "--text", s(&txt), "--context", "32", "--stride", "16", "--output", s(&out)]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "header + one row: {stdout}");
+    assert!(lines[0].starts_with("domain") && lines[0].contains("ppl 95% CI") && lines[0].contains("bits/byte"));
+    assert!(lines[1].starts_with("overall"));
+    for needle in ["artifact", "digest sha256:", "kv         bf16 (768 bytes per token per layer)", "stream     t.txt", "done"] {
+        assert!(err.contains(needle), "stderr lacks `{needle}`: {err}");
+    }
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(r["schema_version"], 1);
+    assert_eq!(r["settings"]["context"], 32);
+    let st = &r["streams"][0];
+    let windows = st["windows"].as_array().unwrap();
+    assert!(windows.len() > 2);
+    let scored: u64 = windows.iter().map(|w| w["scored"].as_u64().unwrap()).sum();
+    assert_eq!(scored, st["scored"].as_u64().unwrap());
+    assert_eq!(st["scored"].as_u64().unwrap() + 1, st["tokens"].as_u64().unwrap());
+    let nll: f64 = windows.iter().map(|w| w["nll_sum"].as_f64().unwrap()).sum();
+    assert!((nll - st["nll_sum"].as_f64().unwrap()).abs() < 1e-9);
+    assert!((st["ppl"].as_f64().unwrap() - st["mean_nll"].as_f64().unwrap().exp()).abs() < 1e-9);
+    assert_eq!(r["overall"]["scored"], st["scored"]);
+    for k in ["bytes", "bits_per_byte", "mean_nll_std_err", "ppl_ci95"] {
+        assert!(!st[k].is_null(), "stream lacks {k}");
+    }
+}
+
+#[test]
+fn bad_artifacts() {
+    let tmp = common::tempdir();
+    let txt = text_file(tmp.path(), "t.txt", b"hello world, hello world");
+    let out = tmp.path().join("out");
+    let run = |art: &Path| perplexity(&[s(art), "--text", s(&txt), "--output", s(&out)]);
+
+    assert_error(&run(&tmp.path().join("nope.ninfer")), &["nope.ninfer", "no such artifact file"]);
+
+    let good = tiny_artifact(tmp.path());
+    let bytes = std::fs::read(&good).unwrap();
+
+    let empty = text_file(tmp.path(), "empty.ninfer", b"");
+    assert_error(&run(&empty), &["empty.ninfer", "empty"]);
+
+    let trunc = text_file(tmp.path(), "trunc.ninfer", &bytes[..bytes.len() - 100]);
+    assert_error(&run(&trunc), &["trunc.ninfer", "truncated"]);
+
+    let garbage = text_file(tmp.path(), "garbage.ninfer", b"this is not a model at all, just text....");
+    assert_error(&run(&garbage), &["garbage.ninfer", "not a .ninfer artifact"]);
+
+    // A plain safetensors file (no ninfer metadata).
+    assert_error(&run(&common::repo().join("eval/fixtures/tiny-qwen3/model.safetensors")), &["model.safetensors", "not a .ninfer artifact"]);
+
+    // Rewrite the header's metadata (same length keeps offsets valid).
+    let edit = |name: &str, from: &str, to: &str| -> PathBuf {
+        assert_eq!(from.len(), to.len());
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+        assert!(header.contains(from), "header lacks {from}");
+        let mut b = bytes.clone();
+        b[8..8 + n].copy_from_slice(header.replacen(from, to, 1).as_bytes());
+        text_file(tmp.path(), name, &b)
+    };
+    assert_error(&run(&edit("magic.ninfer", "\"format\":\"ninfer\"", "\"format\":\"nanfer\"")), &["magic.ninfer", "wrong magic"]);
+    assert_error(&run(&edit("ver.ninfer", "\"format_version\":\"1\"", "\"format_version\":\"9\"")), &["ver.ninfer", "unsupported format version 9"]);
+    assert_error(
+        &run(&edit("shape.ninfer", "\\\"intermediate_size\\\":32", "\\\"intermediate_size\\\":64")),
+        &["shape.ninfer", "mlp.gate_proj.weight", "has shape [32, 16] but the config implies [64, 16]"],
+    );
+    assert_error(&run(&edit("dtype.ninfer", "\"dtype\":\"F32\"", "\"dtype\":\"I32\"")), &["dtype.ninfer", "dtype I32"]);
+
+    // Flip one weight byte: loads, but --verify-artifact catches it.
+    let mut b = bytes.clone();
+    let last = b.len() - 3;
+    b[last] ^= 0x40;
+    let flipped = text_file(tmp.path(), "flip.ninfer", &b);
+    let o = perplexity(&[s(&flipped), "--text", s(&txt), "--output", s(&out), "--verify-artifact"]);
+    assert_error(&o, &["flip.ninfer", "digest mismatch"]);
+    assert!(!out.exists(), "no report may be written on failure");
+}
+
+#[test]
+fn bad_text_and_flags() {
+    let tmp = common::tempdir();
+    let art = tiny_artifact(tmp.path());
+    let out = tmp.path().join("out");
+    let run = |extra: &[&str]| {
+        let mut a = vec![s(&art), "--output", s(&out)];
+        a.extend_from_slice(extra);
+        perplexity(&a)
+    };
+    let empty = text_file(tmp.path(), "empty.txt", b"");
+    assert_error(&run(&["--text", s(&empty)]), &["empty.txt", "text file is empty"]);
+    let bad = text_file(tmp.path(), "bad.txt", b"abc\xe4\xbd");
+    assert_error(&run(&["--text", s(&bad)]), &["bad.txt", "invalid UTF-8 at byte offset 3"]);
+    let one = text_file(tmp.path(), "one.txt", b"a");
+    assert_error(&run(&["--text", s(&one)]), &["one.txt", "1 token(s); at least 2"]);
+    assert_error(&run(&["--text", s(&tmp.path().join("missing.txt"))]), &["missing.txt", "cannot read text"]);
+    let ok = text_file(tmp.path(), "ok.txt", b"hello world hello world");
+    assert_error(&run(&["--text", s(&ok), "--context", "4", "--stride", "4"]), &["--context 4 --stride 4"]);
+    assert_error(&run(&["--text", s(&ok), "--kv-dtype", "fp9"]), &["fp9", "valid: bf16, int8, fp8, nvfp4, k8v4, f32"]);
+    assert_error(&run(&["--text", s(&ok), "--device", "cuda"]), &["--device cuda:0", "no CUDA backend"]);
+    assert!(!out.exists(), "no report may be written on failure");
+
+    // Non-empty --output is refused before any work.
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep"), "x").unwrap();
+    assert_error(&run(&["--text", s(&ok)]), &["not empty"]);
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1);
+
+    // clap usage errors exit 2 and mention the flags.
+    let o = perplexity(&[s(&art), "--text", s(&ok), "--corpus", "x.json"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("cannot be used with"));
+}
+
+#[test]
+fn pack_errors_name_the_input() {
+    let tmp = common::tempdir();
+    let o = pack(&["hf", s(tmp.path()), "-o", s(&tmp.path().join("x.ninfer"))]);
+    assert_error(&o, &["config.json", "cannot read"]);
+    let cfg = tmp.path().join("config.json");
+    std::fs::write(&cfg, r#"{"architectures":["GPTNeoXForCausalLM"]}"#).unwrap();
+    let o = pack(&["hf", s(tmp.path()), "-o", s(&tmp.path().join("x.ninfer"))]);
+    assert_error(&o, &["unsupported architecture `GPTNeoXForCausalLM`"]);
+    let o = pack(&["gguf", s(&cfg), "-o", s(&tmp.path().join("x.ninfer"))]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("config.json"), "{}", stderr(&o));
+    assert!(!tmp.path().join("x.ninfer").exists());
+}
