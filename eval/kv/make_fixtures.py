@@ -1,0 +1,439 @@
+#!/usr/bin/env python3
+"""Reference fixtures for the quantized KV formats (int8, fp8, nvfp4) of src/kv.
+
+The expected codes and values are computed here independently of the Rust code, with
+PyTorch's own conversions where PyTorch has them:
+  * e4m3fn: tensor.to(torch.float8_e4m3fn) on inputs clamped to [-448, 448] first (the format
+    saturates; clamping first makes the result independent of how a given torch release
+    treats out-of-range values);
+  * e2m1: torch has the dtype float4_e2m1fn_x2 but (checked at run time, recorded in the
+    index) no conversion into it, so the e2m1 reference is an explicit table of the 8
+    magnitudes: nearest by distance, ties to the even code. It is cross-checked, when it can
+    be loaded, against torch's internal test helper `_f32_to_floatx_unpacked`;
+  * int8: torch.round (half to even) and clamp.
+All arithmetic is float32 with divisions between tensors of the same shape (no reciprocal
+multiplication by a scalar fast path) and denormals kept.
+
+Output: eval/fixtures/kv/index.json and little-endian .bin arrays next to it.
+Run: eval/.venv/bin/python eval/kv/make_fixtures.py
+"""
+
+import ast
+import json
+import math
+import pathlib
+import struct
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OUT = ROOT / "eval" / "fixtures" / "kv"
+SEED = 20261130
+HEAD_DIMS = [8, 33, 64, 80, 128]
+PER_KIND = 8  # vectors of each random kind per (format, head_dim)
+
+E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+torch.set_flush_denormal(False)
+F32 = torch.float32
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def f32(vals):
+    return torch.tensor(vals, dtype=F32)
+
+
+def bits_to_f32(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(F32)
+
+
+def next_up(x):
+    return torch.nextafter(x, torch.full_like(x, math.inf))
+
+
+def next_down(x):
+    return torch.nextafter(x, torch.full_like(x, -math.inf))
+
+
+def e4m3_codes(x):
+    """float32 tensor -> uint8 e4m3fn codes, RNE, saturating to +-448."""
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_values(codes):
+    return codes.view(torch.float8_e4m3fn).to(F32)
+
+
+def e2m1_codes_table(v):
+    """float32 tensor -> e2m1 codes (0..15): nearest magnitude, ties to even code, saturate."""
+    # Saturation: everything above 6 is nearest to 6; bounding the magnitude first keeps the
+    # float64 distances exact (for huge inputs they would all round to the same value).
+    a = v.abs().to(torch.float64).clamp(max=7.0).unsqueeze(-1)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    dist = (a - grid).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    is_best = dist == best
+    # Among the (at most two adjacent) nearest grid points prefer the even code.
+    pref = is_best.to(torch.int64) * torch.tensor([2, 1, 2, 1, 2, 1, 2, 1])
+    mag = pref.argmax(dim=-1).to(torch.uint8)
+    sign = torch.signbit(v).to(torch.uint8) * 8
+    return mag | sign
+
+
+def e2m1_values(codes):
+    table = torch.tensor(E2M1_GRID + [-g for g in E2M1_GRID], dtype=F32)
+    return table[codes.to(torch.int64)]
+
+
+def load_torch_floatx():
+    """torch's internal float -> floatx reference (copied there from torchao), loaded from its
+    source without importing the test-only module it lives in. None when unavailable."""
+    try:
+        import torch.testing._internal as ti
+
+        path = pathlib.Path(ti.__file__).parent / "common_quantized.py"
+        tree = ast.parse(path.read_text())
+        wanted = {"_n_ones", "_f32_to_floatx_unpacked"}
+        body = []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name in wanted:
+                body.append(node)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Tuple | ast.Name) and "F32" in ast.unparse(t) for t in node.targets
+            ):
+                body.append(node)
+        ns = {"torch": torch, "Tensor": torch.Tensor}
+        exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)
+        fn = ns["_f32_to_floatx_unpacked"]
+        return lambda v: fn(v.contiguous(), 2, 1)
+    except Exception as e:  # noqa: BLE001 - a missing helper only skips the cross-check
+        print(f"note: torch's floatx helper unavailable ({e}); e2m1 not cross-checked")
+        return None
+
+
+TORCH_FLOATX = load_torch_floatx()
+CROSS_CHECKED = 0
+
+
+def cross_check_e2m1(v, codes):
+    """Compare the table reference with torch's helper where both are defined (not NaN)."""
+    global CROSS_CHECKED
+    if TORCH_FLOATX is None:
+        return
+    other = TORCH_FLOATX(v.reshape(-1)).reshape(codes.shape)
+    # The helper keeps the sign of zero the same way (sign bit copied); compare everything.
+    bad = (other != codes).nonzero()
+    if len(bad):
+        i = tuple(bad[0].tolist())
+        raise SystemExit(f"e2m1 mismatch vs torch helper at {i}: v={v[i].item()!r} "
+                         f"table={codes[i].item()} torch={other[i].item()}")
+    CROSS_CHECKED += codes.numel()
+
+
+def probe_float4():
+    info = {"dtype_exists": hasattr(torch, "float4_e2m1fn_x2"), "conversion_from_float32": False}
+    if info["dtype_exists"]:
+        try:
+            torch.zeros(2, dtype=F32).to(torch.float4_e2m1fn_x2)
+            info["conversion_from_float32"] = True
+        except Exception as e:  # noqa: BLE001
+            info["conversion_error"] = str(e).splitlines()[0]
+    return info
+
+
+# ----------------------------------------------------------------------------- writing
+
+FILES = {}
+
+
+def write(name, t):
+    t = t.contiguous()
+    data = t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+    (OUT / name).write_bytes(data)
+    FILES[name] = len(data)
+    return name
+
+
+# ----------------------------------------------------------------------------- scalars
+
+def scalar_sets():
+    sets = []
+
+    # e4m3: every finite bfloat16 value (all 65536 patterns minus inf/NaN).
+    pats = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(F32)
+    x = pats[torch.isfinite(pats)]
+    sets.append(("e4m3_all_bf16", "e4m3", x, e4m3_codes(x)))
+
+    # e4m3: every midpoint between neighbouring e4m3 values, one f32 ulp either side,
+    # the values themselves and one ulp either side, the saturation region, f32 subnormals,
+    # and random finite f32 bit patterns.
+    pos = e4m3_values(torch.arange(0, 0x7F, dtype=torch.uint8))  # 0 .. 448
+    mids = (pos[:-1].double() + pos[1:].double()) / 2
+    mids = mids.to(F32)
+    assert torch.equal(mids.double(), (pos[:-1].double() + pos[1:].double()) / 2)
+    sat = f32([448.0, 456.0, 464.0, 472.0, 480.0, 500.0, 1e4, 3.0e38, float(torch.finfo(F32).max)])
+    subn = bits_to_f32([1, 2, 3, 0x400, 0x7FFFFF, 0x800000])
+    g = torch.Generator().manual_seed(SEED)
+    rnd_bits = torch.randint(0, 2**31 - 1, (4000,), generator=g, dtype=torch.int64)
+    rnd = bits_to_f32(rnd_bits.tolist())
+    rnd = rnd[torch.isfinite(rnd)]
+    # random values concentrated in the e4m3 range
+    rng = (torch.rand(4000, generator=g, dtype=torch.float64) * 30 - 18).exp2().to(F32)
+    parts = [mids, next_up(mids), next_down(mids), pos, next_up(pos), next_down(pos[1:]),
+             sat, next_up(sat), next_down(sat), subn, rnd, rng]
+    x = torch.cat(parts)
+    x = torch.cat([x, -x])
+    sets.append(("e4m3_edges_f32", "e4m3", x, e4m3_codes(x)))
+
+    # e2m1: every grid value, every midpoint, one ulp either side of both, saturation,
+    # tiny values, random values.
+    grid = f32(E2M1_GRID)
+    mids = (grid[:-1] + grid[1:]) / 2  # exact
+    extra = f32([6.5, 7.0, 8.0, 100.0, 1e30, float(torch.finfo(F32).max), 0.1, 1e-30])
+    rnd = torch.rand(2000, generator=g, dtype=F32) * 16 - 8
+    x = torch.cat([grid, next_up(grid), next_down(grid[1:]), mids, next_up(mids), next_down(mids),
+                   extra, subn, rnd])
+    x = torch.cat([x, -x])
+    codes = e2m1_codes_table(x)
+    cross_check_e2m1(x, codes)
+    sets.append(("e2m1_edges_f32", "e2m1", x, codes))
+    return sets
+
+
+# ----------------------------------------------------------------------------- vectors
+
+def random_vectors(n, g):
+    """A mix of vector kinds, each PER_KIND times; returns (count, n) float32."""
+    rows = []
+
+    def gauss():
+        return torch.randn(n, generator=g, dtype=F32)
+
+    def pow2(lo, hi):
+        return float(2.0 ** torch.randint(lo, hi + 1, (1,), generator=g).item())
+
+    for _ in range(PER_KIND):
+        rows.append(gauss() * pow2(-20, 20))  # plain, assorted magnitudes
+        v = gauss()
+        v[torch.randint(0, n, (1,), generator=g)] = 1e4 * (1 if torch.rand(1, generator=g) < 0.5 else -1)
+        rows.append(v)  # one huge outlier
+        v = gauss() * 1e-3
+        v[torch.randint(0, n, (1,), generator=g)] = 3e5
+        rows.append(v)  # a single spike over tiny values: most nvfp4 blocks round to 0
+        v = gauss()
+        m = torch.rand(n, generator=g) < 0.4
+        v[m] = 0.0
+        v[torch.rand(n, generator=g) < 0.2] = -0.0
+        if n >= 32:
+            v[16:32] = 0.0  # a whole zero block
+        rows.append(v)  # zeros and negative zeros
+        rows.append(gauss() * 1e-39)  # subnormal inputs (scales underflow or are subnormal)
+        rows.append(gauss() * 1e-33)  # normal inputs, subnormal nvfp4 global scale
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        rows.append(sign * (torch.rand(n, generator=g) * 40 - 30).exp2())  # wide dynamic range
+        rows.append(gauss().to(torch.bfloat16).to(F32) * 3)  # bf16-valued
+    rows.append(torch.zeros(n))
+    rows.append(torch.full((n,), -0.0))
+    v = torch.zeros(n)
+    v[n // 2] = -7.5
+    rows.append(v)  # one non-zero value
+    rows.append(torch.full((n,), 1.25))  # constant
+    fmax = torch.finfo(F32).max
+    for big in (fmax, -fmax, float(next_down(f32([fmax])))):
+        v = gauss()
+        v[n // 3] = big
+        rows.append(v)  # amax at the top of f32: the decoded product would overflow
+    return torch.stack(rows).to(F32)
+
+
+def tie_vectors_int8(n, g):
+    """x / scale lands exactly on k + 1/2: amax = 127·s with s = c·2^j (c odd small), so
+    scale = s exactly and (k + 1/2)·s is exact."""
+    rows = []
+    for c, j in [(1, 0), (1, -7), (3, 2), (5, -20), (7, 9), (1, -100)]:
+        s = c * 2.0 ** j
+        k = torch.randint(-127, 127, (n,), generator=g).to(torch.float64)
+        v = ((k + 0.5) * s).to(F32)
+        v[0] = 127 * s if c % 2 else -127 * s
+        v[n - 1] = -127 * s
+        rows.append(v)
+        w = v.clone()
+        w[1:-1] = next_up(v[1:-1])
+        rows.append(w)
+        w = v.clone()
+        w[1:-1] = next_down(v[1:-1])
+        rows.append(w)
+    return torch.stack(rows)
+
+
+def tie_vectors_fp8(n, g):
+    """amax = 448·2^j makes scale = 2^j exactly; the other values are e4m3 midpoints ·2^j."""
+    pos = e4m3_values(torch.arange(0, 0x7F, dtype=torch.uint8)).double()
+    mids = ((pos[:-1] + pos[1:]) / 2)
+    rows = []
+    for j in [0, -6, 5, -40]:
+        s = 2.0 ** j
+        idx = torch.randint(0, len(mids), (n,), generator=g)
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+        v = (mids[idx] * sign * s).to(F32)
+        v[0] = 448 * s
+        rows.append(v)
+        w = v.clone()
+        w[1:] = next_up(v[1:])
+        rows.append(w)
+    return torch.stack(rows)
+
+
+def tie_vectors_nvfp4(n, g):
+    """g = 2^j exactly (an element of 2688·2^j); each block's amax is 6·S·g for an e4m3 value
+    S (so its scale is exactly S) or 6·m·g for an e4m3 midpoint m (a tie in the block scale);
+    the other values are e2m1 midpoints and grid points times S·g."""
+    e4 = e4m3_values(torch.arange(1, 0x7F, dtype=torch.uint8)).double()
+    e4mid = (e4[:-1] + e4[1:]) / 2
+    gridm = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0, 4.0], dtype=torch.float64)
+    rows = []
+    for j in [0, -10, 7]:
+        for tie_scale in (False, True):
+            gs = 2.0 ** j
+            v = torch.zeros(n, dtype=torch.float64)
+            for b0 in range(0, n, 16):
+                b1 = min(b0 + 16, n)
+                if tie_scale:
+                    S = e4mid[torch.randint(0, len(e4mid), (1,), generator=g)].item()
+                else:
+                    S = e4[torch.randint(0, len(e4), (1,), generator=g)].item()
+                k = torch.randint(0, len(gridm), (b1 - b0,), generator=g)
+                sign = torch.where(torch.rand(b1 - b0, generator=g) < 0.5, -1.0, 1.0).double()
+                v[b0:b1] = gridm[k] * S * gs * sign
+                v[b0] = 6 * S * gs
+            v[0] = 2688 * gs
+            rows.append(v.to(F32))
+    # g with a full mantissa, so that S·g is inexact: values 0.25·d with d = f32(S·g) are
+    # exact ties of x / d (to code 0) that a different order, (x / g) / S, would miss.
+    for _ in range(4):
+        g0 = float(torch.rand(1, generator=g, dtype=torch.float64) + 0.5)
+        amax = f32([2688 * g0])
+        gs = amax / f32([2688.0])
+        v = torch.zeros(n, dtype=F32)
+        for b0 in range(0, n, 16):
+            b1 = min(b0 + 16, n)
+            S = e4[torch.randint(40, len(e4), (1,), generator=g)].to(F32)
+            d = S * gs
+            k = torch.randint(0, 5, (b1 - b0,), generator=g)
+            mult = f32([0.25, 0.5, 1.0, 2.0, 4.0])[k]
+            sign = torch.where(torch.rand(b1 - b0, generator=g) < 0.5, -1.0, 1.0)
+            v[b0:b1] = mult * d * sign  # exact: powers of two times d
+            v[b0] = (f32([6.0]) * S) * gs
+        v[0] = amax[0]
+        rows.append(v)
+    return torch.stack(rows)
+
+
+def clamp_finite(t):
+    """Decoded products that overflow (amax within a few ulps of f32 max) saturate."""
+    m = torch.finfo(F32).max
+    return t.clamp(-m, m)
+
+
+def ref_int8(x):
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = amax / torch.full_like(amax, 127.0)
+    sf = scale.expand_as(x).contiguous()
+    nz = sf != 0
+    q = torch.where(nz, torch.round(x / torch.where(nz, sf, 1.0)).clamp(-127, 127), 0.0).to(torch.int8)
+    dec = clamp_finite(q.to(F32) * sf)
+    return {"codes": q, "scales": scale.reshape(-1), "decoded": dec}
+
+
+def ref_fp8(x):
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = amax / torch.full_like(amax, 448.0)
+    sf = scale.expand_as(x).contiguous()
+    nz = sf != 0
+    q = torch.where(nz, e4m3_codes(x / torch.where(nz, sf, 1.0)), torch.zeros_like(x, dtype=torch.uint8))
+    dec = clamp_finite(e4m3_values(q) * sf)
+    return {"codes": q, "scales": scale.reshape(-1), "decoded": dec}
+
+
+def ref_nvfp4(x):
+    cnt, n = x.shape
+    nb = (n + 15) // 16
+    xp = torch.zeros(cnt, nb * 16, dtype=F32)
+    xp[:, :n] = x
+    amax = x.abs().amax(dim=1, keepdim=True)
+    gsc = amax / torch.full_like(amax, 2688.0)  # (cnt, 1)
+    d6 = gsc * torch.full_like(gsc, 6.0)
+    amax_b = xp.view(cnt, nb, 16).abs().amax(dim=2)  # (cnt, nb)
+    d6b = d6.expand_as(amax_b).contiguous()
+    gnz = gsc.expand_as(amax_b) != 0
+    s_codes = torch.where(gnz, e4m3_codes(amax_b / torch.where(gnz, d6b, 1.0)),
+                          torch.zeros_like(amax_b, dtype=torch.uint8))
+    S = e4m3_values(s_codes)
+    d = S * gsc.expand_as(S)  # (cnt, nb)
+    de = d.unsqueeze(2).expand(cnt, nb, 16).reshape(cnt, nb * 16)[:, :n].contiguous()
+    nz = de != 0
+    v = x / torch.where(nz, de, 1.0)
+    codes = torch.where(nz, e2m1_codes_table(v), torch.zeros_like(x, dtype=torch.uint8))
+    cross_check_e2m1(v[nz], codes[nz])
+    Se = S.unsqueeze(2).expand(cnt, nb, 16).reshape(cnt, nb * 16)[:, :n]
+    dec = clamp_finite((e2m1_values(codes) * Se) * gsc.expand_as(x))
+    cp = torch.zeros(cnt, 2 * ((n + 1) // 2), dtype=torch.uint8)
+    cp[:, :n] = codes
+    packed = cp[:, 0::2] | (cp[:, 1::2] << 4)
+    return {"codes": packed, "scales": gsc.reshape(-1), "block_scales": s_codes, "decoded": dec}
+
+
+REFS = {"int8": (ref_int8, tie_vectors_int8), "fp8": (ref_fp8, tie_vectors_fp8),
+        "nvfp4": (ref_nvfp4, tie_vectors_nvfp4)}
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.bin"):
+        old.unlink()
+    g = torch.Generator().manual_seed(SEED)
+    index = {
+        "version": 1,
+        "generator": "eval/kv/make_fixtures.py",
+        "torch": torch.__version__,
+        "torch_float4_e2m1fn_x2": probe_float4(),
+        "endianness": "little",
+        "scalar": [],
+        "vectors": [],
+    }
+    for name, kind, x, codes in scalar_sets():
+        index["scalar"].append({
+            "name": name, "kind": kind, "n": x.numel(),
+            "input": write(f"{name}.in.f32.bin", x),
+            "codes": write(f"{name}.codes.u8.bin", codes),
+        })
+    for fmt, (ref, ties) in REFS.items():
+        for n in HEAD_DIMS + ([24] if fmt == "nvfp4" else []):
+            x = torch.cat([random_vectors(n, g), ties(n, g)])
+            r = ref(x)
+            base = f"{fmt}_hd{n}"
+            entry = {
+                "name": base, "format": fmt, "head_dim": n, "count": x.shape[0],
+                "input": write(f"{base}.in.f32.bin", x),
+                "codes": write(f"{base}.codes.{'i8' if fmt == 'int8' else 'u8'}.bin", r["codes"]),
+                "scales": write(f"{base}.scales.f32.bin", r["scales"]),
+                "block_scales": write(f"{base}.block_scales.u8.bin", r["block_scales"]) if "block_scales" in r else None,
+                "decoded": write(f"{base}.decoded.f32.bin", r["decoded"]),
+            }
+            assert torch.isfinite(r["decoded"]).all(), base
+            index["vectors"].append(entry)
+    index["e2m1_reference"] = (
+        "tabulated grid, nearest by distance, ties to the even code; "
+        + (f"agrees with torch.testing._internal.common_quantized._f32_to_floatx_unpacked(x, 2, 1) "
+           f"on all {CROSS_CHECKED} checked values" if TORCH_FLOATX else "not cross-checked")
+    )
+    index["total_bytes"] = sum(FILES.values())
+    (OUT / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    print(f"wrote {len(FILES)} files, {index['total_bytes']} bytes, to {OUT}")
+    print(index["torch_float4_e2m1fn_x2"])
+    print(index["e2m1_reference"])
+
+
+if __name__ == "__main__":
+    main()
