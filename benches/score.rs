@@ -1,0 +1,135 @@
+//! Scoring speed: this engine vs transformers float32 on exactly the same windows.
+//!
+//! `cargo bench --bench score [-- --context 1024 --stride 512 --tokens 4096 --threads 2]`
+//!
+//! Needs `bash ci/prepare.sh` (artifact and corpus) and `bash eval/setup-python.sh` (the
+//! peer). Prints processed and scored tokens/s for both, their ratio, the FLOPs this engine
+//! does per processed token, the achieved GFLOP/s against the machine's measured f32 GEMM
+//! rate (a 2048³ matmul through the engine's own GEMM path, and torch's), and peak RSS.
+
+use ninfer_perplexity::backend::cpu::matmul::matmul_wt;
+use ninfer_perplexity::engine::{Engine, LoadOptions};
+use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::model::config::ModelConfig;
+use ninfer_perplexity::score::{windows, Protocol};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// FLOPs of one window of `t` tokens scoring `scored` targets, as this engine computes it.
+fn window_flops(c: &ModelConfig, t: usize, scored: usize) -> f64 {
+    let (d, q, kv, f) = (c.hidden_size as f64, c.q_dim() as f64, c.kv_dim() as f64, c.intermediate_size as f64);
+    let t = t as f64;
+    let linear = 2.0 * t * (d * (q + 2.0 * kv) + q * d + 3.0 * d * f);
+    // Causal attention: QKᵀ and PV over t(t+1)/2 pairs per query head.
+    let attn = 2.0 * 2.0 * (t * (t + 1.0) / 2.0) * q;
+    let head = 2.0 * scored as f64 * d * c.vocab_size as f64;
+    c.num_layers as f64 * (linear + attn) + head
+}
+
+fn gemm_gflops(threads: usize) -> f64 {
+    let n = 2048;
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.1).collect();
+    let mut c = vec![0.0f32; n * n];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
+    let reps = 3;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
+    }
+    2.0 * (n as f64).powi(3) * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+fn main() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let context = arg("--context", 1024);
+    let stride = arg("--stride", 512);
+    let n_tokens = arg("--tokens", 4096);
+    let threads = arg("--threads", 2);
+    let art = root.join("models/smollm2-135m-bf16.ninfer");
+    let gguf = root.join("models/cache/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let stream = root.join("eval/corpora/perplexity-1m/streams/en-long-1.txt");
+    for p in [&art, &gguf, &stream] {
+        assert!(p.exists(), "{} missing: run `bash ci/prepare.sh`", p.display());
+    }
+
+    let engine = Engine::load(&art, &LoadOptions { threads, ..Default::default() }, &mut |_, _| {}).unwrap();
+    let text = std::fs::read_to_string(&stream).unwrap();
+    let tokens: Vec<u32> = engine.tokenizer.encode(&text).unwrap().into_iter().take(n_tokens).collect();
+    let p = Protocol::new(context, stride).unwrap();
+    let ws = windows(tokens.len(), p).unwrap();
+    let processed: usize = ws.iter().map(|w| w.len()).sum();
+    let scored: usize = ws.iter().map(|w| w.scored()).sum();
+    let flops: f64 = ws.iter().map(|w| window_flops(&engine.artifact.config, w.len(), w.scored())).sum();
+
+    // Warm-up on the first window, then time the whole stream.
+    engine.score(&tokens[..ws[0].end.min(256)], Protocol::new(context, stride).unwrap(), KvDtype::Bf16, false, &mut |_, _| {}).unwrap();
+    let t0 = Instant::now();
+    let ours = engine.score(&tokens, p, KvDtype::Bf16, false, &mut |_, _| {}).unwrap();
+    let ours_s = t0.elapsed().as_secs_f64();
+    let rss = ninfer_perplexity::report::peak_rss_bytes().unwrap_or(0);
+    drop(engine);
+    let gemm = gemm_gflops(threads);
+
+    // The peer, on the same windows.
+    let work = serde_json::json!({
+        "gguf": gguf, "threads": threads, "tokens": tokens,
+        "windows": ws.iter().map(|w| [w.begin, w.start, w.end]).collect::<Vec<_>>(),
+    });
+    let work_path = std::env::temp_dir().join(format!("ninfer-bench-{}.json", std::process::id()));
+    std::fs::write(&work_path, work.to_string()).unwrap();
+    let py = root.join("eval/.venv/bin/python");
+    let peer = Command::new(&py)
+        .arg(root.join("eval/bench/peer_transformers.py"))
+        .arg(&work_path)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (run `bash eval/setup-python.sh`)", py.display()));
+    let _ = std::fs::remove_file(&work_path);
+    assert!(peer.status.success(), "peer failed: {}", String::from_utf8_lossy(&peer.stderr));
+    let pj: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&peer.stdout).lines().last().unwrap()).unwrap();
+    let peer_s = pj["seconds"].as_f64().unwrap();
+
+    println!("SmolLM2-135M, {} tokens of en-long-1, context {context} stride {stride}, {threads} threads", tokens.len());
+    println!("{} windows, {processed} processed tokens, {scored} scored tokens", ws.len());
+    println!();
+    println!("| engine | seconds | processed tok/s | scored tok/s | mean NLL |");
+    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| ninfer-perplexity (bf16 artifact, f32 compute, KV bf16) | {ours_s:.2} | {:.1} | {:.1} | {:.5} |",
+        processed as f64 / ours_s,
+        scored as f64 / ours_s,
+        ours.totals.mean_nll()
+    );
+    println!(
+        "| {} | {peer_s:.2} | {:.1} | {:.1} | {:.5} |",
+        pj["peer"].as_str().unwrap(),
+        processed as f64 / peer_s,
+        scored as f64 / peer_s,
+        pj["nll_sum"].as_f64().unwrap() / scored as f64
+    );
+    println!();
+    println!("speed ratio (scored tokens/s, ours / peer): {:.2}x", peer_s / ours_s);
+    println!(
+        "engine FLOPs per processed token: {:.3} GFLOP; achieved {:.1} GFLOP/s",
+        flops / processed as f64 / 1e9,
+        flops / ours_s / 1e9
+    );
+    println!(
+        "f32 GEMM rate (2048^3): engine path {gemm:.1} GFLOP/s, torch {:.1} GFLOP/s; achieved / best = {:.0}%",
+        pj["gemm_gflops"].as_f64().unwrap(),
+        100.0 * flops / ours_s / 1e9 / gemm.max(pj["gemm_gflops"].as_f64().unwrap())
+    );
+    println!("engine peak RSS: {:.0} MB", rss as f64 / 1e6);
+}

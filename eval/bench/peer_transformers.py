@@ -1,0 +1,65 @@
+"""Benchmark peer: transformers float32 scoring exactly the windows the Rust bench scores.
+
+Usage: eval/.venv/bin/python eval/bench/peer_transformers.py WORK.json
+WORK.json: {"gguf": path, "threads": int, "tokens": [...], "windows": [[begin, start, end], ...]}
+Prints one JSON line: seconds, processed/scored token counts, nll_sum, GEMM GFLOP/s measured
+by torch on a 2048^3 float32 matmul with the same thread count.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def main():
+    work = json.load(open(sys.argv[1]))
+    torch.set_num_threads(work["threads"])
+    gguf = work["gguf"]
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+    )
+    model.eval()
+    tokens = torch.tensor(work["tokens"], dtype=torch.long)
+    windows = work["windows"]
+
+    def score(b, s, e):
+        ids = tokens[b:e][None]
+        logits = model(ids).logits[0]
+        lp = torch.log_softmax(logits[s - b - 1 : e - b - 1].float(), dim=-1)
+        return -lp.gather(1, tokens[s:e][:, None]).double().sum().item()
+
+    with torch.inference_mode():
+        score(*windows[0])  # warm-up
+        t0 = time.perf_counter()
+        nll = sum(score(*w) for w in windows)
+        secs = time.perf_counter() - t0
+
+        n = 2048
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        a @ b
+        reps = 5
+        t1 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        gemm = 2 * n**3 * reps / (time.perf_counter() - t1) / 1e9
+
+    print(
+        json.dumps(
+            {
+                "peer": f"transformers {__import__('transformers').__version__} / torch {torch.__version__} float32",
+                "seconds": secs,
+                "processed_tokens": sum(e - b for b, s, e in windows),
+                "scored_tokens": sum(e - s for b, s, e in windows),
+                "nll_sum": nll,
+                "gemm_gflops": gemm,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
