@@ -1,0 +1,125 @@
+//! report.json round-trips through its schema, and the stdout table renders as reviewed.
+
+use ninfer_perplexity::model::config::{Family, ModelConfig};
+use ninfer_perplexity::report::*;
+use ninfer_perplexity::score::{NllSum, WindowScore};
+
+fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
+    let mut s = NllSum::default();
+    for &n in nlls {
+        s.push(-n);
+    }
+    StreamReport {
+        id: id.into(),
+        domain: domain.into(),
+        path: format!("streams/{id}.txt"),
+        sha256: "ab".repeat(32),
+        tokens: nlls.len() + 1,
+        input_tokens: nlls.len() + 1,
+        processed_tokens: nlls.len() + 1,
+        totals: Totals::new(&s, bytes),
+        seconds: 1.5,
+        processed_tokens_per_s: (nlls.len() + 1) as f64 / 1.5,
+        windows: vec![WindowScore {
+            begin: 0,
+            start: 1,
+            end: nlls.len() + 1,
+            scored: s.scored,
+            nll_sum: s.nll_sum,
+            nll_sq_sum: s.nll_sq_sum,
+            logprobs: None,
+        }],
+    }
+}
+
+fn fixed_report() -> Report {
+    let streams = vec![
+        stream("en-1", "en", &[2.0, 3.0, 1.5, 2.5], 40),
+        stream("en-2", "en", &[1.0, 4.0], 20),
+        stream("code-1", "code", &[0.5, 0.25, 1.25, 0.75, 0.5, 1.0], 30),
+    ];
+    let domains = vec![
+        aggregate("en", "English", streams.iter().filter(|s| s.domain == "en")),
+        aggregate("code", "Code", streams.iter().filter(|s| s.domain == "code")),
+    ];
+    let overall = aggregate("overall", "overall", streams.iter());
+    Report {
+        schema: SCHEMA.into(),
+        schema_version: SCHEMA_VERSION,
+        run_id: "20261130T000000Z-00000000-bf16".into(),
+        tool: Tool { name: "ninfer-perplexity".into(), version: "0.0.0".into() },
+        started_unix_s: 0.0,
+        settings: Settings {
+            mode: "corpus".into(),
+            context: 8,
+            stride: 4,
+            kv_dtype: "bf16".into(),
+            kv_bytes_per_token_per_layer: 768,
+            quick: false,
+            max_tokens: None,
+            device: "cpu (2 threads)".into(),
+            device_class: "cpu".into(),
+            threads: 2,
+        },
+        artifact: ArtifactInfo {
+            path: "m.ninfer".into(),
+            digest: format!("sha256:{}", "0".repeat(64)),
+            digest_verified: false,
+            file_bytes: 1,
+            family: "llama".into(),
+            params: 1,
+            weight_format: "bf16".into(),
+            config: ModelConfig {
+                family: Family::Llama,
+                vocab_size: 10,
+                hidden_size: 4,
+                intermediate_size: 8,
+                num_layers: 1,
+                num_heads: 2,
+                num_kv_heads: 1,
+                head_dim: 2,
+                rms_norm_eps: 1e-5,
+                rope_theta: 10000.0,
+                rope_scaling: None,
+                max_position_embeddings: 64,
+                tie_word_embeddings: true,
+                attention_bias: false,
+                qk_norm: false,
+                bos_token_id: None,
+                eos_token_id: None,
+            },
+        },
+        tokenizer: TokenizerInfo { sha256: "cd".repeat(32), vocab_size: 10 },
+        corpus: Some(CorpusInfo { name: "t".into(), manifest: "m.json".into(), manifest_sha256: "ef".repeat(32) }),
+        streams,
+        domains,
+        overall,
+        timings: Timings { load_s: 0.1, tokenize_s: 0.2, score_s: 0.3, total_s: 0.6 },
+        throughput: Throughput { processed_tokens: 15, processed_tokens_per_s: 50.0, scored_tokens_per_s: 40.0 },
+        peak_rss_bytes: Some(1 << 20),
+    }
+}
+
+#[test]
+fn report_round_trips_exactly() {
+    let r = fixed_report();
+    let json = serde_json::to_string_pretty(&r).unwrap();
+    let back: Report = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, r);
+    // Unrounded floats survive: 1/3-style values come back bit for bit.
+    assert_eq!(back.overall.totals.mean_nll.to_bits(), r.overall.totals.mean_nll.to_bits());
+}
+
+#[test]
+fn aggregates_are_token_weighted() {
+    let r = fixed_report();
+    // English: (2+3+1.5+2.5+1+4)/6, not the mean of the two stream means.
+    assert!((r.domains[0].totals.mean_nll - 14.0 / 6.0).abs() < 1e-12);
+    assert_eq!(r.overall.totals.scored, 12);
+    assert_eq!(r.overall.totals.bytes, 90);
+}
+
+#[test]
+fn table_renders_as_reviewed() {
+    insta::assert_snapshot!("domain_table", table::render(&fixed_report()));
+}
