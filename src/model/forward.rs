@@ -5,6 +5,12 @@
 //! and values pass through the selected Main KV representation before attention reads
 //! them. Only the rows that predict a target go through the final norm and output head,
 //! and the head never holds more than one vocabulary chunk of logits per row block.
+//!
+//! Test-only fault switch: when the environment variable `NINFER_TEST_FAULT` is set as a
+//! [`CpuModel`] is built, the model is deliberately perturbed so that the regression
+//! harness can prove it catches drift (`tests/harness_gate.rs`). `rope-shift` rotates the
+//! keys of layer 0 one position too far; `skip-final-norm` feeds the un-normalized residual
+//! stream to the output head. Unset (the normal case), nothing changes.
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
 use crate::backend::cpu::head;
@@ -30,12 +36,31 @@ pub struct CpuModel {
     pub config: ModelConfig,
     pub weights: Weights,
     inv_freq: Vec<f64>,
+    /// Test-only perturbation from `NINFER_TEST_FAULT` (see the module docs); `None` normally.
+    fault: Option<Fault>,
+}
+
+/// A deliberate engine perturbation for the harness's drift test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    RopeShift,
+    SkipFinalNorm,
+}
+
+impl Fault {
+    fn from_env() -> Option<Fault> {
+        match std::env::var("NINFER_TEST_FAULT").ok()?.as_str() {
+            "rope-shift" => Some(Fault::RopeShift),
+            "skip-final-norm" => Some(Fault::SkipFinalNorm),
+            other => panic!("NINFER_TEST_FAULT=`{other}` is not a fault (valid: rope-shift, skip-final-norm)"),
+        }
+    }
 }
 
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: Weights) -> CpuModel {
         let inv_freq = inv_freq(config.head_dim, config.rope_theta, config.rope_scaling.as_ref());
-        CpuModel { config, weights, inv_freq }
+        CpuModel { config, weights, inv_freq, fault: Fault::from_env() }
     }
 
     /// Log-probabilities of `tokens[first_target..]`, each given all earlier tokens of the
@@ -94,7 +119,14 @@ impl CpuModel {
                 rms_norm_inplace(&mut k, kn, eps);
             }
             rope.apply(&mut q, hq);
-            rope.apply(&mut k, hkv);
+            if li == 0 && self.fault == Some(Fault::RopeShift) {
+                // Test-only fault: layer 0's keys rotated for position t + 1.
+                let t = RopeTable::new(&self.inv_freq, t_len + 1);
+                let shifted = RopeTable { half: t.half, cos: t.cos[t.half..].to_vec(), sin: t.sin[t.half..].to_vec() };
+                shifted.apply(&mut k, hkv);
+            } else {
+                rope.apply(&mut k, hkv);
+            }
             store_kv(&mut k, hkv, hd, kv, li, "key")?;
             store_kv(&mut v, hkv, hd, kv, li, "value")?;
             causal_attention(&q, &k, &v, &shape, &mut attn);
@@ -112,6 +144,10 @@ impl CpuModel {
         let mut hn = vec![0.0f32; rows * d];
         hn.par_chunks_mut(d).enumerate().for_each(|(r, o)| {
             let i = first_target - 1 + r;
+            if self.fault == Some(Fault::SkipFinalNorm) {
+                o.copy_from_slice(&x[i * d..(i + 1) * d]); // test-only fault
+                return;
+            }
             rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, eps, o);
         });
         let mut out = vec![0.0f32; rows];
