@@ -3,6 +3,8 @@
 
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Default registry location, relative to the repository root (the working directory).
@@ -24,6 +26,43 @@ pub struct Entry {
     pub tiers: Vec<String>,
     #[serde(default)]
     pub description: Option<String>,
+    /// The regression harness's tolerance per device class (`cpu`, `cuda`, or a full class
+    /// such as `cuda-sm90`); classes not listed use the harness defaults (docs/harness.md).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tolerance: BTreeMap<String, Tolerance>,
+}
+
+/// The test tiers an artifact can belong to.
+pub const TIERS: [&str; 2] = ["cpu", "gpu"];
+
+/// How far a re-run's mean NLL (nats per token) may move from its baseline before the
+/// regression harness calls it drift: `|new - old| <= abs + rel * |old|`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tolerance {
+    #[serde(default)]
+    pub abs: f64,
+    #[serde(default)]
+    pub rel: f64,
+}
+
+impl Tolerance {
+    /// The largest allowed |delta| of the mean NLL for a baseline value `old`.
+    pub fn allowed(&self, old: f64) -> f64 {
+        self.abs + self.rel * old.abs()
+    }
+}
+
+impl Entry {
+    /// The tolerance the registry sets for a device class: the exact class first, then its
+    /// family (the part before the first `-` or `:`, e.g. `cuda` for `cuda-sm90`).
+    pub fn tolerance_for(&self, class: &str) -> Option<Tolerance> {
+        if let Some(t) = self.tolerance.get(class) {
+            return Some(*t);
+        }
+        let family = class.split(['-', ':']).next().unwrap_or(class);
+        self.tolerance.get(family).copied()
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -36,7 +75,10 @@ pub struct Registry {
 impl Registry {
     pub fn load(path: &Path) -> Result<Registry> {
         let text = std::fs::read_to_string(path).map_err(|e| anyhow!("{}: cannot read registry: {e}", path.display()))?;
-        let r: Registry = serde_json::from_str(&text).map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
+        let value: Value =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
+        check_shape(&value).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let r: Registry = serde_json::from_value(value).map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
         if r.schema_version != 1 {
             bail!("{}: `schema_version` {} is not supported (expected 1)", path.display(), r.schema_version);
         }
@@ -52,6 +94,95 @@ impl Registry {
     pub fn get(&self, name: &str) -> Option<&Entry> {
         self.artifacts.iter().find(|e| e.name == name)
     }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Checks the registry's JSON shape field by field, so that an error names the field
+/// (`artifacts[1].tiers[0]`) rather than a line and column.
+fn check_shape(v: &Value) -> Result<()> {
+    let top = v.as_object().ok_or_else(|| anyhow!("the registry must be a JSON object, found {}", kind(v)))?;
+    for key in top.keys() {
+        if key != "schema_version" && key != "artifacts" {
+            bail!("unknown field `{key}` (fields: schema_version, artifacts)");
+        }
+    }
+    match top.get("schema_version") {
+        Some(Value::Number(n)) if n.as_u64().is_some() => {}
+        Some(other) => bail!("`schema_version`: expected a whole number, found {}", kind(other)),
+        None => bail!("missing field `schema_version`"),
+    }
+    let arts = match top.get("artifacts") {
+        Some(Value::Array(a)) => a,
+        Some(other) => bail!("`artifacts`: expected an array, found {}", kind(other)),
+        None => bail!("missing field `artifacts`"),
+    };
+    const FIELDS: [&str; 7] = ["name", "path", "digest", "produce", "tiers", "description", "tolerance"];
+    for (i, a) in arts.iter().enumerate() {
+        let at = |f: &str| format!("`artifacts[{i}].{f}`");
+        let obj = a.as_object().ok_or_else(|| anyhow!("`artifacts[{i}]`: expected an object, found {}", kind(a)))?;
+        for key in obj.keys() {
+            if !FIELDS.contains(&key.as_str()) {
+                bail!("`artifacts[{i}]`: unknown field `{key}` (fields: {})", FIELDS.join(", "));
+            }
+        }
+        for f in ["name", "path", "produce"] {
+            match obj.get(f) {
+                Some(Value::String(s)) if !s.trim().is_empty() => {}
+                Some(Value::String(_)) => bail!("{}: must not be empty", at(f)),
+                Some(other) => bail!("{}: expected a string, found {}", at(f), kind(other)),
+                None => bail!("`artifacts[{i}]`: missing field `{f}`"),
+            }
+        }
+        for f in ["digest", "description"] {
+            match obj.get(f) {
+                None | Some(Value::Null) | Some(Value::String(_)) => {}
+                Some(other) => bail!("{}: expected a string or null, found {}", at(f), kind(other)),
+            }
+        }
+        match obj.get("tiers") {
+            None => {}
+            Some(Value::Array(tiers)) => {
+                for (j, t) in tiers.iter().enumerate() {
+                    match t.as_str() {
+                        Some(t) if TIERS.contains(&t) => {}
+                        Some(t) => bail!("{}: unknown tier `{t}` (valid: {})", at(&format!("tiers[{j}]")), TIERS.join(", ")),
+                        None => bail!("{}: expected a string, found {}", at(&format!("tiers[{j}]")), kind(t)),
+                    }
+                }
+            }
+            Some(other) => bail!("{}: expected an array of tier names, found {}", at("tiers"), kind(other)),
+        }
+        match obj.get("tolerance") {
+            None => {}
+            Some(Value::Object(classes)) => {
+                for (class, tol) in classes {
+                    let tat = at(&format!("tolerance.{class}"));
+                    let tol = tol.as_object().ok_or_else(|| anyhow!("{tat}: expected an object like {{\"abs\": 0, \"rel\": 1e-9}}, found {}", kind(tol)))?;
+                    for (k, x) in tol {
+                        if k != "abs" && k != "rel" {
+                            bail!("{tat}: unknown field `{k}` (fields: abs, rel)");
+                        }
+                        match x.as_f64() {
+                            Some(x) if x.is_finite() && x >= 0.0 => {}
+                            _ => bail!("{}: expected a non-negative number, found {x}", at(&format!("tolerance.{class}.{k}"))),
+                        }
+                    }
+                }
+            }
+            Some(other) => bail!("{}: expected an object keyed by device class, found {}", at("tolerance"), kind(other)),
+        }
+    }
+    Ok(())
 }
 
 fn registry_path() -> PathBuf {
