@@ -2,9 +2,9 @@
 //!
 //! Shapes: `q[T, Hq, D]`, `k[T, Hkv, D]`, `v[T, Hkv, D]` (keys and values already passed
 //! through the Main KV representation), output `o[T, Hq, D]`. Query head `h` reads KV head
-//! `h / (Hq / Hkv)`. Scores are formed in f32 with a fixed order; the softmax subtracts
-//! the row maximum; each query row is computed by one task, so the thread count does not
-//! change any bit.
+//! `h / (Hq / Hkv)`. Scores and the weighted sum go through the packed GEMM, the softmax
+//! subtracts the row maximum, and each output tile is computed by one task with shapes
+//! that do not depend on the thread count, so neither do the bits.
 
 use rayon::prelude::*;
 
@@ -15,25 +15,20 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent partial sums (vectorizes well), combined in a fixed order.
-    let mut acc = [0.0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut tail = 0.0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
+/// Query rows per task. Fixed: it defines each GEMM's shape, so it is part of the
+/// numerical definition (the thread count is not).
+const Q_BLOCK: usize = 64;
 
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint (query block, head) tiles of the output through this pointer.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Causal GQA attention, one task per (query head, block of `Q_BLOCK` queries): scores
+/// `S = Q Kᵀ / sqrt(D)` for the block against every key up to its last query (one GEMM),
+/// a masked row softmax, then `O = P V` (one GEMM). Only a `Q_BLOCK × T` score tile exists
+/// per task, never the full `T × T` matrix.
 pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut [f32]) {
     let (t_len, hq, hkv, d) = (s.tokens, s.q_heads, s.kv_heads, s.head_dim);
     assert_eq!(q.len(), t_len * hq * d);
@@ -42,34 +37,74 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
     assert_eq!(o.len(), t_len * hq * d);
     let group = hq / hkv;
     let scale = 1.0 / (d as f32).sqrt();
-    o.par_chunks_mut(hq * d).enumerate().for_each_init(
-        || vec![0.0f32; t_len],
-        |scores, (i, orow)| {
-            for h in 0..hq {
-                let kh = h / group;
-                let qv = &q[(i * hq + h) * d..(i * hq + h + 1) * d];
-                let sc = &mut scores[..=i];
-                let mut max = f32::NEG_INFINITY;
-                for (j, sj) in sc.iter_mut().enumerate() {
-                    let kv = &k[(j * hkv + kh) * d..(j * hkv + kh + 1) * d];
-                    *sj = dot(qv, kv) * scale;
-                    max = max.max(*sj);
-                }
+    let blocks = t_len.div_ceil(Q_BLOCK);
+    let out = SendPtr(o.as_mut_ptr());
+    (0..hq * blocks).into_par_iter().for_each_init(
+        || vec![0.0f32; Q_BLOCK * t_len],
+        |scores, task| {
+            let out = out;
+            let (h, b) = (task / blocks, task % blocks);
+            let kh = h / group;
+            let q0 = b * Q_BLOCK;
+            let q1 = (q0 + Q_BLOCK).min(t_len);
+            let (rows, keys) = (q1 - q0, q1);
+            let sc = &mut scores[..rows * keys];
+            // SAFETY: Q rows q0..q1 of head h are read with row stride hq·d; K rows 0..keys of
+            // KV head kh as a [d, keys] transpose view with column stride hkv·d; `sc` is dense
+            // [rows, keys]. All within the asserted buffer sizes.
+            unsafe {
+                matrixmultiply::sgemm(
+                    rows,
+                    d,
+                    keys,
+                    scale,
+                    q.as_ptr().add((q0 * hq + h) * d),
+                    (hq * d) as isize,
+                    1,
+                    k.as_ptr().add(kh * d),
+                    1,
+                    (hkv * d) as isize,
+                    0.0,
+                    sc.as_mut_ptr(),
+                    keys as isize,
+                    1,
+                );
+            }
+            for (r, row) in sc.chunks_mut(keys).enumerate() {
+                let visible = q0 + r + 1; // keys 0..=i
+                let (live, masked) = row.split_at_mut(visible);
+                let max = live.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
-                for sj in sc.iter_mut() {
-                    *sj = (*sj - max).exp();
-                    sum += *sj;
+                for x in live.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
                 }
                 let inv = 1.0 / sum;
-                let out = &mut orow[h * d..(h + 1) * d];
-                out.fill(0.0);
-                for (j, &p) in sc.iter().enumerate() {
-                    let vv = &v[(j * hkv + kh) * d..(j * hkv + kh + 1) * d];
-                    let w = p * inv;
-                    for (a, &b) in out.iter_mut().zip(vv) {
-                        *a += w * b;
-                    }
+                for x in live.iter_mut() {
+                    *x *= inv;
                 }
+                masked.fill(0.0);
+            }
+            // SAFETY: `sc` is [rows, keys]; V rows 0..keys of KV head kh have row stride
+            // hkv·d; the output tile (rows q0..q1, head h) has row stride hq·d and belongs
+            // to this task alone.
+            unsafe {
+                matrixmultiply::sgemm(
+                    rows,
+                    keys,
+                    d,
+                    1.0,
+                    sc.as_ptr(),
+                    keys as isize,
+                    1,
+                    v.as_ptr().add(kh * d),
+                    (hkv * d) as isize,
+                    1,
+                    0.0,
+                    out.0.add((q0 * hq + h) * d),
+                    (hq * d) as isize,
+                    1,
+                );
             }
         },
     );
@@ -104,16 +139,20 @@ mod tests {
 
     #[test]
     fn matches_naive_gqa() {
-        let s = AttnShape { tokens: 9, q_heads: 6, kv_heads: 2, head_dim: 12 };
-        let gen = |n: usize, seed: usize| -> Vec<f32> { (0..n).map(|i| (((i + seed) * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect() };
-        let q = gen(9 * 6 * 12, 1);
-        let k = gen(9 * 2 * 12, 2);
-        let v = gen(9 * 2 * 12, 3);
-        let mut o = vec![0.0; q.len()];
-        causal_attention(&q, &k, &v, &s, &mut o);
-        let want = naive(&q, &k, &v, &s);
-        for (a, b) in o.iter().zip(&want) {
-            assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+        for t in [1, 9, 64, 150] {
+            let s = AttnShape { tokens: t, q_heads: 6, kv_heads: 2, head_dim: 12 };
+            let gen = |n: usize, seed: usize| -> Vec<f32> {
+                (0..n).map(|i| (((i + seed) * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect()
+            };
+            let q = gen(t * 6 * 12, 1);
+            let k = gen(t * 2 * 12, 2);
+            let v = gen(t * 2 * 12, 3);
+            let mut o = vec![0.0; q.len()];
+            causal_attention(&q, &k, &v, &s, &mut o);
+            let want = naive(&q, &k, &v, &s);
+            for (a, b) in o.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-5, "T={t}: {a} vs {b}");
+            }
         }
     }
 }
