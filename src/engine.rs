@@ -6,6 +6,7 @@
 //! reports or command-line flags.
 
 use crate::artifact::Artifact;
+use crate::backend::cuda::CudaModel;
 use crate::backend::{Device, DeviceRequest};
 use crate::kv::KvDtype;
 use crate::model::forward::CpuModel;
@@ -35,8 +36,16 @@ pub struct Engine {
     pub device: Device,
     /// Why `auto` picked what it picked, for the startup log.
     pub device_note: Option<String>,
-    model: CpuModel,
+    model: Model,
     pool: rayon::ThreadPool,
+}
+
+/// The loaded model on its backend.
+enum Model {
+    Cpu(CpuModel),
+    // Only constructed when the CUDA backend is built and a device was selected.
+    #[allow(dead_code)]
+    Cuda(Box<CudaModel>),
 }
 
 /// Progress of a stream being scored: targets scored so far and tokens processed.
@@ -72,13 +81,29 @@ impl Engine {
             .num_threads(threads)
             .build()
             .map_err(|e| anyhow!("cannot start {threads} worker threads: {e}"))?;
-        let weights = Weights::load(&artifact, progress)?;
-        let model = CpuModel::new(artifact.config.clone(), weights);
+        let model = match &device {
+            Device::Cpu { .. } => {
+                let weights = Weights::load(&artifact, progress)?;
+                Model::Cpu(CpuModel::new(artifact.config.clone(), weights))
+            }
+            Device::Cuda { ordinal, .. } => load_cuda(&artifact, *ordinal, progress)?,
+        };
         Ok(Engine { artifact, tokenizer, device, device_note, model, pool })
     }
 
     pub fn threads(&self) -> usize {
         self.pool.current_num_threads()
+    }
+
+    /// Device memory of a CUDA engine (peak allocated and used bytes), for reports.
+    pub fn cuda_memory(&self) -> Option<crate::backend::cuda::MemoryReport> {
+        match &self.model {
+            Model::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Model::Cuda(m) => Some(m.memory_report()),
+            #[cfg(not(feature = "cuda"))]
+            Model::Cuda(_) => None,
+        }
     }
 
     /// Scores one stream. `keep_logprobs` keeps every target's log-probability in the
@@ -92,18 +117,14 @@ impl Engine {
         keep_logprobs: bool,
         on_window: &mut dyn FnMut(&WindowScore, Progress),
     ) -> Result<StreamScore> {
-        kv.check_head_dim(self.model.config.head_dim)?;
+        kv.check_head_dim(self.artifact.config.head_dim)?;
         let ws = windows(tokens.len(), protocol)?;
         let mut totals = NllSum::default();
         let mut out = Vec::with_capacity(ws.len());
         let mut processed = 0u64;
-        for (wi, w) in ws.iter().enumerate() {
-            let lps = self
-                .pool
-                .install(|| self.model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv))
-                .map_err(|e| {
-                    anyhow!("window {wi} [{}, {}) (targets from {}): {e}", w.begin, w.end, w.start)
-                })?;
+        // Accounts one finished window (the same for every backend).
+        let mut finish = |wi: usize, lps: Vec<f32>| -> Result<()> {
+            let w = &ws[wi];
             let mut s = NllSum::default();
             for &lp in &lps {
                 if !lp.is_finite() {
@@ -124,6 +145,23 @@ impl Engine {
             };
             on_window(&ws, Progress { scored: totals.scored, processed });
             out.push(ws);
+            Ok(())
+        };
+        let window_error = |wi: usize, e: &dyn std::fmt::Display| {
+            let w = &ws[wi];
+            anyhow!("window {wi} [{}, {}) (targets from {}): {e}", w.begin, w.end, w.start)
+        };
+        match &self.model {
+            Model::Cpu(model) => {
+                for (wi, w) in ws.iter().enumerate() {
+                    let lps = self
+                        .pool
+                        .install(|| model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv))
+                        .map_err(|e| window_error(wi, &e))?;
+                    finish(wi, lps)?;
+                }
+            }
+            Model::Cuda(model) => score_cuda(model, tokens, &ws, kv, &mut finish, &window_error)?,
         }
         Ok(StreamScore {
             tokens: tokens.len(),
@@ -132,4 +170,52 @@ impl Engine {
             windows: out,
         })
     }
+}
+
+#[cfg(feature = "cuda")]
+fn load_cuda(a: &Artifact, ordinal: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+    let precision = crate::backend::cuda::model::precision_from_env()?;
+    Ok(Model::Cuda(Box::new(CudaModel::load(a, ordinal, precision, progress)?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn load_cuda(_: &Artifact, _: usize, _: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+    anyhow::bail!("this build has no CUDA backend")
+}
+
+/// Scores the windows on the GPU in batches and hands each finished window to `finish`.
+#[cfg(feature = "cuda")]
+fn score_cuda(
+    model: &CudaModel,
+    tokens: &[u32],
+    ws: &[crate::score::Window],
+    kv: KvDtype,
+    finish: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
+    window_error: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+) -> Result<()> {
+    use crate::backend::cuda::model::ScoreError;
+    let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
+        for (j, lps) in batch.into_iter().enumerate() {
+            finish(first + j, lps)?;
+        }
+        Ok(())
+    });
+    match r {
+        Ok(()) => Ok(()),
+        Err(ScoreError::Window { index, error }) => Err(window_error(index, &error)),
+        Err(ScoreError::Device(e)) => Err(e.context(format!("CUDA scoring ({} windows)", ws.len()))),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn score_cuda(
+    model: &CudaModel,
+    _: &[u32],
+    _: &[crate::score::Window],
+    _: KvDtype,
+    _: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
+    _: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+) -> Result<()> {
+    let _ = model.config();
+    unreachable!("no CUDA model exists without the CUDA backend")
 }

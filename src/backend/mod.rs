@@ -2,6 +2,7 @@
 //! (under `kernels/`) has its twin here.
 
 pub mod cpu;
+pub mod cuda;
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -34,27 +35,51 @@ impl DeviceRequest {
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Device {
     Cpu { threads: usize },
+    Cuda { ordinal: usize, name: String, compute_capability: (i32, i32), memory_bytes: u64 },
 }
 
 impl Device {
-    /// Picks the device for a request. The CUDA backend is not part of this build yet, so
-    /// `cuda` is an error and `auto` falls back to the CPU with the reason.
+    /// Picks the device for a request. `auto` takes CUDA device 0 when this build has the
+    /// CUDA backend and a usable GPU, else the CPU, with the reason as the note; `cuda[:N]`
+    /// without a usable device is an error of one line saying what is missing.
     pub fn select(req: DeviceRequest, threads: usize) -> Result<(Device, Option<String>)> {
+        Self::select_with(req, threads, cuda::probe)
+    }
+
+    /// [`Device::select`] with the CUDA probe given (tests pass their own).
+    pub fn select_with(
+        req: DeviceRequest,
+        threads: usize,
+        probe: impl Fn(usize) -> Result<cuda::GpuInfo, String>,
+    ) -> Result<(Device, Option<String>)> {
+        let cuda_device = |g: cuda::GpuInfo| Device::Cuda {
+            ordinal: g.ordinal,
+            name: g.name,
+            compute_capability: g.compute_capability,
+            memory_bytes: g.memory_bytes,
+        };
         match req {
             DeviceRequest::Cpu => Ok((Device::Cpu { threads }, None)),
-            DeviceRequest::Auto => Ok((
-                Device::Cpu { threads },
-                Some("device auto: this build has no CUDA backend, using the CPU".to_string()),
-            )),
-            DeviceRequest::Cuda(n) => {
-                bail!("--device cuda:{n}: this build has no CUDA backend yet; use --device cpu")
-            }
+            DeviceRequest::Auto => match probe(0) {
+                Ok(g) => {
+                    let note = format!("device auto: using CUDA device 0 ({})", g.name);
+                    Ok((cuda_device(g), Some(note)))
+                }
+                Err(why) => Ok((Device::Cpu { threads }, Some(format!("device auto: using the CPU: {why}")))),
+            },
+            DeviceRequest::Cuda(n) => match probe(n) {
+                Ok(g) => Ok((cuda_device(g), None)),
+                Err(why) => bail!("--device cuda:{n}: {why}; use --device cpu"),
+            },
         }
     }
 
     pub fn describe(&self) -> String {
         match self {
             Device::Cpu { threads } => format!("cpu ({threads} threads)"),
+            Device::Cuda { ordinal, name, compute_capability: (a, b), memory_bytes } => {
+                format!("cuda:{ordinal} ({name}, sm_{a}{b}, {:.1} GiB)", *memory_bytes as f64 / (1u64 << 30) as f64)
+            }
         }
     }
 
@@ -62,6 +87,65 @@ impl Device {
     pub fn class(&self) -> &'static str {
         match self {
             Device::Cpu { .. } => "cpu",
+            Device::Cuda { .. } => "cuda",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h200(n: usize) -> Result<cuda::GpuInfo, String> {
+        if n == 0 {
+            Ok(cuda::GpuInfo {
+                ordinal: 0,
+                name: "NVIDIA H200".into(),
+                compute_capability: (9, 0),
+                memory_bytes: 150_000_000_000,
+                multiprocessors: 132,
+            })
+        } else {
+            Err(format!("CUDA device {n} does not exist (1 present: 0..0)"))
+        }
+    }
+
+    fn none(_: usize) -> Result<cuda::GpuInfo, String> {
+        Err("no CUDA driver: libcuda.so could not be loaded".into())
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_cpu_and_says_why() {
+        let (d, note) = Device::select_with(DeviceRequest::Auto, 4, none).unwrap();
+        assert_eq!(d, Device::Cpu { threads: 4 });
+        let note = note.unwrap();
+        assert!(note.contains("using the CPU") && note.contains("libcuda.so"), "{note}");
+        assert!(!note.contains('\n'));
+    }
+
+    #[test]
+    fn auto_takes_a_present_gpu() {
+        let (d, note) = Device::select_with(DeviceRequest::Auto, 4, h200).unwrap();
+        assert_eq!(d.class(), "cuda");
+        assert_eq!(d.describe(), "cuda:0 (NVIDIA H200, sm_90, 139.7 GiB)");
+        assert!(note.unwrap().contains("NVIDIA H200"));
+    }
+
+    #[test]
+    fn cuda_without_a_device_is_a_one_line_error() {
+        let e = Device::select_with(DeviceRequest::Cuda(0), 4, none).unwrap_err().to_string();
+        assert!(e.starts_with("--device cuda:0: no CUDA driver"), "{e}");
+        assert!(!e.contains('\n'));
+        let e = Device::select_with(DeviceRequest::Cuda(3), 4, h200).unwrap_err().to_string();
+        assert!(e.contains("CUDA device 3 does not exist"), "{e}");
+        let (d, note) = Device::select_with(DeviceRequest::Cuda(0), 4, h200).unwrap();
+        assert!(matches!(d, Device::Cuda { ordinal: 0, .. }) && note.is_none());
+    }
+
+    #[test]
+    fn cpu_never_probes() {
+        let (d, note) = Device::select_with(DeviceRequest::Cpu, 2, |_| panic!("probed")).unwrap();
+        assert_eq!(d, Device::Cpu { threads: 2 });
+        assert!(note.is_none());
     }
 }

@@ -1,0 +1,45 @@
+// The Main KV codecs on their own, for tests: the same device functions the forward pass
+// stores and reads K/V with (kv_store_warp in qkv_prep, kv_load in attention), so tests
+// can compare stored bytes and decoded values with the CPU specification in src/kv/.
+// CPU twins: encode_into / decode_into of src/kv/{int8,fp8,nvfp4}.rs and bf16::roundtrip.
+
+// Standalone codecs over n vectors of D <= 256 values: the same device functions as the
+// fused path, exposed so tests can compare stored bytes and decoded values with the CPU.
+// Encode grid: (ceil(n / 8)), block 256 (one warp per vector). Decode grid:
+// (ceil(n * D / 256)), block 256.
+template <int E>
+__device__ void kv_encode(const float* __restrict__ x, i64 n, int D, KvTensor t) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (i >= n) return;
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int j = lane + 32 * k;
+        v[k] = j < D ? x[i * D + j] : 0.0f;
+    }
+    kv_store_warp<E, 8>(t, i, D, v);
+}
+
+template <int E>
+__device__ void kv_decode(KvTensor t, i64 n, int D, float* __restrict__ out) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n * D) return;
+    i64 i = idx / D;
+    int j = (int)(idx - i * D);
+    out[idx] = kv_load<E>(t, i, j, D);
+}
+
+#define CODEC_ENTRIES(NAME, E)                                                                          \
+    extern "C" __global__ void kv_encode_##NAME(const float* x, i64 n, int D, KvTensor t) {             \
+        kv_encode<E>(x, n, D, t);                                                                       \
+    }                                                                                                   \
+    extern "C" __global__ void kv_decode_##NAME(KvTensor t, i64 n, int D, float* out) {                 \
+        kv_decode<E>(t, n, D, out);                                                                     \
+    }
+
+CODEC_ENTRIES(f32, E_F32)
+CODEC_ENTRIES(bf16, E_BF16)
+CODEC_ENTRIES(int8, E_INT8)
+CODEC_ENTRIES(fp8, E_FP8)
+CODEC_ENTRIES(nvfp4, E_NVFP4)

@@ -1,0 +1,82 @@
+// Row-wise and element-wise kernels of the forward pass: embedding gather, RMSNorm,
+// SwiGLU, residual add and casts. CPU twins: src/model/forward.rs (embedding gather),
+// src/backend/cpu/norm.rs (rms_norm, rms_norm_row, swiglu).
+//
+// Activations between kernels are f32; a kernel whose output feeds a cuBLAS GEMM writes
+// either bf16 (`out_bf16 != 0`, the default precision) or f32 (the f32 precision mode).
+
+// x[m, :] = embed[tokens[m], :] widened to f32. Token ids were range-checked on the host.
+// Grid: (rows), block: 256.
+extern "C" __global__ void embed_gather(const i32* __restrict__ tokens, const void* __restrict__ embed,
+                                        int embed_bf16, float* __restrict__ x, int d) {
+    i64 m = blockIdx.x;
+    i64 id = tokens[m];
+    float* out = x + m * d;
+    if (embed_bf16) {
+        const u16* row = (const u16*)embed + id * d;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) out[j] = bf16_to_f32(row[j]);
+    } else {
+        const float* row = (const float*)embed + id * d;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) out[j] = row[j];
+    }
+}
+
+__device__ __forceinline__ void store_act(void* out, i64 idx, float v, int out_bf16) {
+    if (out_bf16) {
+        ((u16*)out)[idx] = f32_to_bf16(v);
+    } else {
+        ((float*)out)[idx] = v;
+    }
+}
+
+// out[r, :] = x[src, :] / sqrt(mean(x[src, :]^2) + eps) * w, src = rows ? rows[r] : r.
+// The mean of squares is accumulated in f64, the scaling done in f32 as on the CPU:
+// inv = (float)(1 / sqrt(ss / d + eps)); out = w * (x * inv).
+// Grid: (out rows), block: 256 (any multiple of 32 up to 1024).
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const i32* __restrict__ rows,
+                                    const float* __restrict__ w, void* __restrict__ out, int out_bf16,
+                                    int d, double eps) {
+    __shared__ double scratch[32];
+    i64 r = blockIdx.x;
+    i64 src = rows ? (i64)rows[r] : r;
+    const float* xr = x + src * d;
+    double ss = 0.0;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        double v = (double)xr[j];
+        ss += v * v;
+    }
+    ss = block_sum_f64(ss, scratch);
+    float inv = (float)(1.0 / sqrt(ss / (double)d + eps));
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float v = __fmul_rn(w[j], __fmul_rn(xr[j], inv));
+        store_act(out, r * d + j, v, out_bf16);
+    }
+}
+
+// act[t, j] = silu(gu[t, j]) * gu[t, f + j] for a fused gate/up GEMM output gu[T, 2f].
+// Grid: (ceil(rows * f / 256)), block: 256.
+extern "C" __global__ void swiglu(const float* __restrict__ gu, void* __restrict__ act, int out_bf16,
+                                  i64 rows, int f) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * f) return;
+    i64 t = idx / f;
+    int j = (int)(idx - t * f);
+    float x = gu[t * 2 * f + j];
+    float u = gu[t * 2 * f + f + j];
+    float s = __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
+    store_act(act, idx, __fmul_rn(s, u), out_bf16);
+}
+
+// x += y, element-wise (the residual add when a GEMM cannot accumulate in place).
+// Grid: (ceil(n / 256)), block: 256.
+extern "C" __global__ void residual_add(float* __restrict__ x, const float* __restrict__ y, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// out = bf16(in), element-wise (weights uploaded as f32 and narrowed on the device).
+// Grid: (ceil(n / 256)), block: 256.
+extern "C" __global__ void cast_f32_bf16(const float* __restrict__ in, u16* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_bf16(in[i]);
+}

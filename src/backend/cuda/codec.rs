@@ -1,0 +1,72 @@
+//! The Main KV codecs on the device, for tests: encode vectors with the same device code
+//! the forward pass stores K/V with (`kv_store_warp` via `kv_encode_*`), read back the
+//! stored bytes in the CPU's `Encoded::to_bytes` layout, and decode them with the
+//! attention kernels' loader (`kv_load` via `kv_decode_*`).
+
+use super::device::{Arg, Gpu};
+use super::plan;
+use crate::kv::Elem;
+use anyhow::{bail, Result};
+
+/// Stored bytes of every vector (CPU layout: payload, block scales, scale) and the decoded
+/// values, for `x` holding `x.len() / d` vectors of `d` values.
+pub struct DeviceCodec {
+    pub stored: Vec<Vec<u8>>,
+    pub decoded: Vec<f32>,
+}
+
+pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<DeviceCodec> {
+    if d == 0 || d > plan::MAX_HEAD_DIM || x.len() % d != 0 {
+        bail!("vectors of {d} values: 1..={} and a whole number of them", plan::MAX_HEAD_DIM);
+    }
+    let n = x.len() / d;
+    let (a, s, bs) = plan::kv_arrays(elem, n, d);
+    let xin = gpu.upload(x)?;
+    let data = gpu.alloc(a.max(256))?;
+    let scale = gpu.alloc(s.max(256))?;
+    let bscale = gpu.alloc(bs.max(256))?;
+    for buf in [&data, &scale, &bscale] {
+        gpu.memset(buf, 0, buf.bytes, 0xA5)?; // poison: every stored byte must be written
+    }
+    let t = Arg::Kv([data.ptr, scale.ptr, bscale.ptr]);
+    let name = elem.name();
+    gpu.launch(
+        &format!("kv_encode_{name}"),
+        (plan::blocks_for(n, 8), 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(xin.ptr), Arg::I64(n as i64), Arg::I32(d as i32), t],
+    )?;
+    let out = gpu.alloc(4 * n * d)?;
+    gpu.launch(
+        &format!("kv_decode_{name}"),
+        (plan::blocks_for(n * d, 256), 1, 1),
+        256,
+        0,
+        &[t, Arg::I64(n as i64), Arg::I32(d as i32), Arg::Ptr(out.ptr)],
+    )?;
+    let decoded: Vec<f32> = gpu.read(&out, 0, n * d)?;
+    let payload_per = match elem {
+        Elem::F32 => 4 * d,
+        Elem::Bf16 => 2 * d,
+        Elem::Int8 | Elem::Fp8 => d,
+        Elem::Nvfp4 => d.div_ceil(2),
+    };
+    let payload: Vec<u8> = gpu.read(&data, 0, n * payload_per)?;
+    let scales: Vec<u8> = if matches!(elem, Elem::Int8 | Elem::Fp8 | Elem::Nvfp4) { gpu.read(&scale, 0, 4 * n)? } else { vec![] };
+    let nb = d.div_ceil(16);
+    let bscales: Vec<u8> = if elem == Elem::Nvfp4 { gpu.read(&bscale, 0, n * nb)? } else { vec![] };
+    let stored = (0..n)
+        .map(|i| {
+            let mut v = payload[i * payload_per..(i + 1) * payload_per].to_vec();
+            if elem == Elem::Nvfp4 {
+                v.extend_from_slice(&bscales[i * nb..(i + 1) * nb]);
+            }
+            if !scales.is_empty() {
+                v.extend_from_slice(&scales[4 * i..4 * i + 4]);
+            }
+            v
+        })
+        .collect();
+    Ok(DeviceCodec { stored, decoded })
+}

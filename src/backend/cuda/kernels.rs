@@ -1,0 +1,150 @@
+//! The CUDA kernel sources, embedded at build time, and the NVRTC programs made of them.
+//!
+//! A program is `kernels/common.cuh` followed by one `kernels/*.cu` file, so NVRTC needs no
+//! include path or CUDA header at run time. The modules whose kernels are instantiated per
+//! Main KV representation (`qkv`, `attention`) are compiled once per representation, with
+//! `KV_ONLY_<name>` defined, so a run compiles only what it launches.
+
+/// Shared device code, prepended to every program.
+pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
+
+/// One `kernels/*.cu` file.
+pub struct KernelModule {
+    pub name: &'static str,
+    pub source: &'static str,
+    /// Compiled once per KV representation.
+    pub per_kv: bool,
+}
+
+pub const MODULES: [KernelModule; 5] = [
+    KernelModule { name: "elementwise", source: include_str!("../../../kernels/elementwise.cu"), per_kv: false },
+    KernelModule { name: "qkv", source: include_str!("../../../kernels/qkv.cu"), per_kv: true },
+    KernelModule { name: "attention", source: include_str!("../../../kernels/attention.cu"), per_kv: true },
+    KernelModule { name: "head", source: include_str!("../../../kernels/head.cu"), per_kv: false },
+    KernelModule { name: "codec", source: include_str!("../../../kernels/codec.cu"), per_kv: false },
+];
+
+/// KV representation names as they appear in entry points (`KvDtype::name`).
+pub const KV_NAMES: [&str; 6] = ["f32", "bf16", "int8", "fp8", "nvfp4", "k8v4"];
+/// Element formats of the standalone codecs (`Elem::name`).
+const ELEM_NAMES: [&str; 5] = ["f32", "bf16", "int8", "fp8", "nvfp4"];
+
+/// What NVRTC compiles: a module, for one KV representation when the module is per-KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Program {
+    pub module: &'static str,
+    pub kv: Option<&'static str>,
+}
+
+fn module(name: &str) -> &'static KernelModule {
+    MODULES.iter().find(|m| m.name == name).unwrap_or_else(|| panic!("unknown kernel module {name}"))
+}
+
+impl Program {
+    /// Every program, each module's KV variants in `KV_NAMES` order.
+    pub fn all() -> Vec<Program> {
+        let mut v = Vec::new();
+        for m in &MODULES {
+            if m.per_kv {
+                v.extend(KV_NAMES.iter().map(|k| Program { module: m.name, kv: Some(*k) }));
+            } else {
+                v.push(Program { module: m.name, kv: None });
+            }
+        }
+        v
+    }
+
+    /// A name for logs and caches: `attention[int8]`.
+    pub fn key(&self) -> String {
+        match self.kv {
+            Some(k) => format!("{}[{k}]", self.module),
+            None => self.module.to_string(),
+        }
+    }
+
+    /// The full text NVRTC compiles.
+    pub fn text(&self) -> String {
+        let m = module(self.module);
+        let define = match self.kv {
+            Some(k) => format!("#define KV_ONLY_{k} 1\n"),
+            None => String::new(),
+        };
+        format!("{define}{COMMON}\n// ---- kernels/{}.cu\n{}", m.name, m.source)
+    }
+
+    /// Every `extern "C"` entry point the program defines.
+    pub fn entries(&self) -> Vec<String> {
+        match (self.module, self.kv) {
+            ("elementwise", _) => ["embed_gather", "rms_norm", "swiglu", "residual_add", "cast_f32_bf16"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ("qkv", Some(k)) => [2, 4, 8].iter().map(|nk| format!("qkv_prep_{k}_nk{nk}")).collect(),
+            ("attention", Some(k)) => {
+                vec![format!("attn_f32_{k}"), format!("attn_mma_{k}_d64"), format!("attn_mma_{k}_d128")]
+            }
+            ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
+            ("codec", _) => ELEM_NAMES.iter().flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")]).collect(),
+            (m, k) => panic!("no program {m} {k:?}"),
+        }
+    }
+
+    /// The program that defines an entry point.
+    pub fn of(entry: &str) -> Option<Program> {
+        Program::all().into_iter().find(|p| p.entries().iter().any(|e| e == entry))
+    }
+}
+
+/// Entry points whose speed matters most: local-memory spills there are a defect.
+pub fn is_hot(entry: &str) -> bool {
+    entry.starts_with("attn_mma_") || entry.starts_with("qkv_prep_") || entry.starts_with("head_")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::plan::{qkv_entry, AttnKernel, Precision};
+    use crate::kv::{Elem, KvDtype};
+
+    #[test]
+    fn every_launched_entry_has_a_program() {
+        for kv in KvDtype::ALL {
+            assert!(KV_NAMES.contains(&kv.name()));
+            for hd in [8, 64, 128, 256] {
+                let q = qkv_entry(kv, hd).unwrap();
+                assert_eq!(Program::of(&q), Some(Program { module: "qkv", kv: Some(kv.name()) }), "{q}");
+                for p in [Precision::Bf16, Precision::F32] {
+                    let a = AttnKernel::choose(p, hd).entry(kv);
+                    assert_eq!(Program::of(&a), Some(Program { module: "attention", kv: Some(kv.name()) }), "{a}");
+                }
+            }
+        }
+        for e in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
+            assert_eq!(Program::of(&format!("kv_encode_{}", e.name())).unwrap().module, "codec");
+            assert_eq!(Program::of(&format!("kv_decode_{}", e.name())).unwrap().module, "codec");
+        }
+        for e in ["embed_gather", "rms_norm", "swiglu", "head_reduce", "head_finish"] {
+            assert!(Program::of(e).is_some(), "{e}");
+        }
+        assert!(Program::of("nope").is_none());
+        assert_eq!(Program::all().len(), 3 + 2 * KV_NAMES.len());
+    }
+
+    #[test]
+    fn programs_are_self_contained_and_select_their_variant() {
+        for p in Program::all() {
+            let t = p.text();
+            assert!(t.contains(COMMON));
+            if let Some(k) = p.kv {
+                assert!(t.starts_with(&format!("#define KV_ONLY_{k} 1\n")), "{}", p.key());
+                // The source guards every variant it instantiates.
+                assert!(module(p.module).source.contains(&format!("defined(KV_ONLY_{k})")), "{}", p.key());
+            }
+        }
+        for m in &MODULES {
+            assert!(!m.source.contains("#include"), "{} must not include headers", m.name);
+        }
+        assert!(!COMMON.contains("#include"));
+        assert_eq!(Program { module: "attention", kv: Some("int8") }.key(), "attention[int8]");
+    }
+}

@@ -1,0 +1,181 @@
+//! Finding the CUDA libraries at run time.
+//!
+//! cudarc opens `libcuda`, `libnvrtc` and `libcublas` by name, through the dynamic loader,
+//! the first time one of their functions is called, and panics when a library is missing.
+//! Every path into CUDA therefore checks presence first ([`missing_library`]). Libraries
+//! outside the loader's search path (a pip wheel's `nvidia/cu13/lib`, a toolkit not in
+//! `ld.so.conf`) can be named by directory: [`preload_env`] opens every library of ours
+//! found in the directories listed in `NINFER_CUDA_LIB_DIR` (colon separated) and
+//! `NINFER_NVRTC_LIB_DIR`, by full path and with global visibility, so the later open by
+//! name finds the already-loaded object (the dynamic loader matches it by soname).
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    fn dlerror() -> *const c_char;
+}
+const RTLD_NOW: c_int = 2;
+const RTLD_GLOBAL: c_int = 0x100;
+
+/// Library file name prefixes, in load order (dependencies first).
+const PREFIXES: [&str; 4] = ["libnvrtc-builtins.so", "libnvrtc.so", "libcublasLt.so", "libcublas.so"];
+
+/// Environment variables naming library directories.
+pub const ENV_DIRS: [&str; 2] = ["NINFER_CUDA_LIB_DIR", "NINFER_NVRTC_LIB_DIR"];
+
+/// The directories the environment names, in order.
+pub fn env_dirs() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for var in ENV_DIRS {
+        if let Some(s) = std::env::var_os(var) {
+            for p in std::env::split_paths(&s) {
+                if !p.as_os_str().is_empty() {
+                    v.push(p);
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Opens one library by full path; the handle is kept for the life of the process.
+pub fn open_path(path: &Path) -> Result<(), String> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| format!("{}: bad path", path.display()))?;
+    // SAFETY: dlopen with a valid C string; the handle is intentionally never closed.
+    let h = unsafe { dlopen(c.as_ptr(), RTLD_NOW | RTLD_GLOBAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a thread-local C string or null.
+        let msg = unsafe {
+            let e = dlerror();
+            if e.is_null() {
+                "unknown error".to_string()
+            } else {
+                CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        return Err(format!("{}: {msg}", path.display()));
+    }
+    Ok(())
+}
+
+/// Files in `dir` that are CUDA libraries this backend uses, in load order. `.alt.`
+/// variants (a second build of the same library in NVIDIA's wheels) are skipped.
+pub fn libraries_in(dir: &Path) -> Vec<PathBuf> {
+    let mut names: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Err(_) => return Vec::new(),
+    };
+    names.sort();
+    let mut out = Vec::new();
+    for prefix in PREFIXES {
+        for n in &names {
+            let tail = &n[prefix.len().min(n.len())..];
+            if n.starts_with(prefix) && (tail.is_empty() || tail.starts_with('.')) && !n.contains(".alt.") {
+                out.push(dir.join(n));
+            }
+        }
+    }
+    out
+}
+
+/// Preloads the libraries found in the environment's directories, once per process.
+/// Returns the failures (a library that exists but cannot be opened), for diagnostics.
+pub fn preload_env() -> &'static [String] {
+    static DONE: OnceLock<Vec<String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let mut errs = Vec::new();
+        for dir in env_dirs() {
+            for lib in libraries_in(&dir) {
+                if let Err(e) = open_path(&lib) {
+                    errs.push(e);
+                }
+            }
+        }
+        errs
+    })
+}
+
+/// Which of the driver, NVRTC and cuBLAS libraries cannot be opened, as one line naming
+/// them; `None` when all are there. Never panics.
+pub fn missing_library() -> Option<String> {
+    let errs = preload_env();
+    // SAFETY: these only try to open the libraries by name and close them again.
+    let (drv, rtc, blas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    if !drv {
+        return Some("no CUDA driver: libcuda.so could not be loaded".to_string());
+    }
+    let mut missing = Vec::new();
+    if !rtc {
+        missing.push("libnvrtc.so.13");
+    }
+    if !blas {
+        missing.push("libcublas.so.13");
+    }
+    if missing.is_empty() {
+        return None;
+    }
+    let mut msg = format!(
+        "{} not found (install the CUDA 13 runtime libraries, or name their directory in NINFER_CUDA_LIB_DIR)",
+        missing.join(" and ")
+    );
+    if !errs.is_empty() {
+        msg.push_str(&format!("; preload failed: {}", errs.join("; ")));
+    }
+    Some(msg)
+}
+
+/// Whether NVRTC can be loaded (no driver needed): the compile-only check.
+pub fn nvrtc_present() -> bool {
+    preload_env();
+    // SAFETY: only opens and closes the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn library_files_are_found_in_dependency_order() {
+        let d = tempfile::tempdir().unwrap();
+        for n in [
+            "libcublas.so.13",
+            "libnvrtc.so.13",
+            "libnvrtc.alt.so.13",
+            "libnvrtc-builtins.so.13.0",
+            "libcublasLt.so.13",
+            "libcublasLt_static.a",
+            "libnvrtc.so",
+            "README",
+        ] {
+            std::fs::write(d.path().join(n), b"").unwrap();
+        }
+        let names: Vec<String> = libraries_in(d.path())
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            ["libnvrtc-builtins.so.13.0", "libnvrtc.so", "libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13"]
+        );
+        assert!(libraries_in(Path::new("/nonexistent/dir")).is_empty());
+    }
+
+    #[test]
+    fn opening_a_non_library_fails_with_the_path() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("libnvrtc.so.13");
+        std::fs::write(&p, b"not an ELF file").unwrap();
+        let e = open_path(&p).unwrap_err();
+        assert!(e.contains("libnvrtc.so.13"), "{e}");
+    }
+}

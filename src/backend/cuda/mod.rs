@@ -1,0 +1,123 @@
+//! The CUDA backend: the same forward pass and scoring head as the CPU reference, run on
+//! an NVIDIA GPU over batches of windows.
+//!
+//! Built by default (cargo feature `cuda`) through cudarc with dynamic loading: nothing
+//! from CUDA is needed to build, and the driver, NVRTC and cuBLAS are opened at run time
+//! only after [`loader::missing_library`] has confirmed they exist (cudarc panics on a
+//! missing library). Kernels (`kernels/*.cu`) are compiled by NVRTC for the device's
+//! architecture at first use and cached per process; matrix products go through cuBLAS.
+//! See `docs/cuda.md`.
+//!
+//! Always compiled, so their tests run on every machine: [`plan`] (batching, tiles, memory
+//! planning, FLOP counts), [`kernels`] (the embedded sources) and [`random`] (random-weight
+//! artifacts for benchmarks).
+
+pub mod kernels;
+pub mod plan;
+pub mod random;
+
+#[cfg(feature = "cuda")]
+pub mod codec;
+#[cfg(feature = "cuda")]
+pub mod device;
+#[cfg(feature = "cuda")]
+mod gemm;
+#[cfg(feature = "cuda")]
+pub mod loader;
+#[cfg(feature = "cuda")]
+pub mod model;
+#[cfg(feature = "cuda")]
+pub mod nvrtc;
+
+#[cfg(feature = "cuda")]
+pub use model::CudaModel;
+
+use serde::{Deserialize, Serialize};
+
+/// Environment variable choosing the CUDA arithmetic: `bf16` (default) or `f32`.
+pub const PRECISION_ENV: &str = "NINFER_CUDA_PRECISION";
+
+/// What a probe learns about a device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub memory_bytes: u64,
+    pub multiprocessors: u32,
+}
+
+/// Whether this build contains the CUDA backend.
+pub const BUILT: bool = cfg!(feature = "cuda");
+
+/// Looks for device `ordinal` without creating a context: the libraries, the driver, the
+/// device count, the device's name, architecture and memory. The error is one line that
+/// says what is missing. Never panics, also without a driver.
+#[cfg(feature = "cuda")]
+pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
+    use cudarc::driver::{result, sys};
+    if let Some(m) = loader::missing_library() {
+        return Err(m);
+    }
+    result::init().map_err(|e| format!("the CUDA driver did not initialize ({e})"))?;
+    let count = result::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e})"))?;
+    if count <= 0 {
+        return Err("the CUDA driver reports no device".to_string());
+    }
+    if ordinal >= count as usize {
+        return Err(format!("CUDA device {ordinal} does not exist ({count} present: 0..{})", count - 1));
+    }
+    let dev = result::device::get(ordinal as i32).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+    let attr = |a: sys::CUdevice_attribute| -> Result<i32, String> {
+        // SAFETY: a valid device handle.
+        unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("CUDA device {ordinal}: {e}"))
+    };
+    use sys::CUdevice_attribute::*;
+    let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let name = result::device::get_name(dev).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+    // SAFETY: a valid device handle.
+    let mem = unsafe { result::device::total_mem(dev) }.map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+    if major < 8 {
+        return Err(format!(
+            "CUDA device {ordinal} ({name}) is sm_{major}{minor}; the kernels need sm_80 or newer (bf16 tensor cores)"
+        ));
+    }
+    Ok(GpuInfo {
+        ordinal,
+        name,
+        compute_capability: (major, minor),
+        memory_bytes: mem as u64,
+        multiprocessors: sms.max(0) as u32,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn probe(_ordinal: usize) -> Result<GpuInfo, String> {
+    Err("this build has no CUDA backend (built without the `cuda` feature)".to_string())
+}
+
+/// Device memory of a CUDA run, for reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryReport {
+    /// The most bytes this process had allocated at once (weights, activations, head).
+    pub peak_allocated_bytes: u64,
+    /// Device memory in use at the fullest point seen (all processes, driver included).
+    pub peak_used_bytes: u64,
+    pub weights_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// Stand-in when the backend is not built: never constructed (Device::select refuses CUDA).
+#[cfg(not(feature = "cuda"))]
+pub struct CudaModel {
+    _never: std::convert::Infallible,
+}
+
+#[cfg(not(feature = "cuda"))]
+impl CudaModel {
+    pub fn config(&self) -> &crate::model::config::ModelConfig {
+        match self._never {}
+    }
+}

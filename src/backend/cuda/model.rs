@@ -1,0 +1,668 @@
+//! The CUDA forward pass over a batch of windows, fused with the scoring head. The twin of
+//! `CpuModel::window_logprobs` (src/model/forward.rs): the same steps in the same order,
+//! with several independent windows packed row after row into one pass.
+//!
+//! Per layer: RMSNorm → qkv GEMM → `qkv_prep` (bias, q/k norm, RoPE, K/V quantize-and-store
+//! in the Main KV representation) → causal attention reading the stored K/V → o-proj GEMM
+//! accumulating into the residual → RMSNorm → gate/up GEMM → SwiGLU → down GEMM
+//! accumulating into the residual. Then only the rows that predict a target go through
+//! the final norm and the head, one vocabulary chunk at a time.
+
+use super::device::{Arg, DevBuf, Gpu};
+use super::gemm::{Blas, Mat};
+use super::plan::{self, AttnKernel, MemPlan, Precision};
+use super::{MemoryReport, PRECISION_ENV};
+use crate::artifact::Artifact;
+use crate::backend::cpu::rope::{inv_freq, RopeTable};
+use crate::kv::{Elem, KvDtype};
+use crate::model::config::ModelConfig;
+use crate::model::forward::ForwardError;
+use crate::score::Window;
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Why scoring stopped.
+#[derive(Debug)]
+pub enum ScoreError {
+    /// A window failed the way the CPU reference fails (index into the windows given).
+    Window { index: usize, error: ForwardError },
+    /// The device failed (allocation, launch, execution).
+    Device(anyhow::Error),
+}
+
+impl From<anyhow::Error> for ScoreError {
+    fn from(e: anyhow::Error) -> Self {
+        ScoreError::Device(e)
+    }
+}
+
+struct LayerW {
+    attn_norm: DevBuf,
+    wqkv: DevBuf,
+    bqkv: Option<DevBuf>,
+    q_norm: Option<DevBuf>,
+    k_norm: Option<DevBuf>,
+    wo: DevBuf,
+    mlp_norm: DevBuf,
+    wgu: DevBuf,
+    wdown: DevBuf,
+}
+
+struct DevWeights {
+    embed: DevBuf,
+    layers: Vec<LayerW>,
+    final_norm: DevBuf,
+    lm_head: Option<DevBuf>,
+}
+
+/// A stored K or V tensor: payload, f32 scales, u8 block scales.
+struct KvBufs {
+    data: DevBuf,
+    scale: DevBuf,
+    bscale: DevBuf,
+}
+
+impl KvBufs {
+    fn arg(&self) -> Arg {
+        Arg::Kv([self.data.ptr, self.scale.ptr, self.bscale.ptr])
+    }
+}
+
+/// Activation buffers for up to `plan.max_rows` packed rows.
+struct Buffers {
+    plan: MemPlan,
+    x: DevBuf,
+    h: DevBuf,
+    /// qkv GEMM output, later the gate/up GEMM output (never alive together).
+    scratch: DevBuf,
+    q: DevBuf,
+    k: KvBufs,
+    v: KvBufs,
+    attn: DevBuf,
+    act: DevBuf,
+    logits: DevBuf,
+    run_max: DevBuf,
+    run_sum: DevBuf,
+    run_target: DevBuf,
+    out: DevBuf,
+    err: DevBuf,
+}
+
+struct Rope {
+    positions: usize,
+    cos: DevBuf,
+    sin: DevBuf,
+}
+
+#[derive(Default)]
+struct State {
+    bufs: Option<Buffers>,
+    rope: Option<Rope>,
+}
+
+pub struct CudaModel {
+    pub config: ModelConfig,
+    pub precision: Precision,
+    inv_freq: Vec<f64>,
+    state: Mutex<State>,
+    /// Kernels already allowed more than 48 KiB of dynamic shared memory.
+    smem_set: Mutex<HashSet<String>>,
+    weights: DevWeights,
+    weights_bytes: usize,
+    peak_used: AtomicUsize,
+    blas: Blas,
+    gpu: Gpu,
+}
+
+/// The precision named by `NINFER_CUDA_PRECISION` (bf16 when unset).
+pub fn precision_from_env() -> Result<Precision> {
+    match std::env::var(PRECISION_ENV) {
+        Ok(s) if !s.is_empty() => Precision::parse(&s).with_context(|| format!("{PRECISION_ENV}")),
+        _ => Ok(Precision::Bf16),
+    }
+}
+
+fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {
+    match p {
+        Precision::F32 => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
+        Precision::Bf16 => {
+            let b: Vec<u16> = v.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+            bytemuck::cast_slice::<u16, u8>(&b).to_vec()
+        }
+    }
+}
+
+impl CudaModel {
+    /// Uploads the artifact's weights to device `ordinal`, one tensor at a time (host memory
+    /// holds at most one widened tensor). `progress` sees (tensors done, tensors total).
+    pub fn load(
+        a: &Artifact,
+        ordinal: usize,
+        precision: Precision,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<CudaModel> {
+        let gpu = Gpu::open(ordinal)?;
+        let c = a.config.clone();
+        if c.head_dim > plan::MAX_HEAD_DIM {
+            bail!("head_dim {} is larger than the CUDA kernels take ({})", c.head_dim, plan::MAX_HEAD_DIM);
+        }
+        let need = plan::weight_bytes(&c, precision);
+        let (free, _) = gpu.mem_info()?;
+        if need + plan::RESERVE_BYTES.min(free / 8) > free {
+            bail!(
+                "{}: the weights need {} MiB in {} on the device, {} MiB are free",
+                gpu.info.name,
+                need >> 20,
+                precision.name(),
+                free >> 20
+            );
+        }
+        let total = c.expected_tensors().len();
+        let mut done = 0usize;
+        let e = precision.elem_bytes();
+        let mut tick = |n: usize| {
+            done += n;
+            progress(done, total);
+        };
+        // Matrices: rows of several tensors concatenated, in the precision's element type.
+        let matrix = |names: &[String], rows: usize, cols: usize, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let buf = gpu.alloc(rows * cols * e)?;
+            let mut off = 0;
+            for n in names {
+                let t = a.tensor_f32(n)?;
+                let bytes = to_device_elems(&t, precision);
+                gpu.write(&buf, off, &bytes)?;
+                off += bytes.len();
+                tick(1);
+            }
+            debug_assert_eq!(off, buf.bytes);
+            Ok(buf)
+        };
+        let vector = |name: &str, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let t = a.tensor_f32(name)?;
+            let b = gpu.upload(&t)?;
+            tick(1);
+            Ok(b)
+        };
+        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let embed = matrix(&["model.embed_tokens.weight".to_string()], c.vocab_size, d, &mut tick)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let attn_norm = vector(&format!("{p}.input_layernorm.weight"), &mut tick)?;
+            let wqkv = matrix(
+                &[
+                    format!("{p}.self_attn.q_proj.weight"),
+                    format!("{p}.self_attn.k_proj.weight"),
+                    format!("{p}.self_attn.v_proj.weight"),
+                ],
+                qd + 2 * kvd,
+                d,
+                &mut tick,
+            )?;
+            let bqkv = if c.attention_bias {
+                let mut b = a.tensor_f32(&format!("{p}.self_attn.q_proj.bias"))?;
+                b.extend(a.tensor_f32(&format!("{p}.self_attn.k_proj.bias"))?);
+                b.extend(a.tensor_f32(&format!("{p}.self_attn.v_proj.bias"))?);
+                tick(3);
+                Some(gpu.upload(&b)?)
+            } else {
+                None
+            };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (
+                    Some(vector(&format!("{p}.self_attn.q_norm.weight"), &mut tick)?),
+                    Some(vector(&format!("{p}.self_attn.k_norm.weight"), &mut tick)?),
+                )
+            } else {
+                (None, None)
+            };
+            let wo = matrix(&[format!("{p}.self_attn.o_proj.weight")], d, qd, &mut tick)?;
+            let mlp_norm = vector(&format!("{p}.post_attention_layernorm.weight"), &mut tick)?;
+            let wgu = matrix(
+                &[format!("{p}.mlp.gate_proj.weight"), format!("{p}.mlp.up_proj.weight")],
+                2 * f,
+                d,
+                &mut tick,
+            )?;
+            let wdown = matrix(&[format!("{p}.mlp.down_proj.weight")], d, f, &mut tick)?;
+            layers.push(LayerW { attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown });
+        }
+        let final_norm = vector("model.norm.weight", &mut tick)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(matrix(&["lm_head.weight".to_string()], c.vocab_size, d, &mut tick)?)
+        };
+        let weights = DevWeights { embed, layers, final_norm, lm_head };
+        let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
+        let blas = Blas::new(&gpu, precision)?;
+        let inv_freq = inv_freq(c.head_dim, c.rope_theta, c.rope_scaling.as_ref());
+        Ok(CudaModel {
+            config: c,
+            precision,
+            inv_freq,
+            state: Mutex::new(State::default()),
+            smem_set: Mutex::new(HashSet::new()),
+            weights,
+            weights_bytes,
+            peak_used: AtomicUsize::new(0),
+            blas,
+            gpu,
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn attention_kernel(&self) -> AttnKernel {
+        AttnKernel::choose(self.precision, self.config.head_dim)
+    }
+
+    pub fn memory_report(&self) -> MemoryReport {
+        MemoryReport {
+            peak_allocated_bytes: self.gpu.stats.peak.load(Ordering::Relaxed) as u64,
+            peak_used_bytes: self.peak_used.load(Ordering::Relaxed) as u64,
+            weights_bytes: self.weights_bytes as u64,
+            total_bytes: self.gpu.info.memory_bytes,
+        }
+    }
+
+    /// Scores windows of one stream, batching consecutive windows into forward passes sized
+    /// from free device memory. `on_batch(first, results)` receives each batch's per-window
+    /// log-probabilities in window order; when a window fails, the windows before it are
+    /// delivered first.
+    pub fn score_windows(
+        &self,
+        tokens: &[u32],
+        windows: &[Window],
+        kv: KvDtype,
+        on_batch: &mut dyn FnMut(usize, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<(), ScoreError> {
+        if windows.is_empty() {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap();
+        self.gpu.bind()?;
+        let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
+        self.ensure_buffers(&mut st, longest)?;
+        self.ensure_rope(&mut st, longest)?;
+        let plan = st.bufs.as_ref().expect("allocated").plan.clone();
+        let lens: Vec<usize> = windows.iter().map(|w| w.len()).collect();
+        for batch in plan::pack_batches(&lens, plan.max_rows, plan::MAX_WINDOWS)? {
+            let wins: Vec<(&[u32], usize)> =
+                windows[batch.clone()].iter().map(|w| (&tokens[w.begin..w.end], w.start - w.begin)).collect();
+            match self.forward_batch(&st, &wins, kv) {
+                Ok(lps) => on_batch(batch.start, lps)?,
+                Err(ScoreError::Window { index, error }) => {
+                    return Err(ScoreError::Window { index: batch.start + index, error });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn ensure_buffers(&self, st: &mut State, longest: usize) -> Result<()> {
+        if let Some(b) = &st.bufs {
+            if b.plan.max_rows >= longest {
+                return Ok(());
+            }
+        }
+        st.bufs = None; // free before planning again
+        let (free, _) = self.gpu.mem_info()?;
+        // Stored K/V buffers are sized for the widest representation (f32), so one
+        // allocation serves every KV dtype.
+        let p = plan::plan_memory(&self.config, KvDtype::F32, self.precision, free, longest)?;
+        let c = &self.config;
+        let (d, qd, kvd, f, hd, hkv) =
+            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim, c.num_kv_heads);
+        let rows = p.max_rows;
+        let e = self.precision.elem_bytes();
+        let g = &self.gpu;
+        let kvbufs = || -> Result<KvBufs> {
+            let n = rows * hkv;
+            let (_, s, _) = plan::kv_arrays(Elem::Int8, n, hd);
+            let (_, _, bs) = plan::kv_arrays(Elem::Nvfp4, n, hd);
+            let (data, _, _) = plan::kv_arrays(Elem::F32, n, hd);
+            Ok(KvBufs { data: g.alloc(data)?, scale: g.alloc(s)?, bscale: g.alloc(bs)? })
+        };
+        let bufs = Buffers {
+            x: g.alloc(rows * d * 4)?,
+            h: g.alloc(rows * d * e)?,
+            scratch: g.alloc(rows * (qd + 2 * kvd).max(2 * f) * 4)?,
+            q: g.alloc(rows * qd * 4)?,
+            k: kvbufs()?,
+            v: kvbufs()?,
+            attn: g.alloc(rows * qd * e)?,
+            act: g.alloc(rows * f * e)?,
+            logits: g.alloc(p.head_rows * p.vocab_chunk * 4)?,
+            run_max: g.alloc(rows * 4)?,
+            run_sum: g.alloc(rows * 8)?,
+            run_target: g.alloc(rows * 4)?,
+            out: g.alloc(rows * 4)?,
+            err: g.alloc(8)?,
+            plan: p,
+        };
+        tracing::debug!(
+            "CUDA buffers: {} rows per pass, head {} rows x {} vocab, {} MiB",
+            bufs.plan.max_rows,
+            bufs.plan.head_rows,
+            bufs.plan.vocab_chunk,
+            bufs.plan.planned_bytes >> 20
+        );
+        st.bufs = Some(bufs);
+        Ok(())
+    }
+
+    fn ensure_rope(&self, st: &mut State, positions: usize) -> Result<()> {
+        if st.rope.as_ref().is_some_and(|r| r.positions >= positions) {
+            return Ok(());
+        }
+        let n = positions.max(1).next_power_of_two();
+        let t = RopeTable::new(&self.inv_freq, n);
+        st.rope = Some(Rope { positions: n, cos: self.gpu.upload(&t.cos)?, sin: self.gpu.upload(&t.sin)? });
+        Ok(())
+    }
+
+    fn launch_attention(&self, b: &Buffers, kv: KvDtype, tiles: &DevBuf, n_tiles: usize) -> Result<()> {
+        let c = &self.config;
+        let k = self.attention_kernel();
+        let entry = k.entry(kv);
+        let scale = 1.0f32 / (c.head_dim as f32).sqrt();
+        let grid = (n_tiles as u32, c.num_heads as u32, 1);
+        match k {
+            AttnKernel::Mma { .. } => self.gpu.launch(
+                &entry,
+                grid,
+                128,
+                0,
+                &[
+                    Arg::Ptr(b.q.ptr),
+                    b.k.arg(),
+                    b.v.arg(),
+                    Arg::Ptr(tiles.ptr),
+                    Arg::Ptr(b.attn.ptr),
+                    Arg::I32(c.num_heads as i32),
+                    Arg::I32(c.num_kv_heads as i32),
+                    Arg::F32(scale * std::f32::consts::LOG2_E),
+                ],
+            ),
+            AttnKernel::F32 => {
+                let smem = k.dynamic_smem(c.head_dim);
+                let mut set = self.smem_set.lock().unwrap();
+                if smem > 48 * 1024 && !set.contains(&entry) {
+                    let f = self.gpu.function(&entry)?;
+                    self.gpu.set_max_dynamic_smem(f, smem)?;
+                    set.insert(entry.clone());
+                }
+                self.gpu.launch(
+                    &entry,
+                    grid,
+                    128,
+                    smem,
+                    &[
+                        Arg::Ptr(b.q.ptr),
+                        b.k.arg(),
+                        b.v.arg(),
+                        Arg::Ptr(tiles.ptr),
+                        Arg::Ptr(b.attn.ptr),
+                        Arg::I32((self.precision == Precision::Bf16) as i32),
+                        Arg::I32(c.num_heads as i32),
+                        Arg::I32(c.num_kv_heads as i32),
+                        Arg::I32(c.head_dim as i32),
+                        Arg::F32(scale),
+                    ],
+                )
+            }
+        }
+    }
+
+    /// One forward pass over packed windows `(tokens, first_target)`; returns each window's
+    /// target log-probabilities.
+    fn forward_batch(&self, st: &State, wins: &[(&[u32], usize)], kv: KvDtype) -> Result<Vec<Vec<f32>>, ScoreError> {
+        let c = &self.config;
+        let (d, qd, kvd, f, hd, hq, hkv) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+            c.num_heads,
+            c.num_kv_heads,
+        );
+        let eps = c.rms_norm_eps;
+        let p = self.precision;
+        let e = p.elem_bytes();
+        let bf16_out = (p == Precision::Bf16) as i32;
+
+        // Host side: packed rows, positions, window of each row, scored rows and targets.
+        let total: usize = wins.iter().map(|w| w.0.len()).sum();
+        let mut tokens: Vec<i32> = Vec::with_capacity(total);
+        let mut pos: Vec<i32> = Vec::with_capacity(total);
+        let mut win: Vec<i32> = Vec::with_capacity(total);
+        let mut rows: Vec<i32> = Vec::new();
+        let mut targets: Vec<i32> = Vec::new();
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(wins.len());
+        for (wi, &(toks, first)) in wins.iter().enumerate() {
+            assert!(first >= 1 && first <= toks.len(), "first_target out of range");
+            if let Some((p_, &id)) = toks.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
+                return Err(ScoreError::Window {
+                    index: wi,
+                    error: ForwardError::TokenOutOfRange { id, pos: p_, vocab: c.vocab_size },
+                });
+            }
+            let row0 = tokens.len();
+            spans.push((row0, toks.len()));
+            tokens.extend(toks.iter().map(|&t| t as i32));
+            pos.extend((0..toks.len()).map(|i| i as i32));
+            win.extend(std::iter::repeat_n(wi as i32, toks.len()));
+            for i in first - 1..toks.len() - 1 {
+                rows.push((row0 + i) as i32);
+                targets.push(toks[i + 1] as i32);
+            }
+        }
+        let m = total;
+        let r_total = rows.len();
+        let kernel = self.attention_kernel();
+        let tiles: Vec<[i32; 4]> =
+            plan::attention_tiles(&spans, kernel.rows_per_tile()).into_iter().map(|t| t.to_int4()).collect();
+        let g = &self.gpu;
+        let ints = g.upload(&[tokens, pos, win, rows, targets].concat())?;
+        let (o_tok, o_pos, o_win, o_rows, o_tgt) = (0, 4 * m, 8 * m, 12 * m, 12 * m + 4 * r_total);
+        let tiles_buf = g.upload(&tiles)?;
+
+        let b = st.bufs.as_ref().expect("allocated");
+        let rope = st.rope.as_ref().expect("allocated");
+        let w = &self.weights;
+        g.memset(&b.err, 0, 8, 0xFF)?;
+
+        g.launch(
+            "embed_gather",
+            (m as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ints.at(o_tok)),
+                Arg::Ptr(w.embed.ptr),
+                Arg::I32(bf16_out),
+                Arg::Ptr(b.x.ptr),
+                Arg::I32(d as i32),
+            ],
+        )?;
+        let norm = |x: u64, rows_ptr: u64, weight: &DevBuf, out: u64, n: usize| -> Result<()> {
+            g.launch(
+                "rms_norm",
+                (n as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(x),
+                    Arg::Ptr(rows_ptr),
+                    Arg::Ptr(weight.ptr),
+                    Arg::Ptr(out),
+                    Arg::I32(bf16_out),
+                    Arg::I32(d as i32),
+                    Arg::F64(eps),
+                ],
+            )
+        };
+        let qkv_entry = plan::qkv_entry(kv, hd)?;
+        let qkv_w = qd + 2 * kvd;
+        for (li, l) in w.layers.iter().enumerate() {
+            // Attention block.
+            norm(b.x.ptr, 0, &l.attn_norm, b.h.ptr, m)?;
+            self.blas.gemm(m, qkv_w, d, Mat::of(&b.h, 0, d), Mat::of(&l.wqkv, 0, d), Mat::of(&b.scratch, 0, qkv_w), false)?;
+            g.launch(
+                &qkv_entry,
+                (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
+                (plan::QKV_WARPS * 32) as u32,
+                0,
+                &[
+                    Arg::Ptr(b.scratch.ptr),
+                    Arg::Ptr(l.bqkv.as_ref().map_or(0, |x| x.ptr)),
+                    Arg::Ptr(l.q_norm.as_ref().map_or(0, |x| x.ptr)),
+                    Arg::Ptr(l.k_norm.as_ref().map_or(0, |x| x.ptr)),
+                    Arg::Ptr(rope.cos.ptr),
+                    Arg::Ptr(rope.sin.ptr),
+                    Arg::Ptr(ints.at(o_pos)),
+                    Arg::Ptr(ints.at(o_win)),
+                    Arg::Ptr(b.q.ptr),
+                    Arg::I32(matches!(kernel, AttnKernel::Mma { .. }) as i32),
+                    b.k.arg(),
+                    b.v.arg(),
+                    Arg::Ptr(b.err.ptr),
+                    Arg::I32(li as i32),
+                    Arg::I64(m as i64),
+                    Arg::I32(hq as i32),
+                    Arg::I32(hkv as i32),
+                    Arg::I32(hd as i32),
+                    Arg::F64(eps),
+                ],
+            )?;
+            self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
+            self.blas.gemm(m, d, qd, Mat::of(&b.attn, 0, qd), Mat::of(&l.wo, 0, qd), Mat::of(&b.x, 0, d), true)?;
+            // MLP block.
+            norm(b.x.ptr, 0, &l.mlp_norm, b.h.ptr, m)?;
+            self.blas.gemm(m, 2 * f, d, Mat::of(&b.h, 0, d), Mat::of(&l.wgu, 0, d), Mat::of(&b.scratch, 0, 2 * f), false)?;
+            g.launch(
+                "swiglu",
+                (plan::blocks_for(m * f, 256), 1, 1),
+                256,
+                0,
+                &[Arg::Ptr(b.scratch.ptr), Arg::Ptr(b.act.ptr), Arg::I32(bf16_out), Arg::I64(m as i64), Arg::I32(f as i32)],
+            )?;
+            self.blas.gemm(m, d, f, Mat::of(&b.act, 0, f), Mat::of(&l.wdown, 0, f), Mat::of(&b.x, 0, d), true)?;
+        }
+
+        // Head over the scored rows only: final norm of the gathered rows into `h`, then
+        // vocabulary chunks folded into a running log-sum-exp.
+        norm(b.x.ptr, ints.at(o_rows), &w.final_norm, b.h.ptr, r_total)?;
+        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+        let (hr, vc_max) = (b.plan.head_rows, b.plan.vocab_chunk);
+        for r0 in (0..r_total).step_by(hr) {
+            let rb = hr.min(r_total - r0);
+            for v0 in (0..c.vocab_size).step_by(vc_max) {
+                let vc = vc_max.min(c.vocab_size - v0);
+                self.blas.gemm(rb, vc, d, Mat::of(&b.h, r0 * d * e, d), Mat::of(head, v0 * d * e, d), Mat::of(&b.logits, 0, vc), false)?;
+                g.launch(
+                    "head_reduce",
+                    (rb as u32, 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(b.logits.ptr),
+                        Arg::I32(vc as i32),
+                        Arg::I32(v0 as i32),
+                        Arg::Ptr(ints.at(o_tgt + 4 * r0)),
+                        Arg::Ptr(b.run_max.at(4 * r0)),
+                        Arg::Ptr(b.run_sum.at(8 * r0)),
+                        Arg::Ptr(b.run_target.at(4 * r0)),
+                    ],
+                )?;
+            }
+        }
+        g.launch(
+            "head_finish",
+            (plan::blocks_for(r_total, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(b.run_max.ptr),
+                Arg::Ptr(b.run_sum.ptr),
+                Arg::Ptr(b.run_target.ptr),
+                Arg::Ptr(b.out.ptr),
+                Arg::I32(r_total as i32),
+            ],
+        )?;
+        let err: Vec<u64> = g.read(&b.err, 0, 1)?;
+        let lps: Vec<f32> = g.read(&b.out, 0, r_total)?;
+        if let Ok((free, total)) = g.mem_info() {
+            self.peak_used.fetch_max(total - free, Ordering::Relaxed);
+        }
+        if err[0] != u64::MAX {
+            let (index, error) = decode_nonfinite(err[0], hkv, hd);
+            return Err(ScoreError::Window { index, error });
+        }
+        let mut out = Vec::with_capacity(wins.len());
+        let mut at = 0;
+        for &(toks, first) in wins {
+            let n = toks.len() - first;
+            out.push(lps[at..at + n].to_vec());
+            at += n;
+        }
+        Ok(out)
+    }
+}
+
+/// Decodes the first non-finite K/V record written by `qkv_prep`:
+/// window << 48 | layer << 40 | (value ? 1 : 0) << 39 | flat index within the window's
+/// [positions, Hkv, D] tensor.
+pub fn decode_nonfinite(key: u64, hkv: usize, hd: usize) -> (usize, ForwardError) {
+    let window = (key >> 48) as usize;
+    let layer = ((key >> 40) & 0xFF) as usize;
+    let which = if (key >> 39) & 1 == 1 { "value" } else { "key" };
+    let flat = (key & ((1u64 << 39) - 1)) as usize;
+    let vec = flat / hd;
+    (window, ForwardError::NonFiniteKv { which, layer, pos: vec / hkv, head: vec % hkv })
+}
+
+/// Errors of a batch as one line for the engine.
+pub fn describe(e: &ScoreError) -> String {
+    match e {
+        ScoreError::Window { index, error } => format!("window {index}: {error}"),
+        ScoreError::Device(e) => format!("{e:#}"),
+    }
+}
+
+impl std::fmt::Display for ScoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&describe(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonfinite_records_decode_like_the_cpu_error() {
+        let (hkv, hd) = (3, 64);
+        let flat = ((5 * hkv + 2) * hd + 17) as u64;
+        let key = (7u64 << 48) | (12u64 << 40) | (1u64 << 39) | flat;
+        let (w, e) = decode_nonfinite(key, hkv, hd);
+        assert_eq!(w, 7);
+        assert_eq!(e, ForwardError::NonFiniteKv { which: "value", layer: 12, pos: 5, head: 2 });
+        let (w, e) = decode_nonfinite(flat, hkv, hd);
+        assert_eq!(w, 0);
+        assert_eq!(e, ForwardError::NonFiniteKv { which: "key", layer: 0, pos: 5, head: 2 });
+    }
+}

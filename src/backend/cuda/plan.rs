@@ -1,0 +1,439 @@
+//! Host-side planning for the CUDA scorer, free of any CUDA call so it is unit-tested on
+//! every machine: how windows are packed into forward passes, how query tiles are cut for
+//! the attention kernels, which kernel variant a shape takes, how device memory is split
+//! between activations and the head, and how many FLOPs a window costs.
+
+use crate::kv::{Elem, KvDtype};
+use crate::model::config::ModelConfig;
+use anyhow::{bail, Result};
+
+/// Arithmetic of the matrix products and attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 weights and GEMM inputs, f32 accumulation; tensor-core attention where the head
+    /// dim allows it (64 or 128). The default.
+    Bf16,
+    /// f32 weights and activations (cuBLAS without TF32), f32 attention: the parity mode.
+    F32,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Precision> {
+        match s {
+            "bf16" => Ok(Precision::Bf16),
+            "f32" => Ok(Precision::F32),
+            other => bail!("unknown CUDA precision `{other}` (valid: bf16, f32)"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::F32 => "f32",
+        }
+    }
+
+    /// Bytes of one GEMM input element (weights and the activations fed to GEMMs).
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        }
+    }
+}
+
+/// Query rows per tile of the f32 attention kernel (`attn_f32_*`).
+pub const ATTN_F32_ROWS: usize = 16;
+/// Query rows per tile of the tensor-core attention kernel (`attn_mma_*`).
+pub const ATTN_MMA_ROWS: usize = 64;
+/// Keys per shared-memory tile of the f32 attention kernel.
+pub const ATTN_F32_KEYS: usize = 32;
+/// Largest head dim the kernels take (8 values per lane of a warp).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Which attention kernel a shape and precision use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// `attn_mma_<fmt>_d<D>` with D = 64 or 128.
+    Mma { head_dim: usize },
+    /// `attn_f32_<fmt>`.
+    F32,
+}
+
+impl AttnKernel {
+    pub fn choose(precision: Precision, head_dim: usize) -> AttnKernel {
+        match (precision, head_dim) {
+            (Precision::Bf16, 64 | 128) => AttnKernel::Mma { head_dim },
+            _ => AttnKernel::F32,
+        }
+    }
+
+    pub fn rows_per_tile(self) -> usize {
+        match self {
+            AttnKernel::Mma { .. } => ATTN_MMA_ROWS,
+            AttnKernel::F32 => ATTN_F32_ROWS,
+        }
+    }
+
+    /// The kernel's entry point for a KV representation.
+    pub fn entry(self, kv: KvDtype) -> String {
+        match self {
+            AttnKernel::Mma { head_dim } => format!("attn_mma_{}_d{head_dim}", kv.name()),
+            AttnKernel::F32 => format!("attn_f32_{}", kv.name()),
+        }
+    }
+
+    /// Dynamic shared memory in bytes (the tensor-core kernel uses static memory only).
+    pub fn dynamic_smem(self, head_dim: usize) -> usize {
+        match self {
+            AttnKernel::Mma { .. } => 0,
+            AttnKernel::F32 => 4 * (ATTN_F32_KEYS * (head_dim + 1) + ATTN_F32_KEYS * head_dim + ATTN_F32_ROWS * head_dim),
+        }
+    }
+}
+
+/// The fused q/k/v preparation entry point: the KV representation and the per-lane
+/// register count (head dims up to 64, 128 or 256).
+pub fn qkv_entry(kv: KvDtype, head_dim: usize) -> Result<String> {
+    let nk = match head_dim {
+        1..=64 => 2,
+        65..=128 => 4,
+        129..=MAX_HEAD_DIM => 8,
+        _ => bail!("head_dim {head_dim} is outside what the CUDA kernels take (1..={MAX_HEAD_DIM})"),
+    };
+    Ok(format!("qkv_prep_{}_nk{nk}", kv.name()))
+}
+
+/// Warps per block of the q/k/v preparation kernel (one warp per vector).
+pub const QKV_WARPS: usize = 8;
+
+/// Grid size for `n` items of `per_block` each.
+pub fn blocks_for(n: usize, per_block: usize) -> u32 {
+    let b = n.div_ceil(per_block.max(1));
+    assert!(b <= u32::MAX as usize, "grid too large");
+    b as u32
+}
+
+/// One query tile of the attention kernels: `[q_row, q_row + rows)` of the packed batch,
+/// inside the window whose first row is `seq_row`. Passed to the device as an int4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnTile {
+    pub q_row: u32,
+    pub rows: u32,
+    pub seq_row: u32,
+}
+
+impl AttnTile {
+    /// Keys this tile's last query row attends to, the tile's cost.
+    pub fn keys(&self) -> u32 {
+        self.q_row - self.seq_row + self.rows
+    }
+
+    pub fn to_int4(self) -> [i32; 4] {
+        [self.q_row as i32, self.rows as i32, self.seq_row as i32, 0]
+    }
+}
+
+/// Cuts every window (`(first row, length)` in the packed batch) into tiles of at most
+/// `per_tile` query rows, longest first, so the blocks with the most keys start first and
+/// the short ones fill the tail.
+pub fn attention_tiles(windows: &[(usize, usize)], per_tile: usize) -> Vec<AttnTile> {
+    let mut tiles = Vec::new();
+    for &(row0, len) in windows {
+        let mut r = 0;
+        while r < len {
+            let n = per_tile.min(len - r);
+            tiles.push(AttnTile { q_row: (row0 + r) as u32, rows: n as u32, seq_row: row0 as u32 });
+            r += n;
+        }
+    }
+    // Stable: equal costs keep their order, so the launch is deterministic.
+    tiles.sort_by(|a, b| b.keys().cmp(&a.keys()));
+    tiles
+}
+
+/// Groups consecutive windows (by length) into forward passes of at most `max_rows` packed
+/// rows and at most `max_windows` windows. Every window must fit alone.
+pub fn pack_batches(lens: &[usize], max_rows: usize, max_windows: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut rows = 0;
+    for (i, &l) in lens.iter().enumerate() {
+        if l > max_rows {
+            bail!("a window of {l} tokens does not fit in one CUDA forward pass (at most {max_rows} rows fit in free device memory)");
+        }
+        if i > start && (rows + l > max_rows || i - start >= max_windows) {
+            out.push(start..i);
+            start = i;
+            rows = 0;
+        }
+        rows += l;
+    }
+    if start < lens.len() {
+        out.push(start..lens.len());
+    }
+    Ok(out)
+}
+
+/// Bytes of every array a stored K or V tensor of `n` vectors needs, each rounded up to
+/// 256 bytes: (payload, f32 scales, u8 block scales).
+pub fn kv_arrays(elem: Elem, n: usize, head_dim: usize) -> (usize, usize, usize) {
+    let r = |b: usize| b.div_ceil(256) * 256;
+    match elem {
+        Elem::F32 => (r(4 * n * head_dim), 0, 0),
+        Elem::Bf16 => (r(2 * n * head_dim), 0, 0),
+        Elem::Int8 | Elem::Fp8 => (r(n * head_dim), r(4 * n), 0),
+        Elem::Nvfp4 => (r(n * head_dim.div_ceil(2)), r(4 * n), r(n * head_dim.div_ceil(16))),
+    }
+}
+
+/// Device bytes one packed row needs across the activation buffers of a forward pass.
+pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
+    let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let e = p.elem_bytes();
+    let kv_bytes = kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
+    4 * 4 // token, position, window index, scored-row index
+        + 4 * d // residual stream x (f32)
+        + e * d // normed input of a GEMM
+        + 4 * (qd + 2 * kvd) // qkv GEMM output (f32)
+        + 4 * qd // rotated queries (f32 or bf16)
+        + kv_bytes + 64 // stored keys and values (+ rounding slack)
+        + e * qd // attention output
+        + 4 * 2 * f // gate/up GEMM output (f32)
+        + e * f // SwiGLU output
+}
+
+/// How a batch uses device memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemPlan {
+    /// Packed rows one forward pass may hold.
+    pub max_rows: usize,
+    /// Scored rows per head GEMM.
+    pub head_rows: usize,
+    /// Vocabulary entries per head GEMM (the logits chunk is head_rows x vocab_chunk f32).
+    pub vocab_chunk: usize,
+    /// Bytes the plan allocates per forward pass at max_rows.
+    pub planned_bytes: usize,
+}
+
+/// Rows past which a bigger batch gains nothing (every GEMM already fills the device).
+pub const MAX_ROWS_CAP: usize = 65_536;
+/// Most windows in one forward pass.
+pub const MAX_WINDOWS: usize = 4096;
+/// Scored rows per head GEMM, at most.
+pub const HEAD_ROWS_CAP: usize = 16_384;
+/// Device memory kept free for cuBLAS workspaces, the driver and fragmentation.
+pub const RESERVE_BYTES: usize = 1 << 30;
+
+/// Splits `free` device bytes (measured after the weights are resident) between the head's
+/// logits chunk and the activation buffers. `longest` is the longest window to score; a
+/// batch always holds at least one.
+pub fn plan_memory(c: &ModelConfig, kv: KvDtype, p: Precision, free: usize, longest: usize) -> Result<MemPlan> {
+    let per_row = bytes_per_row(c, kv, p);
+    let budget = free.saturating_sub(RESERVE_BYTES.min(free / 8));
+    // Head: up to an eighth of the budget, at most 2 GiB, at least one row x 1024 entries.
+    let head_budget = (budget / 8).clamp(4 * 1024, 2 << 30);
+    let vocab = c.vocab_size;
+    let per_head_row = 4 * 8 + p.elem_bytes() * c.hidden_size; // state + normed row
+    let act_budget = budget.saturating_sub(head_budget);
+    let max_rows = (act_budget / (per_row + per_head_row)).min(MAX_ROWS_CAP);
+    if max_rows < longest.max(1) {
+        bail!(
+            "not enough free device memory: a window of {longest} tokens needs about {} MiB of activations, {} MiB are free after the weights",
+            ((longest * (per_row + per_head_row) + head_budget + RESERVE_BYTES.min(free / 8)) >> 20),
+            free >> 20
+        );
+    }
+    let head_rows = max_rows.min(HEAD_ROWS_CAP);
+    let chunk = (head_budget / (4 * head_rows)).max(256);
+    let vocab_chunk = if chunk >= vocab { vocab } else { (chunk / 256 * 256).max(256) };
+    let planned = max_rows * (per_row + per_head_row) + 4 * head_rows * vocab_chunk;
+    Ok(MemPlan { max_rows, head_rows, vocab_chunk, planned_bytes: planned })
+}
+
+/// Device bytes of the weights in a precision: matrices in the GEMM element type, the
+/// embedding too (the head reads it when tied), norm vectors and biases in f32.
+pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
+    let e = p.elem_bytes();
+    c.expected_tensors()
+        .iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            if crate::artifact::is_vector_tensor(name, shape) {
+                4 * n
+            } else {
+                e * n
+            }
+        })
+        .sum()
+}
+
+/// FLOPs of one window of `len` tokens scoring `scored` targets, counting multiply-adds as
+/// two: the projections and MLP for every token, causal attention (QK^T and PV over the
+/// keys each query sees, the query itself included) and the output head for scored rows.
+pub fn window_flops(c: &ModelConfig, len: usize, scored: usize) -> f64 {
+    let (d, qd, kvd, f, v) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+    let t = len as f64;
+    let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
+    let pairs = t * (t + 1.0) / 2.0; // (query, key) pairs under the causal mask
+    let attn = 4.0 * pairs * (c.num_heads * c.head_dim) as f64;
+    let layers = c.num_layers as f64;
+    layers * (t * per_token_linear + attn) + 2.0 * scored as f64 * (d * v) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Family;
+
+    fn cfg(layers: usize, d: usize, hq: usize, hkv: usize, hd: usize, f: usize, vocab: usize) -> ModelConfig {
+        ModelConfig {
+            family: Family::Qwen3,
+            vocab_size: vocab,
+            hidden_size: d,
+            intermediate_size: f,
+            num_layers: layers,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: hd,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: None,
+            max_position_embeddings: 40960,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            qk_norm: true,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+
+    fn qwen3_8b() -> ModelConfig {
+        cfg(36, 4096, 32, 8, 128, 12288, 151_936)
+    }
+
+    #[test]
+    fn tiles_cover_every_row_once_and_start_with_the_longest() {
+        let wins = [(0usize, 130usize), (130, 64), (194, 1), (195, 200)];
+        for per in [16, 64] {
+            let tiles = attention_tiles(&wins, per);
+            let mut seen = vec![0u32; 395];
+            for t in &tiles {
+                assert!(t.rows >= 1 && t.rows as usize <= per);
+                let w = wins.iter().find(|w| w.0 as u32 == t.seq_row).expect("tile in a window");
+                assert!(t.q_row >= t.seq_row && (t.q_row + t.rows) as usize <= w.0 + w.1);
+                for r in t.q_row..t.q_row + t.rows {
+                    seen[r as usize] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1), "every row in exactly one tile");
+            assert!(tiles.windows(2).all(|p| p[0].keys() >= p[1].keys()), "longest first");
+            assert_eq!(tiles[0].keys(), 200);
+        }
+        assert_eq!(AttnTile { q_row: 70, rows: 5, seq_row: 64 }.to_int4(), [70, 5, 64, 0]);
+    }
+
+    #[test]
+    fn batches_are_consecutive_and_bounded() {
+        let lens = [4096, 4096, 4096, 1000, 4096, 17];
+        let b = pack_batches(&lens, 9000, 100).unwrap();
+        assert_eq!(b, vec![0..2, 2..4, 4..6]);
+        let b = pack_batches(&lens, 100_000, 2).unwrap();
+        assert_eq!(b, vec![0..2, 2..4, 4..6]);
+        let b = pack_batches(&lens, 100_000, 100).unwrap();
+        assert_eq!(b, vec![0..6]);
+        assert!(pack_batches(&[], 10, 10).unwrap().is_empty());
+        let e = pack_batches(&[5, 11], 10, 10).unwrap_err().to_string();
+        assert!(e.contains("window of 11 tokens"), "{e}");
+        // Every window lands in exactly one batch, in order.
+        let lens: Vec<usize> = (0..50).map(|i| 1 + (i * 37) % 300).collect();
+        let b = pack_batches(&lens, 700, 7).unwrap();
+        let flat: Vec<usize> = b.iter().flat_map(|r| r.clone()).collect();
+        assert_eq!(flat, (0..50).collect::<Vec<_>>());
+        for r in &b {
+            assert!(lens[r.clone()].iter().sum::<usize>() <= 700 && r.len() <= 7);
+        }
+    }
+
+    #[test]
+    fn kernel_choice_follows_precision_and_head_dim() {
+        assert_eq!(AttnKernel::choose(Precision::Bf16, 128), AttnKernel::Mma { head_dim: 128 });
+        assert_eq!(AttnKernel::choose(Precision::Bf16, 64), AttnKernel::Mma { head_dim: 64 });
+        assert_eq!(AttnKernel::choose(Precision::Bf16, 8), AttnKernel::F32);
+        assert_eq!(AttnKernel::choose(Precision::Bf16, 80), AttnKernel::F32);
+        assert_eq!(AttnKernel::choose(Precision::F32, 128), AttnKernel::F32);
+        assert_eq!(AttnKernel::Mma { head_dim: 64 }.entry(KvDtype::K8v4), "attn_mma_k8v4_d64");
+        assert_eq!(AttnKernel::F32.entry(KvDtype::Nvfp4), "attn_f32_nvfp4");
+        assert_eq!(AttnKernel::F32.dynamic_smem(128), 4 * (32 * 129 + 32 * 128 + 16 * 128));
+        assert_eq!(qkv_entry(KvDtype::Bf16, 64).unwrap(), "qkv_prep_bf16_nk2");
+        assert_eq!(qkv_entry(KvDtype::Int8, 8).unwrap(), "qkv_prep_int8_nk2");
+        assert_eq!(qkv_entry(KvDtype::Fp8, 128).unwrap(), "qkv_prep_fp8_nk4");
+        assert_eq!(qkv_entry(KvDtype::F32, 256).unwrap(), "qkv_prep_f32_nk8");
+        assert!(qkv_entry(KvDtype::F32, 257).is_err());
+        assert!(qkv_entry(KvDtype::F32, 0).is_err());
+        assert_eq!(blocks_for(0, 256), 0);
+        assert_eq!(blocks_for(257, 256), 2);
+    }
+
+    #[test]
+    fn kv_arrays_hold_the_cpu_byte_counts() {
+        for elem in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
+            for hd in [8, 33, 64, 80, 128] {
+                let n = 1000;
+                let (a, b, c) = kv_arrays(elem, n, hd);
+                assert!(a + b + c >= n * elem.bytes_per_vector(hd), "{elem:?} {hd}");
+                assert!(a + b + c <= n * elem.bytes_per_vector(hd) + 3 * 256);
+                assert!(a % 256 == 0 && b % 256 == 0 && c % 256 == 0);
+            }
+        }
+    }
+
+    #[test]
+    fn memory_plan_fits_qwen3_8b_on_an_h200() {
+        let c = qwen3_8b();
+        let free = 139usize * (1 << 30) - weight_bytes(&c, Precision::Bf16);
+        let p = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, free, 4096).unwrap();
+        assert!(p.max_rows >= 4 * 4096, "{p:?}");
+        assert!(p.max_rows <= MAX_ROWS_CAP);
+        assert!(p.planned_bytes <= free, "{p:?}");
+        assert!(p.vocab_chunk % 256 == 0 && p.vocab_chunk <= c.vocab_size);
+        assert!(4 * p.head_rows * p.vocab_chunk <= 2 << 30);
+        // Weights: about 16.4 GB in bf16.
+        let wb = weight_bytes(&c, Precision::Bf16) as f64;
+        assert!((16.0e9..16.8e9).contains(&wb), "{wb}");
+    }
+
+    #[test]
+    fn memory_plan_scales_down_and_refuses_what_cannot_fit() {
+        let c = qwen3_8b();
+        let p = plan_memory(&c, KvDtype::Nvfp4, Precision::Bf16, 4 << 30, 4096).unwrap();
+        assert!(p.max_rows >= 4096 && p.max_rows < 16_384, "{p:?}");
+        assert!(p.planned_bytes <= 4 << 30);
+        let e = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, 256 << 20, 4096).unwrap_err().to_string();
+        assert!(e.contains("not enough free device memory"), "{e}");
+        // A small model with a small vocabulary takes the whole vocabulary in one chunk.
+        let small = cfg(2, 16, 4, 2, 8, 32, 1000);
+        let p = plan_memory(&small, KvDtype::F32, Precision::F32, 8 << 30, 64).unwrap();
+        assert_eq!(p.vocab_chunk, 1000);
+        assert_eq!(p.max_rows, MAX_ROWS_CAP);
+    }
+
+    #[test]
+    fn flops_match_a_hand_count() {
+        let c = cfg(1, 4, 2, 1, 2, 8, 10);
+        // Linear per token: 2*(4*(4+2*2) + 4*4 + 4*16 + 8*4) = 2*144 = 288.
+        // Attention for 3 tokens: 6 pairs * 4 * (2*2) = 96. Head: 2 * 2 rows * 40 = 160.
+        assert_eq!(window_flops(&c, 3, 2), 3.0 * 288.0 + 96.0 + 160.0);
+        let q = qwen3_8b();
+        let per_token = window_flops(&q, 4096, 2048) / 4096.0;
+        assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
+    }
+
+    #[test]
+    fn precision_names_round_trip() {
+        for p in [Precision::Bf16, Precision::F32] {
+            assert_eq!(Precision::parse(p.name()).unwrap(), p);
+        }
+        assert!(Precision::parse("tf32").unwrap_err().to_string().contains("bf16, f32"));
+    }
+}
