@@ -1,0 +1,492 @@
+//! The regression harness: one libtest-mimic trial per (artifact, stream, KV format) and
+//! tier, each scoring its stream with the shared engine and comparing the result with its
+//! insta baseline under a tolerance. See `docs/harness.md`.
+//!
+//! Tiers:
+//! - `cpu`: every artifact registered for it, on the CPU, all 16 corpus streams truncated to
+//!   [`CPU_TIER_PREFIX`] tokens, scored with context [`CPU_TIER_CONTEXT`] and stride
+//!   [`CPU_TIER_STRIDE`], every KV format. Trial names: `<artifact>/<stream>/<kv>`.
+//! - `gpu`: every artifact registered for it, on CUDA, the whole corpus with the default
+//!   protocol (context 4096, stride 2048), every KV format. Names: `cuda/<artifact>/<stream>/<kv>`.
+//!
+//! Compiled into the `harness` test binary (`tests/harness.rs`) and into `harness_gate`
+//! (`tests/harness_gate.rs`), which runs it in child processes.
+#![allow(dead_code)]
+
+pub mod baseline;
+pub mod flags;
+pub mod report;
+
+use baseline::{Location, Record, Verdict};
+use flags::{DeviceKind, HarnessFlags, Tier};
+use libtest_mimic::{Completion, Failed, Trial};
+use ninfer_perplexity::backend::{Device, DeviceRequest};
+use ninfer_perplexity::corpus::{Corpus, StreamEntry};
+use ninfer_perplexity::engine::{Engine, LoadOptions};
+use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::registry::{Entry, Registry, Tolerance, DEFAULT_REGISTRY};
+use ninfer_perplexity::score::Protocol;
+use report::{Numbers, Sink, TrialReport};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// CPU tier: tokens scored per stream (a prefix of the stream's tokenization).
+pub const CPU_TIER_PREFIX: usize = 256;
+/// CPU tier: window length.
+pub const CPU_TIER_CONTEXT: usize = 128;
+/// CPU tier: new targets per window after the first (so 3 windows per stream).
+pub const CPU_TIER_STRIDE: usize = 64;
+/// GPU tier: the CLI's default protocol over whole streams.
+pub const GPU_TIER_CONTEXT: usize = 4096;
+pub const GPU_TIER_STRIDE: usize = 2048;
+
+/// The corpus every tier scores.
+pub const CORPUS_MANIFEST: &str = "eval/corpora/perplexity-1m/manifest.json";
+
+/// Tolerances for device classes the registry entry does not list (docs/harness.md).
+pub fn default_tolerance(class: &str) -> Tolerance {
+    if class == "cpu" {
+        // Measured spread 0 (bit-identical for 1..N threads and run to run) plus a margin.
+        Tolerance { abs: 0.0, rel: 1e-9 }
+    } else {
+        // GPU classes: reduction order differs from the CPU; provisional until measured.
+        Tolerance { abs: 5e-4, rel: 0.0 }
+    }
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn registry_path(root: &Path) -> PathBuf {
+    match std::env::var_os("NINFER_REGISTRY") {
+        Some(p) => PathBuf::from(p),
+        None => root.join(DEFAULT_REGISTRY),
+    }
+}
+
+/// One planned trial.
+#[derive(Clone)]
+pub struct Spec {
+    pub name: String,
+    pub tier: Tier,
+    pub device: DeviceKind,
+    pub cuda_index: usize,
+    pub artifact: Entry,
+    pub stream: StreamEntry,
+    pub kv: KvDtype,
+    pub protocol: Protocol,
+    pub max_tokens: Option<usize>,
+    /// Set when the trial cannot run here (artifact file missing, no GPU).
+    pub ignore_reason: Option<String>,
+}
+
+pub struct Plan {
+    pub specs: Vec<Spec>,
+    pub corpus: Arc<Corpus>,
+}
+
+pub fn trial_name(device: DeviceKind, artifact: &str, stream: &str, kv: KvDtype) -> String {
+    match device {
+        DeviceKind::Cpu => format!("{artifact}/{stream}/{}", kv.name()),
+        DeviceKind::Cuda => format!("cuda/{artifact}/{stream}/{}", kv.name()),
+    }
+}
+
+/// Enumerates the trials the registry, the corpus and the flags ask for.
+pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
+    let reg_path = registry_path(root);
+    let reg = Registry::load(&reg_path).map_err(|e| format!("{e:#}"))?;
+    for a in &flags.artifacts {
+        if reg.get(a).is_none() {
+            let names: Vec<&str> = reg.artifacts.iter().map(|e| e.name.as_str()).collect();
+            return Err(format!(
+                "--artifact: `{a}` is not registered in {} (registered: {})",
+                reg_path.display(),
+                names.join(", ")
+            ));
+        }
+    }
+    let corpus = Corpus::open(&root.join(CORPUS_MANIFEST), None).map_err(|e| format!("{e:#}"))?;
+    let mut cuda_unavailable: Option<Option<String>> = None;
+    let mut specs = Vec::new();
+    for tier in Tier::ALL {
+        if !flags.wants_tier(tier) {
+            continue;
+        }
+        let device = match tier {
+            Tier::Cpu => DeviceKind::Cpu,
+            Tier::Gpu => DeviceKind::Cuda,
+        };
+        if !flags.wants_device(device) {
+            continue;
+        }
+        let (protocol, max_tokens) = match tier {
+            Tier::Cpu => (Protocol::new(CPU_TIER_CONTEXT, CPU_TIER_STRIDE), Some(CPU_TIER_PREFIX)),
+            Tier::Gpu => (Protocol::new(GPU_TIER_CONTEXT, GPU_TIER_STRIDE), None),
+        };
+        let protocol = protocol.map_err(|e| format!("tier {}: {e}", tier.name()))?;
+        let device_reason = match device {
+            DeviceKind::Cpu => None,
+            DeviceKind::Cuda => cuda_unavailable
+                .get_or_insert_with(|| {
+                    Device::select(DeviceRequest::Cuda(flags.cuda_index), 1)
+                        .err()
+                        .map(|e| format!("no usable GPU: {e:#}"))
+                })
+                .clone(),
+        };
+        for entry in &reg.artifacts {
+            if !entry.tiers.iter().any(|t| t == tier.name()) || !flags.wants_artifact(&entry.name) {
+                continue;
+            }
+            let file = root.join(&entry.path);
+            let missing = (!file.exists()).then(|| {
+                format!("artifact file {} is missing (produce it with `{}`)", entry.path, entry.produce)
+            });
+            for stream in &corpus.manifest.streams {
+                for kv in KvDtype::ALL {
+                    if !flags.wants_kv(kv) {
+                        continue;
+                    }
+                    specs.push(Spec {
+                        name: trial_name(device, &entry.name, &stream.id, kv),
+                        tier,
+                        device,
+                        cuda_index: flags.cuda_index,
+                        artifact: entry.clone(),
+                        stream: stream.clone(),
+                        kv,
+                        protocol,
+                        max_tokens,
+                        ignore_reason: missing.clone().or_else(|| device_reason.clone()),
+                    });
+                }
+            }
+        }
+    }
+    Ok(Plan { specs, corpus: Arc::new(corpus) })
+}
+
+// ---- shared engines and token streams (loaded once per process) ----------------------
+
+type Shared<T> = Arc<OnceLock<Result<Arc<T>, String>>>;
+
+fn shared<T>(map: &Mutex<HashMap<String, Shared<T>>>, key: String, init: impl FnOnce() -> Result<T, String>) -> Result<Arc<T>, String> {
+    let cell = map.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default().clone();
+    cell.get_or_init(|| init().map(Arc::new)).clone()
+}
+
+static ENGINES: OnceLock<Mutex<HashMap<String, Shared<Engine>>>> = OnceLock::new();
+static TOKENS: OnceLock<Mutex<HashMap<String, Shared<StreamTokens>>>> = OnceLock::new();
+
+pub struct StreamTokens {
+    pub tokens: Vec<u32>,
+    pub sha256: String,
+    pub path: PathBuf,
+}
+
+fn engine_for(root: &Path, spec: &Spec) -> Result<Arc<Engine>, String> {
+    let request = match spec.device {
+        DeviceKind::Cpu => DeviceRequest::Cpu,
+        DeviceKind::Cuda => DeviceRequest::Cuda(spec.cuda_index),
+    };
+    let path = root.join(&spec.artifact.path);
+    let key = format!("{}|{request:?}", path.display());
+    shared(ENGINES.get_or_init(Default::default), key, || {
+        let opts = LoadOptions { device: request, threads: engine_threads(), verify_digest: false };
+        let e = Engine::load(&path, &opts, &mut |_, _| {}).map_err(|e| format!("{e:#}"))?;
+        if let Some(pinned) = &spec.artifact.digest {
+            if *pinned != e.artifact.digest {
+                return Err(format!(
+                    "{}: the registry pins digest {pinned} but the file records {}; re-produce it with `{}` or update the registry",
+                    spec.artifact.path, e.artifact.digest, spec.artifact.produce
+                ));
+            }
+        }
+        Ok(e)
+    })
+}
+
+fn tokens_for(corpus: &Corpus, engine: &Engine, spec: &Spec) -> Result<Arc<StreamTokens>, String> {
+    let key = format!("{}|{}", engine.tokenizer.sha256(), spec.stream.id);
+    shared(TOKENS.get_or_init(Default::default), key, || {
+        let s = corpus.load(&spec.stream).map_err(|e| format!("{e:#}"))?;
+        let tokens = engine.tokenizer.encode(&s.text).map_err(|e| format!("stream `{}`: {e:#}", s.id))?;
+        Ok(StreamTokens { tokens, sha256: s.sha256, path: s.path })
+    })
+}
+
+// ---- one trial -------------------------------------------------------------------------
+
+struct Ctx {
+    root: PathBuf,
+    corpus: Arc<Corpus>,
+    sink: Arc<Sink>,
+}
+
+fn numbers(r: &Record) -> Numbers {
+    Numbers {
+        mean_nll: r.mean_nll,
+        ppl: r.ppl,
+        nll_sum: r.nll_sum,
+        input_tokens: r.input_tokens,
+        scored_tokens: r.scored_tokens,
+    }
+}
+
+fn run_trial(ctx: &Ctx, spec: &Spec) -> Result<Completion, Failed> {
+    if let Some(reason) = &spec.ignore_reason {
+        // Only reached with --ignored / --include-ignored: still never a pass.
+        return Ok(Completion::ignored_with(reason));
+    }
+    let t0 = Instant::now();
+    let mut rep = TrialReport {
+        name: spec.name.clone(),
+        tier: spec.tier.name().into(),
+        artifact: spec.artifact.name.clone(),
+        stream: spec.stream.id.clone(),
+        kv_dtype: spec.kv.name().into(),
+        device_class: None,
+        status: "error".into(),
+        message: None,
+        baseline: None,
+        result: None,
+        delta_mean_nll: None,
+        allowed: None,
+        seconds: 0.0,
+    };
+    let outcome = score_and_compare(ctx, spec, &mut rep);
+    rep.seconds = t0.elapsed().as_secs_f64();
+    if let Err(msg) = &outcome {
+        rep.message = Some(msg.clone());
+    }
+    ctx.sink.push(rep);
+    outcome.map(|()| Completion::Completed).map_err(Failed::from)
+}
+
+fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<(), String> {
+    let engine = engine_for(&ctx.root, spec)?;
+    let class = engine.device.class().to_string();
+    rep.device_class = Some(class.clone());
+    let stream = tokens_for(&ctx.corpus, &engine, spec)?;
+    let n = spec.max_tokens.map_or(stream.tokens.len(), |m| m.min(stream.tokens.len()));
+    let input = &stream.tokens[..n];
+    let score = engine
+        .score(input, spec.protocol, spec.kv, false, &mut |_, _| {})
+        .map_err(|e| format!("stream `{}`: {e:#}", spec.stream.id))?;
+    let t = score.totals;
+    let new = Record {
+        artifact: spec.artifact.name.clone(),
+        device_class: class.clone(),
+        kv_dtype: spec.kv.name().into(),
+        stream: spec.stream.id.clone(),
+        context: spec.protocol.context,
+        stride: spec.protocol.stride,
+        max_tokens: spec.max_tokens,
+        corpus: ctx.corpus.manifest.name.clone(),
+        stream_sha256: stream.sha256.clone(),
+        tokenizer_sha256: engine.tokenizer.sha256().to_string(),
+        stream_tokens: stream.tokens.len(),
+        input_tokens: n,
+        scored_tokens: t.scored,
+        mean_nll: t.mean_nll(),
+        ppl: t.ppl(),
+        nll_sum: t.nll_sum,
+    };
+    rep.result = Some(numbers(&new));
+    let tol = spec.artifact.tolerance_for(&class).unwrap_or_else(|| default_tolerance(&class));
+    let loc = Location::new(&ctx.root, &new);
+    let rel = |p: &Path| p.strip_prefix(&ctx.root).unwrap_or(p).display().to_string();
+
+    // Our own reading of the baseline, for the message; insta makes the decision below with
+    // the same comparison.
+    let old = baseline::load(&loc, &ctx.root);
+    let verdict = match &old {
+        Ok(Some(old)) => {
+            rep.baseline = Some(numbers(old));
+            let v = baseline::compare(old, &new, tol);
+            if let Verdict::Pass { delta, allowed } | Verdict::Drift { delta, allowed } = v {
+                rep.delta_mean_nll = Some(delta);
+                rep.allowed = Some(allowed);
+            }
+            Some(v)
+        }
+        _ => None,
+    };
+    let description = format!(
+        "{} on {class}, KV {}: {} of `{}`, context {}, stride {}; tolerance {}",
+        spec.artifact.name,
+        spec.kv.name(),
+        spec.max_tokens.map_or("all tokens".to_string(), |m| format!("first {m} tokens")),
+        spec.stream.id,
+        spec.protocol.context,
+        spec.protocol.stride,
+        baseline::tolerance_text(tol)
+    );
+    let started = std::time::SystemTime::now();
+    let insta_ok = baseline::assert_with_insta(&loc, &new, tol, description, Some(&stream.path));
+    let our_ok = verdict.as_ref().is_some_and(Verdict::passed);
+    if insta_ok && our_ok {
+        rep.status = "pass".into();
+        return Ok(());
+    }
+    // Which file insta left behind, if any.
+    let fresh = |p: &Path| {
+        p.metadata().and_then(|m| m.modified()).map(|m| m >= started - std::time::Duration::from_secs(1)).unwrap_or(false)
+    };
+    let written = if fresh(&loc.pending()) {
+        format!("pending snapshot written to {}: review it with `cargo insta review`", rel(&loc.pending()))
+    } else if fresh(&loc.snap()) {
+        format!("{} was rewritten in place (INSTA_UPDATE=always or force)", rel(&loc.snap()))
+    } else {
+        "nothing was written (CI=true or INSTA_UPDATE=no); run without them to get a pending snapshot".to_string()
+    };
+    let (status, body) = match (&old, &verdict) {
+        (Err(e), _) => ("bad-baseline", format!("malformed baseline: {e}")),
+        (Ok(None), _) => (
+            "new",
+            format!("{}\n  no baseline at {}", baseline::failure_message(None, &new, None, tol), rel(&loc.snap())),
+        ),
+        (Ok(Some(old)), Some(v)) => (
+            match v {
+                Verdict::Pass { .. } => "insta-mismatch",
+                Verdict::WrongSubject(_) => "wrong-subject",
+                Verdict::ProtocolChanged(_) => "protocol-changed",
+                Verdict::TokensChanged(_) => "tokens-changed",
+                Verdict::Drift { .. } => "drift",
+            },
+            baseline::failure_message(Some(old), &new, Some(v), tol),
+        ),
+        (Ok(Some(_)), None) => unreachable!("a loaded baseline always has a verdict"),
+    };
+    rep.status = status.into();
+    Err(format!("{}: {body}\n  {written}", spec.name))
+}
+
+// ---- main ------------------------------------------------------------------------------
+
+/// Harness flags from `NINFER_HARNESS_FLAGS` (whitespace-separated), for runners that
+/// cannot pass them on the command line (`cargo test` passes `--` arguments to every test
+/// binary, nextest passes none). Only harness flags are accepted there.
+fn with_env_flags(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
+    let Some(env) = std::env::var_os("NINFER_HARNESS_FLAGS") else { return Ok(args) };
+    let env = env.into_string().map_err(|_| "NINFER_HARNESS_FLAGS is not UTF-8".to_string())?;
+    let words: Vec<OsString> = std::iter::once("harness").chain(env.split_whitespace()).map(OsString::from).collect();
+    let (_, rest) = flags::extract(words.clone()).map_err(|e| format!("NINFER_HARNESS_FLAGS: {e}"))?;
+    if rest.len() > 1 {
+        return Err(format!(
+            "NINFER_HARNESS_FLAGS may hold only harness flags (--kv-dtype, --artifact, --device, --tier), not {:?}",
+            rest[1]
+        ));
+    }
+    let mut out: Vec<OsString> = args.iter().take(1).cloned().collect();
+    out.extend(words.into_iter().skip(1));
+    out.extend(args.into_iter().skip(1));
+    Ok(out)
+}
+
+/// CPU worker threads for the engine: `NINFER_HARNESS_THREADS`, else one per core. Results
+/// do not depend on it (the gate test checks that).
+fn engine_threads() -> usize {
+    std::env::var("NINFER_HARNESS_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// Exit status for usage and setup errors (bad flag values, malformed registry).
+pub const EXIT_USAGE: u8 = 2;
+/// Exit status when a trial failed (libtest's).
+pub const EXIT_FAILED: u8 = 101;
+
+/// The harness's `main`: harness flags first, then libtest-mimic with the rest. Returns the
+/// exit status: 0, [`EXIT_FAILED`] or [`EXIT_USAGE`].
+pub fn main_with(args: Vec<OsString>) -> u8 {
+    let root = repo_root();
+    // insta's failed assertion is a panic we catch and report ourselves: keep it quiet.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+        if !msg.is_some_and(|m| m.starts_with("snapshot assertion for '")) {
+            default_hook(info)
+        }
+    }));
+    if std::env::var_os("INSTA_WORKSPACE_ROOT").is_none() {
+        // Spares insta a `cargo metadata` call; this crate is its own workspace.
+        std::env::set_var("INSTA_WORKSPACE_ROOT", &root);
+    }
+    if let Some(f) = std::env::var_os("NINFER_TEST_FAULT") {
+        eprintln!(
+            "harness: NINFER_TEST_FAULT={} is set: the engine is deliberately perturbed; nothing will be written into the tree",
+            f.to_string_lossy()
+        );
+        std::env::set_var("INSTA_UPDATE", "no");
+    }
+    let args = match with_env_flags(args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("harness: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let (flags, rest) = match flags::extract(args) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("harness: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    if flags.help {
+        eprintln!("{}", flags::HELP);
+    }
+    let args = libtest_mimic::Arguments::from_iter(rest);
+    let plan = match plan(&root, &flags) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("harness: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let sink = match Sink::from_env() {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            eprintln!("harness: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    // Say once why trials are ignored (libtest-mimic prints only "ignored" for them).
+    let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+    for s in &plan.specs {
+        if let Some(r) = &s.ignore_reason {
+            *reasons.entry(format!("{}-tier {}: {r}", s.tier.name(), s.artifact.name)).or_default() += 1;
+        }
+    }
+    if !args.list {
+        for (r, n) in &reasons {
+            eprintln!("harness: {n} trial(s) ignored: {r}");
+        }
+    }
+    let ctx = Arc::new(Ctx { root, corpus: plan.corpus.clone(), sink: sink.clone() });
+    let trials: Vec<Trial> = plan
+        .specs
+        .into_iter()
+        .map(|spec| {
+            let ignored = spec.ignore_reason.is_some();
+            let ctx = ctx.clone();
+            let name = spec.name.clone();
+            Trial::ignorable_test(name, move || run_trial(&ctx, &spec)).with_ignored_flag(ignored)
+        })
+        .collect();
+    let c = libtest_mimic::run(&args, trials);
+    if !args.list {
+        let reasons: Vec<(String, usize)> = reasons.into_iter().collect();
+        sink.finish((c.num_passed, c.num_failed, c.num_ignored, c.num_filtered_out), &reasons);
+    }
+    if c.has_failed() {
+        EXIT_FAILED
+    } else {
+        0
+    }
+}
