@@ -6,6 +6,7 @@
 //! subtracts the row maximum, and each output tile is computed by one task with shapes
 //! that do not depend on the thread count, so neither do the bits.
 
+use super::exp;
 use rayon::prelude::*;
 
 pub struct AttnShape {
@@ -15,20 +16,22 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// Query rows per task. Fixed: it defines each GEMM's shape, so it is part of the
+/// Query positions per task. Fixed: it defines each GEMM's shape, so it is part of the
 /// numerical definition (the thread count is not).
-const Q_BLOCK: usize = 64;
+const Q_BLOCK: usize = 128;
 
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint (query block, head) tiles of the output through this pointer.
+// SAFETY: tasks write disjoint (query block, KV head group) tiles of the output.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
-/// Causal GQA attention, one task per (query head, block of `Q_BLOCK` queries): scores
-/// `S = Q Kᵀ / sqrt(D)` for the block against every key up to its last query (one GEMM),
-/// a masked row softmax, then `O = P V` (one GEMM). Only a `Q_BLOCK × T` score tile exists
-/// per task, never the full `T × T` matrix.
+/// Causal GQA attention, one task per (KV head, block of `Q_BLOCK` query positions). The
+/// task gathers the block's queries of every query head sharing that KV head into one
+/// matrix `Qg[(t, g), D]`, so keys and values are packed once for the whole group:
+/// `S = Qg Kᵀ / sqrt(D)` against every key up to the block's last position (one GEMM), a
+/// masked row softmax, then `O = P V` (one GEMM), scattered back to `o`. Only a
+/// `(Q_BLOCK·group) × T` score tile exists per task, never the full `T × T` matrix.
 pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut [f32]) {
     let (t_len, hq, hkv, d) = (s.tokens, s.q_heads, s.kv_heads, s.head_dim);
     assert_eq!(q.len(), t_len * hq * d);
@@ -39,27 +42,32 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
     let scale = 1.0 / (d as f32).sqrt();
     let blocks = t_len.div_ceil(Q_BLOCK);
     let out = SendPtr(o.as_mut_ptr());
-    (0..hq * blocks).into_par_iter().for_each_init(
-        || vec![0.0f32; Q_BLOCK * t_len],
-        |scores, task| {
+    (0..hkv * blocks).into_par_iter().for_each_init(
+        || (vec![0.0f32; Q_BLOCK * group * d], vec![0.0f32; Q_BLOCK * group * t_len], vec![0.0f32; Q_BLOCK * group * d]),
+        |(qg, scores, og), task| {
             let out = out;
-            let (h, b) = (task / blocks, task % blocks);
-            let kh = h / group;
+            let (kh, b) = (task / blocks, task % blocks);
             let q0 = b * Q_BLOCK;
             let q1 = (q0 + Q_BLOCK).min(t_len);
-            let (rows, keys) = (q1 - q0, q1);
+            let rows = (q1 - q0) * group;
+            let keys = q1;
+            // Qg[(t, g)] = q[q0 + t, kh·group + g]: for each position the group's heads are
+            // already adjacent in `q`, so this is one contiguous copy per position.
+            for t in q0..q1 {
+                let src = &q[(t * hq + kh * group) * d..(t * hq + (kh + 1) * group) * d];
+                qg[(t - q0) * group * d..(t - q0 + 1) * group * d].copy_from_slice(src);
+            }
             let sc = &mut scores[..rows * keys];
-            // SAFETY: Q rows q0..q1 of head h are read with row stride hq·d; K rows 0..keys of
-            // KV head kh as a [d, keys] transpose view with column stride hkv·d; `sc` is dense
-            // [rows, keys]. All within the asserted buffer sizes.
+            // SAFETY: `qg` is dense [rows, d]; K rows 0..keys of KV head kh are read as a
+            // [d, keys] transpose view with column stride hkv·d; `sc` is dense [rows, keys].
             unsafe {
                 matrixmultiply::sgemm(
                     rows,
                     d,
                     keys,
                     scale,
-                    q.as_ptr().add((q0 * hq + h) * d),
-                    (hq * d) as isize,
+                    qg.as_ptr(),
+                    d as isize,
                     1,
                     k.as_ptr().add(kh * d),
                     1,
@@ -71,23 +79,17 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
                 );
             }
             for (r, row) in sc.chunks_mut(keys).enumerate() {
-                let visible = q0 + r + 1; // keys 0..=i
+                let visible = q0 + r / group + 1; // position t sees keys 0..=t
                 let (live, masked) = row.split_at_mut(visible);
-                let max = live.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                for x in live.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                let inv = 1.0 / sum;
+                let max = exp::max(live);
+                let inv = 1.0 / exp::exp_sub_sum(live, max);
                 for x in live.iter_mut() {
                     *x *= inv;
                 }
                 masked.fill(0.0);
             }
             // SAFETY: `sc` is [rows, keys]; V rows 0..keys of KV head kh have row stride
-            // hkv·d; the output tile (rows q0..q1, head h) has row stride hq·d and belongs
-            // to this task alone.
+            // hkv·d; `og` is dense [rows, d].
             unsafe {
                 matrixmultiply::sgemm(
                     rows,
@@ -101,10 +103,18 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
                     (hkv * d) as isize,
                     1,
                     0.0,
-                    out.0.add((q0 * hq + h) * d),
-                    (hq * d) as isize,
+                    og.as_mut_ptr(),
+                    d as isize,
                     1,
                 );
+            }
+            for t in q0..q1 {
+                let src = &og[(t - q0) * group * d..(t - q0 + 1) * group * d];
+                // SAFETY: positions q0..q1 × heads of KV group kh are written by this task
+                // only; the range lies inside `o` ([T, Hq, D]).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), out.0.add((t * hq + kh * group) * d), group * d);
+                }
             }
         },
     );
@@ -139,7 +149,7 @@ mod tests {
 
     #[test]
     fn matches_naive_gqa() {
-        for t in [1, 9, 64, 150] {
+        for t in [1, 9, 128, 300] {
             let s = AttnShape { tokens: t, q_heads: 6, kv_heads: 2, head_dim: 12 };
             let gen = |n: usize, seed: usize| -> Vec<f32> {
                 (0..n).map(|i| (((i + seed) * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect()

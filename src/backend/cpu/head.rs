@@ -8,6 +8,7 @@
 //! not depend on the thread count, and no more than `ROWS × VOCAB_CHUNK` logits exist at
 //! once per task.
 
+use super::exp;
 use rayon::prelude::*;
 
 /// Vocabulary entries per chunk (fixed: it defines the reduction order).
@@ -60,14 +61,11 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
                 }
                 (0..r)
                     .map(|i| {
-                        let row = &logits[i * vc..(i + 1) * vc];
-                        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0.0f32;
-                        for &x in row {
-                            sum += (x - max).exp();
-                        }
+                        let row = &mut logits[i * vc..(i + 1) * vc];
                         let t = tb[i] as usize;
                         let target = if (v0..v0 + vc).contains(&t) { row[t - v0] } else { f32::NAN };
+                        let max = exp::max(row);
+                        let sum = exp::exp_sub_sum(row, max);
                         Partial { max, sum, target }
                     })
                     .collect()

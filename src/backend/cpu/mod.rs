@@ -3,6 +3,7 @@
 //! count.
 
 pub mod attention;
+pub mod exp;
 pub mod head;
 pub mod matmul;
 pub mod norm;
