@@ -43,3 +43,15 @@ CODEC_ENTRIES(bf16, E_BF16)
 CODEC_ENTRIES(int8, E_INT8)
 CODEC_ENTRIES(fp8, E_FP8)
 CODEC_ENTRIES(nvfp4, E_NVFP4)
+
+// Element codecs on their own: e4m3fn and e2m1 codes of n values (one thread each).
+// Grid: (ceil(n / 256)), block 256.
+extern "C" __global__ void e4m3_encode(const float* __restrict__ x, u8* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (u8)e4m3_from_f32(x[i]);
+}
+
+extern "C" __global__ void e2m1_encode(const float* __restrict__ x, u8* __restrict__ out, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (u8)e2m1_from_f32(x[i]);
+}

@@ -22,7 +22,8 @@ fn nvrtc_compiles_every_kernel() {
 
     // Explicit directory first, then the install script's default cache.
     let mut dirs: Vec<PathBuf> = loader::env_dirs();
-    let cache = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("eval/.cache/nvrtc");
+    let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
+    let cache = repo.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR"))).join("eval/.cache/nvrtc");
     if let Ok(rd) = std::fs::read_dir(&cache) {
         for e in rd.flatten() {
             dirs.push(e.path().join("nvidia/cu13/lib"));
@@ -66,6 +67,9 @@ fn nvrtc_compiles_every_kernel() {
         };
         eprintln!("kernels/{}: {} bytes of sm_90 code in {secs:.1}s", p.key(), c.cubin.len());
         assert!(c.cubin.starts_with(b"\x7fELF"), "kernels/{}: NVRTC returned no ELF CUBIN", p.key());
+        // With NINFER_CUDA_CACHE_DIR set, this run also fills the CUBIN cache that a GPU
+        // machine without time to compile can be given.
+        nvrtc::store_cached(&p, "sm_90", &c.cubin);
         let res = nvrtc::parse_ptxas_log(&c.log);
         for w in c.log.lines().filter(|l| l.contains("warning")) {
             eprintln!("  {w}");

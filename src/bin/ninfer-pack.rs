@@ -43,6 +43,24 @@ enum Cmd {
         #[arg(long)]
         tokenizer: Option<PathBuf>,
     },
+    /// Write a random-weight artifact of a named shape (throughput benchmarks at real scale).
+    Random {
+        /// Output .ninfer path.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Shape: qwen3-8b, llama3-8b or smollm2-135m.
+        #[arg(long, default_value = "qwen3-8b")]
+        preset: String,
+        /// Number of layers (default: the preset's).
+        #[arg(long)]
+        layers: Option<usize>,
+        /// Seed of the weights.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// tokenizer.json to embed (default: a 256-token byte-level tokenizer).
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
     /// Print an artifact's description; with --verify, recompute its digest.
     Inspect {
         artifact: PathBuf,
@@ -82,6 +100,9 @@ fn run(args: Args) -> Result<()> {
         Cmd::Gguf { input, output, weights } => pack(gguf::read_gguf(&input), &weights, &output),
         Cmd::Hf { input, output, weights, tokenizer } => {
             pack(hf::read_hf_dir(&input, tokenizer.as_deref()), &weights, &output)
+        }
+        Cmd::Random { output, preset, layers, seed, tokenizer } => {
+            ninfer_perplexity::backend::cuda::random::run_cli(&output, &preset, layers, seed, tokenizer.as_deref())
         }
         Cmd::Inspect { artifact, verify } => {
             let a = Artifact::open(&artifact)?;

@@ -70,3 +70,17 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
         .collect();
     Ok(DeviceCodec { stored, decoded })
 }
+
+/// Element codes of every value: `e4m3` (fp8 e4m3fn) or `e2m1` (the nvfp4 element).
+pub fn element_codes(gpu: &Gpu, kind: &str, x: &[f32]) -> Result<Vec<u8>> {
+    let entry = match kind {
+        "e4m3" => "e4m3_encode",
+        "e2m1" => "e2m1_encode",
+        other => bail!("unknown element format {other}"),
+    };
+    let n = x.len();
+    let xin = gpu.upload(x)?;
+    let out = gpu.alloc(n.max(1))?;
+    gpu.launch(entry, (plan::blocks_for(n, 256), 1, 1), 256, 0, &[Arg::Ptr(xin.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)])?;
+    gpu.read(&out, 0, n)
+}

@@ -35,10 +35,17 @@ pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
     if let Some(c) = cache.get(&key) {
         return Ok(c.clone());
     }
-    let t = std::time::Instant::now();
-    let c = nvrtc::compile(&p, arch, false).map_err(|e| anyhow!(e))?;
-    tracing::debug!("NVRTC compiled kernels/{} for {arch} in {:.2}s", p.key(), t.elapsed().as_secs_f64());
-    let c = Arc::new(c.cubin);
+    let c = match nvrtc::load_cached(&p, arch) {
+        Some(bin) => bin,
+        None => {
+            let t = std::time::Instant::now();
+            let c = nvrtc::compile(&p, arch, false).map_err(|e| anyhow!(e))?;
+            tracing::debug!("NVRTC compiled kernels/{} for {arch} in {:.2}s", p.key(), t.elapsed().as_secs_f64());
+            nvrtc::store_cached(&p, arch, &c.cubin);
+            c.cubin
+        }
+    };
+    let c = Arc::new(c);
     cache.insert(key, c.clone());
     Ok(c)
 }

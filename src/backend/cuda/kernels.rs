@@ -84,7 +84,13 @@ impl Program {
                 vec![format!("attn_f32_{k}"), format!("attn_mma_{k}_d64"), format!("attn_mma_{k}_d128")]
             }
             ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
-            ("codec", _) => ELEM_NAMES.iter().flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")]).collect(),
+            ("codec", _) => {
+                let mut v: Vec<String> =
+                    ELEM_NAMES.iter().flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")]).collect();
+                v.push("e4m3_encode".into());
+                v.push("e2m1_encode".into());
+                v
+            }
             (m, k) => panic!("no program {m} {k:?}"),
         }
     }

@@ -121,3 +121,44 @@ impl CudaModel {
         match self._never {}
     }
 }
+
+#[cfg(feature = "cuda")]
+pub mod bench {
+    //! Device-side measurements for the benchmark: the bf16 matrix-product rate through
+    //! the same cuBLAS path the model uses, the ceiling its throughput is compared with.
+
+    use super::device::Gpu;
+    use super::gemm::{Blas, Mat};
+    use super::plan::Precision;
+    use anyhow::Result;
+
+    /// Median TFLOP/s of `reps` bf16 products `[n, n] x [n, n]ᵀ` (f32 output) on random data,
+    /// after `warmup` untimed ones. Each product is timed alone between synchronizations.
+    pub fn gemm_rate(gpu: &Gpu, n: usize, warmup: usize, reps: usize) -> Result<f64> {
+        let blas = Blas::new(gpu, Precision::Bf16)?;
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            half::bf16::from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).to_bits()
+        };
+        let a: Vec<u16> = (0..n * n).map(|_| rnd()).collect();
+        let b: Vec<u16> = (0..n * n).map(|_| rnd()).collect();
+        let (da, db) = (gpu.upload(&a)?, gpu.upload(&b)?);
+        let dc = gpu.alloc(4 * n * n)?;
+        let mut times = Vec::with_capacity(reps);
+        for i in 0..warmup + reps {
+            gpu.sync()?;
+            let t = std::time::Instant::now();
+            blas.gemm(n, n, n, Mat::of(&da, 0, n), Mat::of(&db, 0, n), Mat::of(&dc, 0, n), false)?;
+            gpu.sync()?;
+            if i >= warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(|x, y| x.total_cmp(y));
+        let median = times[times.len() / 2];
+        Ok(2.0 * (n as f64).powi(3) / median / 1e12)
+    }
+}

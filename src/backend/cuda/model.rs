@@ -113,6 +113,8 @@ pub struct CudaModel {
     weights: DevWeights,
     weights_bytes: usize,
     peak_used: AtomicUsize,
+    /// Most windows per forward pass (tests lower it to check batching changes nothing).
+    max_windows: AtomicUsize,
     blas: Blas,
     gpu: Gpu,
 }
@@ -250,9 +252,15 @@ impl CudaModel {
             weights,
             weights_bytes,
             peak_used: AtomicUsize::new(0),
+            max_windows: AtomicUsize::new(plan::MAX_WINDOWS),
             blas,
             gpu,
         })
+    }
+
+    /// Limits the windows packed into one forward pass (at least 1).
+    pub fn set_max_windows_per_pass(&self, n: usize) {
+        self.max_windows.store(n.max(1), Ordering::Relaxed);
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -297,7 +305,7 @@ impl CudaModel {
         self.ensure_rope(&mut st, longest)?;
         let plan = st.bufs.as_ref().expect("allocated").plan.clone();
         let lens: Vec<usize> = windows.iter().map(|w| w.len()).collect();
-        for batch in plan::pack_batches(&lens, plan.max_rows, plan::MAX_WINDOWS)? {
+        for batch in plan::pack_batches(&lens, plan.max_rows, self.max_windows.load(Ordering::Relaxed))? {
             let wins: Vec<(&[u32], usize)> =
                 windows[batch.clone()].iter().map(|w| (&tokens[w.begin..w.end], w.start - w.begin)).collect();
             match self.forward_batch(&st, &wins, kv) {

@@ -85,6 +85,62 @@ pub fn compile(p: &Program, arch: &str, verbose_ptxas: bool) -> Result<Compiled,
     Ok(Compiled { cubin, log })
 }
 
+/// Environment variable naming a directory where compiled CUBINs are kept across
+/// processes (opt-in; without it kernels are compiled once per process).
+pub const CACHE_ENV: &str = "NINFER_CUDA_CACHE_DIR";
+
+/// Where the CUBIN of `p` for `arch` is cached, when `NINFER_CUDA_CACHE_DIR` is set. The
+/// name holds a hash of the program text and the code-generating options, so an edited
+/// kernel never meets a stale binary (ptxas verbosity does not change the code and is left
+/// out).
+pub fn cache_path(p: &Program, arch: &str) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os(CACHE_ENV).filter(|d| !d.is_empty())?;
+    Some(cache_path_in(std::path::Path::new(&dir), p, arch))
+}
+
+/// [`cache_path`] under a given directory.
+pub fn cache_path_in(dir: &std::path::Path, p: &Program, arch: &str) -> std::path::PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(p.text().as_bytes());
+    for o in options(arch, false) {
+        h.update(b"\0");
+        h.update(o.as_bytes());
+    }
+    let hash = hex::encode(h.finalize());
+    let key = p.key().replace(['[', ']'], "-");
+    dir.join(format!("{arch}-{}-{}.cubin", key.trim_end_matches('-'), &hash[..20]))
+}
+
+/// A cached CUBIN, if there is one.
+pub fn load_cached(p: &Program, arch: &str) -> Option<Vec<u8>> {
+    load_cached_at(&cache_path(p, arch)?)
+}
+
+fn load_cached_at(path: &std::path::Path) -> Option<Vec<u8>> {
+    std::fs::read(path).ok().filter(|b| b.starts_with(b"\x7fELF"))
+}
+
+/// Stores a CUBIN in the cache (atomically; failures only cost a later recompile).
+pub fn store_cached(p: &Program, arch: &str, cubin: &[u8]) {
+    if let Some(path) = cache_path(p, arch) {
+        store_cached_at(&path, cubin);
+    }
+}
+
+fn store_cached_at(path: &std::path::Path, cubin: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    if let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir) {
+        use std::io::Write;
+        if tmp.write_all(cubin).is_ok() {
+            let _ = tmp.persist(path);
+        }
+    }
+}
+
 /// One kernel's resources as ptxas reports them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KernelResources {
@@ -156,6 +212,24 @@ ptxas info    : Used 10 registers, used 0 barriers, 380 bytes cmem[0]\n";
         assert_eq!(r[1].name, "head_finish");
         assert_eq!(r[1].registers, 10);
         assert_eq!(r[1].spill_stores, 0);
+    }
+
+    #[test]
+    fn cache_names_change_with_the_program_text() {
+        let d = tempfile::tempdir().unwrap();
+        let a = Program { module: "attention", kv: Some("int8") };
+        let b = Program { module: "attention", kv: Some("fp8") };
+        let pa = cache_path_in(d.path(), &a, "sm_90");
+        assert!(pa.starts_with(d.path()));
+        let name = pa.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("sm_90-attention-int8-") && name.ends_with(".cubin"), "{name}");
+        assert_ne!(pa, cache_path_in(d.path(), &b, "sm_90"));
+        assert_ne!(pa, cache_path_in(d.path(), &a, "sm_80"));
+        assert!(load_cached_at(&pa).is_none());
+        store_cached_at(&pa, b"\x7fELF fake");
+        assert_eq!(load_cached_at(&pa).unwrap(), b"\x7fELF fake");
+        std::fs::write(&pa, b"garbage").unwrap();
+        assert!(load_cached_at(&pa).is_none(), "non-ELF files are ignored");
     }
 
     #[test]

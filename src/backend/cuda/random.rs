@@ -245,6 +245,31 @@ pub fn write_random_artifact(spec: &RandomSpec, out: &Path, progress: &mut dyn F
     Ok(d)
 }
 
+/// `ninfer-pack random`: writes the artifact and says what it wrote on stderr.
+pub fn run_cli(out: &Path, preset_name: &str, layers: Option<usize>, seed: u64, tokenizer: Option<&Path>) -> Result<()> {
+    let mut config = preset(preset_name)?;
+    if let Some(l) = layers {
+        config.num_layers = l;
+    }
+    let tokenizer_json = match tokenizer {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?),
+        None => None,
+    };
+    let t = std::time::Instant::now();
+    let spec = RandomSpec { config, seed, tokenizer_json };
+    let digest = write_random_artifact(&spec, out, &mut |_, _| {})?;
+    let c = &spec.config;
+    eprintln!(
+        "wrote {} ({} {} layers, {:.2}B params, random bf16 weights, seed {seed}) in {:.1}s, digest {digest}",
+        out.display(),
+        c.family.name(),
+        c.num_layers,
+        c.num_params() as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

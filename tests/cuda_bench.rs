@@ -1,0 +1,110 @@
+//! Throughput at real scale: a random-weight artifact of Qwen3-8B's shape (or any preset),
+//! context 4096 / stride 2048, against the device's measured bf16 matrix-product rate.
+//!
+//! Processed tokens per second and achieved TFLOP/s are reported, the FLOPs counted by
+//! `plan::window_flops` (projections, MLP, causal attention, the head on scored rows).
+//! Target (issue 6): at least 40% of the measured bf16 dense rate. The numbers are printed
+//! and written as JSON to `$NINFER_BENCH_OUT` when set.
+//!
+//! Settings (environment): NINFER_BENCH_ARTIFACT (an existing artifact to use; else one is
+//! generated at eval/.cache/random/<preset>-L<layers>.ninfer and kept), NINFER_BENCH_PRESET
+//! (qwen3-8b), NINFER_BENCH_LAYERS (the preset's), NINFER_BENCH_WINDOWS (16),
+//! NINFER_BENCH_KV (bf16), NINFER_BENCH_CONTEXT (4096), NINFER_BENCH_STRIDE (2048).
+//!
+//! Needs a CUDA GPU: ignored in a plain `cargo test`; run by `ci/gpu-check.sh`.
+
+#![cfg(feature = "cuda")]
+
+use ninfer_perplexity::artifact::Artifact;
+use ninfer_perplexity::backend::cuda::plan::{self, Precision};
+use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
+use ninfer_perplexity::backend::cuda::{bench, CudaModel};
+use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::score::{windows, Protocol};
+use std::path::PathBuf;
+use std::time::Instant;
+
+fn env_or<T: std::str::FromStr>(k: &str, d: T) -> T {
+    std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
+fn random_model_throughput_against_the_gemm_rate() {
+    if let Err(e) = ninfer_perplexity::backend::cuda::probe(0) {
+        panic!("this benchmark needs a CUDA GPU ({e})");
+    }
+    let preset_name = std::env::var("NINFER_BENCH_PRESET").unwrap_or_else(|_| "qwen3-8b".into());
+    let mut config = preset(&preset_name).unwrap();
+    config.num_layers = env_or("NINFER_BENCH_LAYERS", config.num_layers);
+    let art = match std::env::var("NINFER_BENCH_ARTIFACT") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => {
+            let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
+            let p = repo
+                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+                .join(format!("eval/.cache/random/{preset_name}-L{}.ninfer", config.num_layers));
+            let fresh = Artifact::open(&p).map(|a| a.config == config).unwrap_or(false);
+            if !fresh {
+                let t = Instant::now();
+                let spec = RandomSpec { config: config.clone(), seed: 1, tokenizer_json: None };
+                write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
+                eprintln!("generated {} in {:.1}s", p.display(), t.elapsed().as_secs_f64());
+            }
+            p
+        }
+    };
+    let kv = KvDtype::parse(&std::env::var("NINFER_BENCH_KV").unwrap_or_else(|_| "bf16".into())).unwrap();
+    let p = Protocol::new(env_or("NINFER_BENCH_CONTEXT", 4096), env_or("NINFER_BENCH_STRIDE", 2048)).unwrap();
+    let n_windows: usize = env_or("NINFER_BENCH_WINDOWS", 16);
+
+    let a = Artifact::open(&art).unwrap();
+    let c = a.config.clone();
+    let t = Instant::now();
+    let m = CudaModel::load(&a, 0, Precision::Bf16, &mut |_, _| {}).unwrap();
+    let load_s = t.elapsed().as_secs_f64();
+    let gemm_tflops = bench::gemm_rate(m.gpu(), 8192, 3, 10).unwrap();
+
+    // Random token ids: the speed does not depend on the text.
+    let n_tokens = p.context + p.stride * (n_windows.max(1) - 1);
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let ids: Vec<u32> = (0..n_tokens)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % c.vocab_size as u64) as u32
+        })
+        .collect();
+    let ws = windows(ids.len(), p).unwrap();
+    // Warm-up: compiles the kernels and allocates the buffers.
+    let t = Instant::now();
+    m.score_windows(&ids, &ws[..1], kv, &mut |_, _| Ok(())).unwrap();
+    let warm_s = t.elapsed().as_secs_f64();
+    let mut finite = true;
+    let t = Instant::now();
+    m.score_windows(&ids, &ws, kv, &mut |_, b| {
+        finite &= b.iter().flatten().all(|v| v.is_finite());
+        Ok(())
+    })
+    .unwrap();
+    let score_s = t.elapsed().as_secs_f64();
+    assert!(finite, "non-finite log-probabilities");
+    let processed: usize = ws.iter().map(|w| w.len()).sum();
+    let flops: f64 = ws.iter().map(|w| plan::window_flops(&c, w.len(), w.scored())).sum();
+    let tflops = flops / score_s / 1e12;
+    let mem = m.memory_report();
+    let out = serde_json::json!({
+        "artifact": art.display().to_string(), "preset": preset_name, "layers": c.num_layers,
+        "params": c.num_params(), "kv": kv.name(), "context": p.context, "stride": p.stride,
+        "windows": ws.len(), "processed_tokens": processed, "load_s": load_s, "warmup_s": warm_s,
+        "score_s": score_s, "tokens_per_s": processed as f64 / score_s, "tflops": tflops,
+        "gemm_bf16_tflops": gemm_tflops, "fraction_of_gemm": tflops / gemm_tflops,
+        "peak_allocated_bytes": mem.peak_allocated_bytes, "peak_used_bytes": mem.peak_used_bytes,
+        "gpu": m.gpu().info.name,
+    });
+    eprintln!("{out}");
+    if let Ok(path) = std::env::var("NINFER_BENCH_OUT") {
+        std::fs::write(path, out.to_string()).unwrap();
+    }
+}

@@ -1,0 +1,141 @@
+//! The Main KV codecs on the GPU store exactly the CPU specification's bits.
+//!
+//! The device encoders (`kv_store_warp`, what `qkv_prep` stores K/V with) and decoder
+//! (`kv_load`, what attention reads) are run over random vectors of many head dims, edge
+//! cases (zeros, subnormals, ties, huge values, one-hot) and the PyTorch reference vectors
+//! of `eval/fixtures/kv`, and compared byte for byte with `Elem::encode_bytes` and bit for
+//! bit with `Elem::roundtrip`.
+//!
+//! Needs a CUDA GPU: every test is ignored in a plain `cargo test` and run by
+//! `ci/gpu-check.sh` (`cargo test --test cuda_kv -- --ignored`). Run on a machine without
+//! a GPU, they fail and say why.
+
+#![cfg(feature = "cuda")]
+
+use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_decode};
+use ninfer_perplexity::backend::cuda::device::Gpu;
+use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
+
+const ELEMS: [Elem; 5] = [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4];
+
+fn gpu() -> Gpu {
+    if let Err(e) = ninfer_perplexity::backend::cuda::probe(0) {
+        panic!("this test needs a CUDA GPU ({e}); it is ignored in plain `cargo test`");
+    }
+    Gpu::open(0).expect("open CUDA device 0")
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Vectors with a spread of magnitudes per vector (scales from 1e-30 to 1e30).
+fn random_vectors(n: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut r = Rng(seed | 1);
+    let mut v = Vec::with_capacity(n * d);
+    for i in 0..n {
+        let scale = 10f32.powf((i % 13) as f32 * 5.0 - 30.0);
+        for _ in 0..d {
+            let x = (r.unit() * 2.0 - 1.0) * scale;
+            // Some exact zeros and negative zeros.
+            v.push(match r.next() % 29 {
+                0 => 0.0,
+                1 => -0.0,
+                _ => x,
+            });
+        }
+    }
+    v
+}
+
+fn edge_vectors(d: usize) -> Vec<f32> {
+    let mut v = Vec::new();
+    let mut push = |f: &dyn Fn(usize) -> f32| v.extend((0..d).map(f));
+    push(&|_| 0.0);
+    push(&|_| -0.0);
+    push(&|i| if i == 0 { 1.0 } else { 0.0 });
+    push(&|i| if i == d - 1 { -3.5 } else { 1e-3 });
+    push(&|i| f32::from_bits(1 + i as u32)); // subnormals only
+    push(&|i| (i as f32 - d as f32 / 2.0) * 0.5); // half-integer ties
+    push(&|i| if i % 2 == 0 { f32::MAX } else { -f32::MAX / 3.0 });
+    push(&|i| 1e-38 * (i as f32 + 1.0));
+    push(&|i| ((i * 7) % 11) as f32 - 5.0);
+    v
+}
+
+fn check(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, what: &str) {
+    let got = encode_decode(gpu, elem, x, d).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    for (i, vec) in x.chunks(d).enumerate() {
+        let want = elem.encode_bytes(vec);
+        assert_eq!(got.stored[i], want, "{what}: {} d={d} vector {i} stored bytes", elem.name());
+        let mut rt = vec.to_vec();
+        elem.roundtrip(&mut rt);
+        for (j, (a, b)) in got.decoded[i * d..(i + 1) * d].iter().zip(&rt).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what}: {} d={d} vector {i} element {j}: {a:e} vs {b:e}", elem.name());
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
+fn device_codecs_store_the_cpu_bits() {
+    let g = gpu();
+    for elem in ELEMS {
+        for d in [1, 7, 8, 16, 33, 64, 80, 96, 128, 200, 256] {
+            check(&g, elem, &random_vectors(97, d, d as u64 * 31 + 7), d, "random");
+            check(&g, elem, &edge_vectors(d), d, "edge");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
+fn device_codecs_match_the_reference_fixtures() {
+    let g = gpu();
+    // NINFER_REPO: the repository when this binary runs on another machine than it was built on.
+    let repo = std::env::var_os("NINFER_REPO").map(std::path::PathBuf::from);
+    let dir = repo.unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))).join("eval/fixtures/kv");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).expect("eval/fixtures/kv/index.json")).unwrap();
+    let floats = |name: &str| -> Vec<f32> {
+        let b = std::fs::read(dir.join(name)).unwrap();
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    let mut n = 0;
+    for v in index["vectors"].as_array().unwrap() {
+        let elem = match v["format"].as_str().unwrap() {
+            "int8" => Elem::Int8,
+            "fp8" => Elem::Fp8,
+            "nvfp4" => Elem::Nvfp4,
+            other => panic!("unknown fixture format {other}"),
+        };
+        let d = v["head_dim"].as_u64().unwrap() as usize;
+        check(&g, elem, &floats(v["input"].as_str().unwrap()), d, v["name"].as_str().unwrap());
+        n += 1;
+    }
+    // Element codecs over their edge sets (e4m3: every finite bf16 value too), non-finite
+    // inputs left out: the device encoders are specified for finite input only.
+    for s in index["scalar"].as_array().unwrap() {
+        let kind = s["kind"].as_str().unwrap();
+        let x: Vec<f32> = floats(s["input"].as_str().unwrap()).into_iter().filter(|v| v.is_finite()).collect();
+        let got = element_codes(&g, kind, &x).unwrap();
+        for (i, (&v, &c)) in x.iter().zip(&got).enumerate() {
+            let want = match kind {
+                "e4m3" => fp8::e4m3_from_f32(v),
+                _ => nvfp4::e2m1_from_f32(v),
+            };
+            assert_eq!(c, want, "{kind} value {i} = {v:e} ({:#010x})", v.to_bits());
+        }
+        n += 1;
+    }
+    assert!(n >= 10, "too few fixtures in {}", dir.display());
+}
