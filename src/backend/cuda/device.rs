@@ -19,7 +19,8 @@ fn drv<T>(r: Result<T, result::DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| anyhow!("CUDA {what}: {e}"))
 }
 
-type CubinCache = Mutex<HashMap<(String, Program), Arc<Vec<u8>>>>;
+type Slot = Arc<Mutex<Option<Arc<Vec<u8>>>>>;
+type CubinCache = Mutex<HashMap<(String, Program), Slot>>;
 
 /// Compiled CUBINs, per (architecture, program), shared by every context of the process.
 fn cubin_cache() -> &'static CubinCache {
@@ -27,12 +28,13 @@ fn cubin_cache() -> &'static CubinCache {
     C.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The CUBIN of a program for an architecture, compiled at the first request. Holding the
-/// cache lock while compiling makes concurrent first requests compile once.
+/// The CUBIN of a program for an architecture, compiled at the first request (or read
+/// from `NINFER_CUDA_CACHE_DIR`). Each program has its own lock: concurrent first requests
+/// for one program compile it once, different programs compile in parallel.
 pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
-    let key = (arch.to_string(), p);
-    let mut cache = cubin_cache().lock().unwrap();
-    if let Some(c) = cache.get(&key) {
+    let slot: Slot = cubin_cache().lock().unwrap().entry((arch.to_string(), p)).or_default().clone();
+    let mut slot = slot.lock().unwrap();
+    if let Some(c) = slot.as_ref() {
         return Ok(c.clone());
     }
     let c = match nvrtc::load_cached(&p, arch) {
@@ -46,8 +48,17 @@ pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
         }
     };
     let c = Arc::new(c);
-    cache.insert(key, c.clone());
+    *slot = Some(c.clone());
     Ok(c)
+}
+
+/// Compiles several programs at once, one thread each (first use of a KV representation
+/// needs two large ones).
+pub fn precompile(programs: &[Program], arch: &str) -> Result<()> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = programs.iter().map(|&p| s.spawn(move || cubin(p, arch).map(|_| ()))).collect();
+        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC compile thread panicked"))))
+    })
 }
 
 /// Memory accounting of one device, in bytes.

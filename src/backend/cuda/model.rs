@@ -10,6 +10,7 @@
 
 use super::device::{Arg, DevBuf, Gpu};
 use super::gemm::{Blas, Mat};
+use super::kernels::Program;
 use super::plan::{self, AttnKernel, MemPlan, Precision};
 use super::{MemoryReport, PRECISION_ENV};
 use crate::artifact::Artifact;
@@ -300,6 +301,16 @@ impl CudaModel {
         }
         let mut st = self.state.lock().unwrap();
         self.gpu.bind()?;
+        let kvn = kv.name();
+        super::device::precompile(
+            &[
+                Program { module: "attention", kv: Some(kvn) },
+                Program { module: "qkv", kv: Some(kvn) },
+                Program { module: "elementwise", kv: None },
+                Program { module: "head", kv: None },
+            ],
+            &self.gpu.arch,
+        )?;
         let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
         self.ensure_buffers(&mut st, longest)?;
         self.ensure_rope(&mut st, longest)?;
