@@ -320,7 +320,16 @@ pub fn assert_with_insta(loc: &Location, new: &Record, tol: Tolerance, descripti
     .is_ok()
 }
 
-/// `|x|` with a sign, short.
+/// A perplexity, fixed-point while it is readable.
+fn ppl_text(p: f64) -> String {
+    if p < 1e6 {
+        format!("{p:.6}")
+    } else {
+        format!("{p:.6e}")
+    }
+}
+
+/// `x` with its sign, short.
 fn signed(x: f64) -> String {
     format!("{x:+.3e}")
 }
@@ -333,12 +342,12 @@ pub fn tolerance_text(t: Tolerance) -> String {
 
 /// The failure message for a trial whose result does not match its baseline.
 pub fn failure_message(old: Option<&Record>, new: &Record, verdict: Option<&Verdict>, tol: Tolerance) -> String {
-    let now = format!("mean_nll {:.9}  ppl {:.6}  ({} scored tokens)", new.mean_nll, new.ppl, new.scored_tokens);
+    let now = format!("mean_nll {:.9}  ppl {}  ({} scored tokens)", new.mean_nll, ppl_text(new.ppl), new.scored_tokens);
     let tol_text = tolerance_text(tol);
     let (Some(old), Some(verdict)) = (old, verdict) else {
         return format!("no baseline yet for {}\n  new:      {now}", new.subject());
     };
-    let was = format!("mean_nll {:.9}  ppl {:.6}  ({} scored tokens)", old.mean_nll, old.ppl, old.scored_tokens);
+    let was = format!("mean_nll {:.9}  ppl {}  ({} scored tokens)", old.mean_nll, ppl_text(old.ppl), old.scored_tokens);
     match verdict {
         Verdict::Pass { .. } => format!("within tolerance, but insta did not accept it\n  baseline: {was}\n  new:      {now}"),
         Verdict::WrongSubject(d) => format!(
@@ -354,11 +363,16 @@ pub fn failure_message(old: Option<&Record>, new: &Record, verdict: Option<&Verd
             d.join("; ")
         ),
         Verdict::Drift { delta, allowed } => {
-            let ppl_pct = (new.ppl / old.ppl - 1.0) * 100.0;
+            let ratio = new.ppl / old.ppl;
+            let ppl_change = if (0.5..=2.0).contains(&ratio) {
+                format!("{:+.4}%", (ratio - 1.0) * 100.0)
+            } else {
+                format!("x{ratio:.3e}")
+            };
             format!(
-                "mean NLL drifted beyond the tolerance\n  baseline: {was}\n  new:      {now}\n  delta:    {} nats/token (ppl {:+.4}%), allowed {:.3e} ({tol_text}): {:.1}x the tolerance",
+                "mean NLL drifted beyond the tolerance\n  baseline: {was}\n  new:      {now}\n  delta:    {} nats/token (ppl {}), allowed {:.3e} ({tol_text}): {:.1}x the tolerance",
                 signed(*delta),
-                ppl_pct,
+                ppl_change,
                 allowed,
                 if *allowed > 0.0 { delta.abs() / allowed } else { f64::INFINITY }
             )
