@@ -27,7 +27,8 @@ pub struct Entry {
     #[serde(default)]
     pub description: Option<String>,
     /// The regression harness's tolerance per device class (`cpu`, `cuda`, or a full class
-    /// such as `cuda-sm90`); classes not listed use the harness defaults (docs/harness.md).
+    /// such as `cuda-sm90`), optionally for one KV format (`cuda/nvfp4`); what is not listed
+    /// uses the harness defaults (docs/harness.md).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tolerance: BTreeMap<String, Tolerance>,
 }
@@ -54,14 +55,14 @@ impl Tolerance {
 }
 
 impl Entry {
-    /// The tolerance the registry sets for a device class: the exact class first, then its
-    /// family (the part before the first `-` or `:`, e.g. `cuda` for `cuda-sm90`).
-    pub fn tolerance_for(&self, class: &str) -> Option<Tolerance> {
-        if let Some(t) = self.tolerance.get(class) {
-            return Some(*t);
-        }
+    /// The tolerance the registry sets for a device class and KV format, most specific key
+    /// first: `<class>/<kv>`, `<family>/<kv>`, `<class>`, `<family>`, where the family is the
+    /// part of the class before the first `-` or `:` (`cuda` for `cuda-sm90`).
+    pub fn tolerance_for(&self, class: &str, kv: &str) -> Option<Tolerance> {
         let family = class.split(['-', ':']).next().unwrap_or(class);
-        self.tolerance.get(family).copied()
+        [format!("{class}/{kv}"), format!("{family}/{kv}"), class.to_string(), family.to_string()]
+            .iter()
+            .find_map(|k| self.tolerance.get(k).copied())
     }
 }
 
@@ -167,6 +168,16 @@ fn check_shape(v: &Value) -> Result<()> {
             Some(Value::Object(classes)) => {
                 for (class, tol) in classes {
                     let tat = at(&format!("tolerance.{class}"));
+                    let (device, kv) = match class.split_once('/') {
+                        Some((d, k)) => (d, Some(k)),
+                        None => (class.as_str(), None),
+                    };
+                    if device.is_empty() {
+                        bail!("{tat}: expected a device class (`cpu`, `cuda`) or `<class>/<kv>` (`cuda/nvfp4`)");
+                    }
+                    if let Some(k) = kv {
+                        crate::kv::KvDtype::parse(k).map_err(|e| anyhow!("{tat}: {e}"))?;
+                    }
                     let tol = tol.as_object().ok_or_else(|| anyhow!("{tat}: expected an object like {{\"abs\": 0, \"rel\": 1e-9}}, found {}", kind(tol)))?;
                     for (k, x) in tol {
                         if k != "abs" && k != "rel" {

@@ -341,6 +341,7 @@ fn malformed_registry_names_the_file_and_the_field() {
         (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": "cpu"}}]}}"#), "`artifacts[0].tiers`: expected an array"),
         (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"rel": -1}}}}}}]}}"#), "`artifacts[0].tolerance.cpu.rel`: expected a non-negative number"),
         (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"relative": 1}}}}}}]}}"#), "unknown field `relative` (fields: abs, rel)"),
+        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cuda/fp9": {{"abs": 1}}}}}}]}}"#), "`artifacts[0].tolerance.cuda/fp9`: unknown KV dtype `fp9` (valid:"),
         (r#"{"schema_version": 1, "artifacts": [{"name": "a", "path": 3, "produce": "make"}]}"#.to_string(), "`artifacts[0].path`: expected a string, found a number"),
         (r#"{"schema_version": 1, "artifacts": [{"name": "a", "produce": "make"}]}"#.to_string(), "`artifacts[0]`: missing field `path`"),
     ] {
@@ -348,18 +349,25 @@ fn malformed_registry_names_the_file_and_the_field() {
         let e = format!("{:#}", Registry::load(&p).unwrap_err());
         assert!(e.starts_with(&p.display().to_string()) && e.contains(want), "expected `{want}` in: {e}");
     }
-    std::fs::write(&p, format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cuda": {{"abs": 1e-3}}}}}}]}}"#)).unwrap();
+    std::fs::write(
+        &p,
+        format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cuda": {{"abs": 1e-3}}, "cuda/nvfp4": {{"abs": 1e-2}}}}}}]}}"#),
+    )
+    .unwrap();
     let r = Registry::load(&p).unwrap();
     let e = r.get("a").unwrap();
-    assert_eq!(e.tolerance_for("cuda-sm90"), Some(Tolerance { abs: 1e-3, rel: 0.0 }));
-    assert_eq!(e.tolerance_for("cpu"), None);
+    assert_eq!(e.tolerance_for("cuda-sm90", "bf16"), Some(Tolerance { abs: 1e-3, rel: 0.0 }));
+    assert_eq!(e.tolerance_for("cuda-sm90", "nvfp4"), Some(Tolerance { abs: 1e-2, rel: 0.0 }));
+    assert_eq!(e.tolerance_for("cpu", "bf16"), None);
 }
 
 #[test]
 fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
     let r = Registry::load(&common::repo().join("eval/registry.json")).unwrap();
     for e in r.artifacts.iter().filter(|e| e.tiers.iter().any(|t| t == "cpu")) {
-        let t = e.tolerance_for("cpu").unwrap_or_else(|| harness::default_tolerance("cpu"));
-        assert!(t.allowed(3.0) < 1e-6, "{}: the CPU tier must stay (almost) exact", e.name);
+        for kv in KvDtype::ALL {
+            let t = e.tolerance_for("cpu", kv.name()).unwrap_or_else(|| harness::default_tolerance("cpu", kv));
+            assert!(t.allowed(3.0) < 1e-6, "{}: the CPU tier must stay (almost) exact", e.name);
+        }
     }
 }
