@@ -24,10 +24,17 @@ if [ "$(uname -m)" != "x86_64" ]; then
     echo "install-nvrtc: only x86_64 wheels are pinned here (this is $(uname -m))" >&2
     exit 1
 fi
+# The project's venv pip when there is one, else the system's.
+py=python3
+[ -x "$root/eval/.venv/bin/python" ] && py="$root/eval/.venv/bin/python"
 mkdir -p "$dest/wheels"
 if [ ! -f "$dest/wheels/$wheel" ]; then
+    "$py" -m pip --version >/dev/null 2>&1 || {
+        echo "install-nvrtc: pip is not available for $py (install python3-pip)" >&2
+        exit 1
+    }
     echo "install-nvrtc: downloading nvidia-cuda-nvrtc==$version (about 90 MB)" >&2
-    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --dest "$dest/wheels" "nvidia-cuda-nvrtc==$version" >&2
 fi

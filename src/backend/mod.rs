@@ -69,7 +69,7 @@ impl Device {
             },
             DeviceRequest::Cuda(n) => match probe(n) {
                 Ok(g) => Ok((cuda_device(g), None)),
-                Err(why) => bail!("--device cuda:{n}: {why}; use --device cpu"),
+                Err(why) => bail!("--device cuda:{n}: no CUDA backend available ({why}); use --device cpu"),
             },
         }
     }
@@ -83,11 +83,13 @@ impl Device {
         }
     }
 
-    /// A short class name for baselines: results are compared within a class.
-    pub fn class(&self) -> &'static str {
+    /// A short class name for baselines: results are compared within a class. CUDA results
+    /// depend on the architecture (cuBLAS picks its kernels per chip), so the class names it:
+    /// `cuda-sm90`. Tolerances keyed by the family (`cuda`) apply to every CUDA class.
+    pub fn class(&self) -> String {
         match self {
-            Device::Cpu { .. } => "cpu",
-            Device::Cuda { .. } => "cuda",
+            Device::Cpu { .. } => "cpu".to_string(),
+            Device::Cuda { compute_capability: (a, b), .. } => format!("cuda-sm{a}{b}"),
         }
     }
 }
@@ -126,7 +128,7 @@ mod tests {
     #[test]
     fn auto_takes_a_present_gpu() {
         let (d, note) = Device::select_with(DeviceRequest::Auto, 4, h200).unwrap();
-        assert_eq!(d.class(), "cuda");
+        assert_eq!(d.class(), "cuda-sm90");
         assert_eq!(d.describe(), "cuda:0 (NVIDIA H200, sm_90, 139.7 GiB)");
         assert!(note.unwrap().contains("NVIDIA H200"));
     }
@@ -134,7 +136,10 @@ mod tests {
     #[test]
     fn cuda_without_a_device_is_a_one_line_error() {
         let e = Device::select_with(DeviceRequest::Cuda(0), 4, none).unwrap_err().to_string();
-        assert!(e.starts_with("--device cuda:0: no CUDA driver"), "{e}");
+        assert_eq!(
+            e,
+            "--device cuda:0: no CUDA backend available (no CUDA driver: libcuda.so could not be loaded); use --device cpu"
+        );
         assert!(!e.contains('\n'));
         let e = Device::select_with(DeviceRequest::Cuda(3), 4, h200).unwrap_err().to_string();
         assert!(e.contains("CUDA device 3 does not exist"), "{e}");

@@ -136,6 +136,24 @@ mod tests {
         assert_eq!(Program::all().len(), 3 + 2 * KV_NAMES.len());
     }
 
+    /// The host's launch constants equal the kernels' compile-time ones.
+    #[test]
+    fn host_constants_match_the_kernel_sources() {
+        use crate::backend::cuda::plan;
+        let def = |m: &str, name: &str| -> usize {
+            let src = module(m).source;
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("#define {name} in kernels/{m}.cu"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        assert_eq!(def("attention", "AF_ROWS"), plan::ATTN_F32_ROWS);
+        assert_eq!(def("attention", "AF_KEYS"), plan::ATTN_F32_KEYS);
+        assert_eq!(def("attention", "AM_ROWS"), plan::ATTN_MMA_ROWS);
+        assert_eq!(def("qkv", "QKV_WARPS"), plan::QKV_WARPS);
+    }
+
     #[test]
     fn programs_are_self_contained_and_select_their_variant() {
         for p in Program::all() {

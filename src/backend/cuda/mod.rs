@@ -95,7 +95,7 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn probe(_ordinal: usize) -> Result<GpuInfo, String> {
-    Err("this build has no CUDA backend (built without the `cuda` feature)".to_string())
+    Err("built without the `cuda` feature".to_string())
 }
 
 /// Device memory of a CUDA run, for reports.
