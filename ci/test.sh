@@ -8,4 +8,8 @@ cd "$root"
 
 bash ci/prepare.sh
 python3 -m unittest discover -s eval/corpora/perplexity-1m -q
+# NVRTC (PyPI nvidia-cuda-nvrtc) lets tests/cuda_nvrtc.rs compile every kernel for sm_90
+# without a GPU; a failed download fails here rather than silently skipping that test.
+NINFER_NVRTC_LIB_DIR="$(bash ci/install-nvrtc.sh)"
+export NINFER_NVRTC_LIB_DIR
 cargo test --release "$@"

@@ -283,6 +283,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
             scored_tokens_per_s: scored_total as f64 / score_s.max(1e-9),
         },
         peak_rss_bytes: report::peak_rss_bytes(),
+        cuda_memory: engine.cuda_memory(),
     };
     let dir = cfg.output.clone().unwrap_or_else(|| PathBuf::from("profiles/perplexity").join(&run_id));
     let json = serde_json::to_string_pretty(&rep)?;

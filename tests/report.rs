@@ -97,6 +97,7 @@ fn fixed_report() -> Report {
         timings: Timings { load_s: 0.1, tokenize_s: 0.2, score_s: 0.3, total_s: 0.6 },
         throughput: Throughput { processed_tokens: 15, processed_tokens_per_s: 50.0, scored_tokens_per_s: 40.0 },
         peak_rss_bytes: Some(1 << 20),
+        cuda_memory: None,
     }
 }
 

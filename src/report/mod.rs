@@ -30,6 +30,9 @@ pub struct Report {
     pub timings: Timings,
     pub throughput: Throughput,
     pub peak_rss_bytes: Option<u64>,
+    /// Device memory of a CUDA run (planned and peak), absent on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_memory: Option<crate::backend::cuda::MemoryReport>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
