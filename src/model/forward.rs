@@ -183,3 +183,23 @@ fn store_kv(
     });
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_kv_is_an_error_naming_layer_position_and_head() {
+        // x[T=3, Hkv=2, D=4]: a NaN at position 2, head 1.
+        let mut x = vec![0.5f32; 3 * 2 * 4];
+        x[(2 * 2 + 1) * 4 + 3] = f32::NAN;
+        let e = store_kv(&mut x, 2, 4, KvDtype::Int8, 7, "key").unwrap_err();
+        assert_eq!(e, ForwardError::NonFiniteKv { which: "key", layer: 7, pos: 2, head: 1 });
+        assert_eq!(e.to_string(), "non-finite key value at layer 7, window position 2, KV head 1");
+        let mut y = vec![1.0f32; 8];
+        y[0] = f32::INFINITY;
+        assert!(store_kv(&mut y, 1, 8, KvDtype::Nvfp4, 0, "value").is_err());
+        let mut ok = vec![0.25f32; 8];
+        assert!(store_kv(&mut ok, 1, 8, KvDtype::Fp8, 0, "value").is_ok());
+    }
+}
