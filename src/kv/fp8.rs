@@ -254,7 +254,7 @@ mod tests {
 
     #[test]
     fn round_matches_codes() {
-        let mut check = |v: f32| {
+        let check = |v: f32| {
             let want = e4m3_to_f32(e4m3_from_f32(v));
             assert_eq!(
                 e4m3_round(v).to_bits(),

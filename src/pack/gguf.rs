@@ -1121,7 +1121,13 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
         tensors,
         source_kind: "gguf".to_string(),
         source_files: vec![SourceFile {
-            path: shown,
+            // The file name only: provenance (and so the digest) must not depend on where
+            // the input happened to be on the packing machine.
+            path: gguf
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| shown.clone()),
             sha256,
             bytes: gguf.bytes().len() as u64,
         }],
