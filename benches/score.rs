@@ -27,7 +27,12 @@ fn arg(name: &str, default: usize) -> usize {
 
 /// FLOPs of one window of `t` tokens scoring `scored` targets, as this engine computes it.
 fn window_flops(c: &ModelConfig, t: usize, scored: usize) -> f64 {
-    let (d, q, kv, f) = (c.hidden_size as f64, c.q_dim() as f64, c.kv_dim() as f64, c.intermediate_size as f64);
+    let (d, q, kv, f) = (
+        c.hidden_size as f64,
+        c.q_dim() as f64,
+        c.kv_dim() as f64,
+        c.intermediate_size as f64,
+    );
     let t = t as f64;
     let linear = 2.0 * t * (d * (q + 2.0 * kv) + q * d + 3.0 * d * f);
     // Causal attention: QKᵀ and PV over t(t+1)/2 pairs per query head.
@@ -41,7 +46,10 @@ fn gemm_gflops(threads: usize) -> f64 {
     let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
     let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.1).collect();
     let mut c = vec![0.0f32; n * n];
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
     pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
     let reps = 3;
     let t0 = Instant::now();
@@ -61,22 +69,53 @@ fn main() {
     let gguf = root.join("models/cache/SmolLM2-135M-Instruct.Q4_1.gguf");
     let stream = root.join("eval/corpora/perplexity-1m/streams/en-long-1.txt");
     for p in [&art, &gguf, &stream] {
-        assert!(p.exists(), "{} missing: run `bash ci/prepare.sh`", p.display());
+        assert!(
+            p.exists(),
+            "{} missing: run `bash ci/prepare.sh`",
+            p.display()
+        );
     }
 
-    let engine = Engine::load(&art, &LoadOptions { threads, ..Default::default() }, &mut |_, _| {}).unwrap();
+    let engine = Engine::load(
+        &art,
+        &LoadOptions {
+            threads,
+            ..Default::default()
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
     let text = std::fs::read_to_string(&stream).unwrap();
-    let tokens: Vec<u32> = engine.tokenizer.encode(&text).unwrap().into_iter().take(n_tokens).collect();
+    let tokens: Vec<u32> = engine
+        .tokenizer
+        .encode(&text)
+        .unwrap()
+        .into_iter()
+        .take(n_tokens)
+        .collect();
     let p = Protocol::new(context, stride).unwrap();
     let ws = windows(tokens.len(), p).unwrap();
     let processed: usize = ws.iter().map(|w| w.len()).sum();
     let scored: usize = ws.iter().map(|w| w.scored()).sum();
-    let flops: f64 = ws.iter().map(|w| window_flops(&engine.artifact.config, w.len(), w.scored())).sum();
+    let flops: f64 = ws
+        .iter()
+        .map(|w| window_flops(&engine.artifact.config, w.len(), w.scored()))
+        .sum();
 
     // Warm-up on the first window, then time the whole stream.
-    engine.score(&tokens[..ws[0].end.min(256)], Protocol::new(context, stride).unwrap(), KvDtype::Bf16, false, &mut |_, _| {}).unwrap();
+    engine
+        .score(
+            &tokens[..ws[0].end.min(256)],
+            Protocol::new(context, stride).unwrap(),
+            KvDtype::Bf16,
+            false,
+            &mut |_, _| {},
+        )
+        .unwrap();
     let t0 = Instant::now();
-    let ours = engine.score(&tokens, p, KvDtype::Bf16, false, &mut |_, _| {}).unwrap();
+    let ours = engine
+        .score(&tokens, p, KvDtype::Bf16, false, &mut |_, _| {})
+        .unwrap();
     let ours_s = t0.elapsed().as_secs_f64();
     let rss = ninfer_perplexity::report::peak_rss_bytes().unwrap_or(0);
     drop(engine);
@@ -96,13 +135,25 @@ fn main() {
         .output()
         .unwrap_or_else(|e| panic!("{}: {e} (run `bash eval/setup-python.sh`)", py.display()));
     let _ = std::fs::remove_file(&work_path);
-    assert!(peer.status.success(), "peer failed: {}", String::from_utf8_lossy(&peer.stderr));
-    let pj: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&peer.stdout).lines().last().unwrap()).unwrap();
+    assert!(
+        peer.status.success(),
+        "peer failed: {}",
+        String::from_utf8_lossy(&peer.stderr)
+    );
+    let pj: serde_json::Value = serde_json::from_str(
+        String::from_utf8_lossy(&peer.stdout)
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
     let peer_s = pj["seconds"].as_f64().unwrap();
 
     println!("SmolLM2-135M, {} tokens of en-long-1, context {context} stride {stride}, {threads} threads", tokens.len());
-    println!("{} windows, {processed} processed tokens, {scored} scored tokens", ws.len());
+    println!(
+        "{} windows, {processed} processed tokens, {scored} scored tokens",
+        ws.len()
+    );
     println!();
     println!("| engine | seconds | processed tok/s | scored tok/s | mean NLL |");
     println!("|---|---:|---:|---:|---:|");
@@ -120,7 +171,10 @@ fn main() {
         pj["nll_sum"].as_f64().unwrap() / scored as f64
     );
     println!();
-    println!("speed ratio (scored tokens/s, ours / peer): {:.2}x", peer_s / ours_s);
+    println!(
+        "speed ratio (scored tokens/s, ours / peer): {:.2}x",
+        peer_s / ours_s
+    );
     println!(
         "engine FLOPs per processed token: {:.3} GFLOP; achieved {:.1} GFLOP/s",
         flops / processed as f64 / 1e9,

@@ -80,7 +80,12 @@ pub struct Args {
 /// What to score.
 #[derive(Clone, Debug)]
 pub enum Input {
-    Corpus { manifest: PathBuf, quick: bool, streams: Vec<String>, stream_dir: Option<PathBuf> },
+    Corpus {
+        manifest: PathBuf,
+        quick: bool,
+        streams: Vec<String>,
+        stream_dir: Option<PathBuf>,
+    },
     Text(PathBuf),
 }
 
@@ -103,7 +108,8 @@ impl Args {
     pub fn validate(self) -> Result<RunConfig> {
         let protocol = Protocol::new(self.context, self.stride)?;
         let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
-        let device = DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        let device =
+            DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
         if let Some(m) = self.max_tokens {
             if m < 2 {
                 bail!("--max-tokens must be at least 2 (got {m})");
@@ -146,33 +152,58 @@ mod tests {
     fn parse(args: &[&str]) -> Result<RunConfig> {
         let mut v = vec!["ninfer-perplexity"];
         v.extend_from_slice(args);
-        Args::try_parse_from(v).map_err(|e| anyhow::anyhow!(e.to_string()))?.validate()
+        Args::try_parse_from(v)
+            .map_err(|e| anyhow::anyhow!(e.to_string()))?
+            .validate()
     }
 
     #[test]
     fn defaults_follow_the_spec() {
         let c = parse(&["m.ninfer", "--text", "a.txt"]).unwrap();
-        assert_eq!(c.protocol, Protocol { context: 4096, stride: 2048 });
+        assert_eq!(
+            c.protocol,
+            Protocol {
+                context: 4096,
+                stride: 2048
+            }
+        );
         assert_eq!(c.kv, KvDtype::Bf16);
     }
 
     #[test]
     fn errors_are_specific() {
-        let e = parse(&["m", "--text", "a", "--context", "8", "--stride", "8"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--context", "8", "--stride", "8"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("stride must be smaller than the context"), "{e}");
-        let e = parse(&["m", "--text", "a", "--stride", "0"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--stride", "0"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("stride must be at least 1"), "{e}");
-        let e = parse(&["m", "--text", "a", "--kv-dtype", "fp9"]).unwrap_err().to_string();
-        assert!(e.contains("unknown KV dtype `fp9`") && e.contains("bf16, int8, fp8, nvfp4, k8v4, f32"), "{e}");
-        let e = parse(&["m", "--text", "a", "--corpus", "c.json"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--kv-dtype", "fp9"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown KV dtype `fp9`") && e.contains("bf16, int8, fp8, nvfp4, k8v4, f32"),
+            "{e}"
+        );
+        let e = parse(&["m", "--text", "a", "--corpus", "c.json"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot be used with"), "{e}");
         let e = parse(&["m"]).unwrap_err().to_string();
         assert!(e.contains("--corpus") && e.contains("--text"), "{e}");
-        let e = parse(&["m", "--text", "a", "--quick"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--quick"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--corpus"), "{e}");
-        let e = parse(&["m", "--text", "a", "--device", "tpu"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--device", "tpu"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown device `tpu`"), "{e}");
-        let e = parse(&["m", "--text", "a", "--max-tokens", "1"]).unwrap_err().to_string();
+        let e = parse(&["m", "--text", "a", "--max-tokens", "1"])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--max-tokens must be at least 2"), "{e}");
     }
 }

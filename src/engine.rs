@@ -26,7 +26,11 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { device: DeviceRequest::Cpu, threads: 0, verify_digest: false }
+        LoadOptions {
+            device: DeviceRequest::Cpu,
+            threads: 0,
+            verify_digest: false,
+        }
     }
 }
 
@@ -56,7 +60,11 @@ pub struct Progress {
 }
 
 impl Engine {
-    pub fn load(path: &Path, opts: &LoadOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Engine> {
+    pub fn load(
+        path: &Path,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Engine> {
         let artifact = Artifact::open(path)?;
         if opts.verify_digest {
             artifact.verify_digest()?;
@@ -72,7 +80,9 @@ impl Engine {
             );
         }
         let threads = if opts.threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             opts.threads
         };
@@ -88,7 +98,14 @@ impl Engine {
             }
             Device::Cuda { ordinal, .. } => load_cuda(&artifact, *ordinal, progress)?,
         };
-        Ok(Engine { artifact, tokenizer, device, device_note, model, pool })
+        Ok(Engine {
+            artifact,
+            tokenizer,
+            device,
+            device_note,
+            model,
+            pool,
+        })
     }
 
     pub fn threads(&self) -> usize {
@@ -128,7 +145,11 @@ impl Engine {
             let mut s = NllSum::default();
             for &lp in &lps {
                 if !lp.is_finite() {
-                    anyhow::bail!("window {wi} [{}, {}): non-finite log-probability", w.begin, w.end);
+                    anyhow::bail!(
+                        "window {wi} [{}, {}): non-finite log-probability",
+                        w.begin,
+                        w.end
+                    );
                 }
                 s.push(lp);
             }
@@ -143,20 +164,33 @@ impl Engine {
                 nll_sq_sum: s.nll_sq_sum,
                 logprobs: keep_logprobs.then_some(lps),
             };
-            on_window(&ws, Progress { scored: totals.scored, processed });
+            on_window(
+                &ws,
+                Progress {
+                    scored: totals.scored,
+                    processed,
+                },
+            );
             out.push(ws);
             Ok(())
         };
         let window_error = |wi: usize, e: &dyn std::fmt::Display| {
             let w = &ws[wi];
-            anyhow!("window {wi} [{}, {}) (targets from {}): {e}", w.begin, w.end, w.start)
+            anyhow!(
+                "window {wi} [{}, {}) (targets from {}): {e}",
+                w.begin,
+                w.end,
+                w.start
+            )
         };
         match &self.model {
             Model::Cpu(model) => {
                 for (wi, w) in ws.iter().enumerate() {
                     let lps = self
                         .pool
-                        .install(|| model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv))
+                        .install(|| {
+                            model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv)
+                        })
                         .map_err(|e| window_error(wi, &e))?;
                     finish(wi, lps)?;
                 }
@@ -173,9 +207,15 @@ impl Engine {
 }
 
 #[cfg(feature = "cuda")]
-fn load_cuda(a: &Artifact, ordinal: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Model> {
+fn load_cuda(
+    a: &Artifact,
+    ordinal: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model> {
     let precision = crate::backend::cuda::model::precision_from_env()?;
-    Ok(Model::Cuda(Box::new(CudaModel::load(a, ordinal, precision, progress)?)))
+    Ok(Model::Cuda(Box::new(CudaModel::load(
+        a, ordinal, precision, progress,
+    )?)))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -203,7 +243,9 @@ fn score_cuda(
     match r {
         Ok(()) => Ok(()),
         Err(ScoreError::Window { index, error }) => Err(window_error(index, &error)),
-        Err(ScoreError::Device(e)) => Err(e.context(format!("CUDA scoring ({} windows)", ws.len()))),
+        Err(ScoreError::Device(e)) => {
+            Err(e.context(format!("CUDA scoring ({} windows)", ws.len())))
+        }
     }
 }
 

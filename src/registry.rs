@@ -60,9 +60,14 @@ impl Entry {
     /// part of the class before the first `-` or `:` (`cuda` for `cuda-sm90`).
     pub fn tolerance_for(&self, class: &str, kv: &str) -> Option<Tolerance> {
         let family = class.split(['-', ':']).next().unwrap_or(class);
-        [format!("{class}/{kv}"), format!("{family}/{kv}"), class.to_string(), family.to_string()]
-            .iter()
-            .find_map(|k| self.tolerance.get(k).copied())
+        [
+            format!("{class}/{kv}"),
+            format!("{family}/{kv}"),
+            class.to_string(),
+            family.to_string(),
+        ]
+        .iter()
+        .find_map(|k| self.tolerance.get(k).copied())
     }
 }
 
@@ -75,18 +80,28 @@ pub struct Registry {
 
 impl Registry {
     pub fn load(path: &Path) -> Result<Registry> {
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow!("{}: cannot read registry: {e}", path.display()))?;
-        let value: Value =
-            serde_json::from_str(&text).map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow!("{}: cannot read registry: {e}", path.display()))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
         check_shape(&value).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        let r: Registry = serde_json::from_value(value).map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
+        let r: Registry = serde_json::from_value(value)
+            .map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
         if r.schema_version != 1 {
-            bail!("{}: `schema_version` {} is not supported (expected 1)", path.display(), r.schema_version);
+            bail!(
+                "{}: `schema_version` {} is not supported (expected 1)",
+                path.display(),
+                r.schema_version
+            );
         }
         let mut seen = std::collections::HashSet::new();
         for (i, e) in r.artifacts.iter().enumerate() {
             if !seen.insert(e.name.as_str()) {
-                bail!("{}: `artifacts[{i}].name`: `{}` appears twice", path.display(), e.name);
+                bail!(
+                    "{}: `artifacts[{i}].name`: `{}` appears twice",
+                    path.display(),
+                    e.name
+                );
             }
         }
         Ok(r)
@@ -111,7 +126,9 @@ fn kind(v: &Value) -> &'static str {
 /// Checks the registry's JSON shape field by field, so that an error names the field
 /// (`artifacts[1].tiers[0]`) rather than a line and column.
 fn check_shape(v: &Value) -> Result<()> {
-    let top = v.as_object().ok_or_else(|| anyhow!("the registry must be a JSON object, found {}", kind(v)))?;
+    let top = v
+        .as_object()
+        .ok_or_else(|| anyhow!("the registry must be a JSON object, found {}", kind(v)))?;
     for key in top.keys() {
         if key != "schema_version" && key != "artifacts" {
             bail!("unknown field `{key}` (fields: schema_version, artifacts)");
@@ -119,7 +136,10 @@ fn check_shape(v: &Value) -> Result<()> {
     }
     match top.get("schema_version") {
         Some(Value::Number(n)) if n.as_u64().is_some() => {}
-        Some(other) => bail!("`schema_version`: expected a whole number, found {}", kind(other)),
+        Some(other) => bail!(
+            "`schema_version`: expected a whole number, found {}",
+            kind(other)
+        ),
         None => bail!("missing field `schema_version`"),
     }
     let arts = match top.get("artifacts") {
@@ -127,13 +147,26 @@ fn check_shape(v: &Value) -> Result<()> {
         Some(other) => bail!("`artifacts`: expected an array, found {}", kind(other)),
         None => bail!("missing field `artifacts`"),
     };
-    const FIELDS: [&str; 7] = ["name", "path", "digest", "produce", "tiers", "description", "tolerance"];
+    const FIELDS: [&str; 7] = [
+        "name",
+        "path",
+        "digest",
+        "produce",
+        "tiers",
+        "description",
+        "tolerance",
+    ];
     for (i, a) in arts.iter().enumerate() {
         let at = |f: &str| format!("`artifacts[{i}].{f}`");
-        let obj = a.as_object().ok_or_else(|| anyhow!("`artifacts[{i}]`: expected an object, found {}", kind(a)))?;
+        let obj = a
+            .as_object()
+            .ok_or_else(|| anyhow!("`artifacts[{i}]`: expected an object, found {}", kind(a)))?;
         for key in obj.keys() {
             if !FIELDS.contains(&key.as_str()) {
-                bail!("`artifacts[{i}]`: unknown field `{key}` (fields: {})", FIELDS.join(", "));
+                bail!(
+                    "`artifacts[{i}]`: unknown field `{key}` (fields: {})",
+                    FIELDS.join(", ")
+                );
             }
         }
         for f in ["name", "path", "produce"] {
@@ -147,7 +180,11 @@ fn check_shape(v: &Value) -> Result<()> {
         for f in ["digest", "description"] {
             match obj.get(f) {
                 None | Some(Value::Null) | Some(Value::String(_)) => {}
-                Some(other) => bail!("{}: expected a string or null, found {}", at(f), kind(other)),
+                Some(other) => bail!(
+                    "{}: expected a string or null, found {}",
+                    at(f),
+                    kind(other)
+                ),
             }
         }
         match obj.get("tiers") {
@@ -156,12 +193,24 @@ fn check_shape(v: &Value) -> Result<()> {
                 for (j, t) in tiers.iter().enumerate() {
                     match t.as_str() {
                         Some(t) if TIERS.contains(&t) => {}
-                        Some(t) => bail!("{}: unknown tier `{t}` (valid: {})", at(&format!("tiers[{j}]")), TIERS.join(", ")),
-                        None => bail!("{}: expected a string, found {}", at(&format!("tiers[{j}]")), kind(t)),
+                        Some(t) => bail!(
+                            "{}: unknown tier `{t}` (valid: {})",
+                            at(&format!("tiers[{j}]")),
+                            TIERS.join(", ")
+                        ),
+                        None => bail!(
+                            "{}: expected a string, found {}",
+                            at(&format!("tiers[{j}]")),
+                            kind(t)
+                        ),
                     }
                 }
             }
-            Some(other) => bail!("{}: expected an array of tier names, found {}", at("tiers"), kind(other)),
+            Some(other) => bail!(
+                "{}: expected an array of tier names, found {}",
+                at("tiers"),
+                kind(other)
+            ),
         }
         match obj.get("tolerance") {
             None => {}
@@ -185,19 +234,28 @@ fn check_shape(v: &Value) -> Result<()> {
                         }
                         match x.as_f64() {
                             Some(x) if x.is_finite() && x >= 0.0 => {}
-                            _ => bail!("{}: expected a non-negative number, found {x}", at(&format!("tolerance.{class}.{k}"))),
+                            _ => bail!(
+                                "{}: expected a non-negative number, found {x}",
+                                at(&format!("tolerance.{class}.{k}"))
+                            ),
                         }
                     }
                 }
             }
-            Some(other) => bail!("{}: expected an object keyed by device class, found {}", at("tolerance"), kind(other)),
+            Some(other) => bail!(
+                "{}: expected an object keyed by device class, found {}",
+                at("tolerance"),
+                kind(other)
+            ),
         }
     }
     Ok(())
 }
 
 fn registry_path() -> PathBuf {
-    std::env::var_os("NINFER_REGISTRY").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(DEFAULT_REGISTRY))
+    std::env::var_os("NINFER_REGISTRY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_REGISTRY))
 }
 
 /// A path that exists, or a registered name whose file exists.
@@ -212,7 +270,11 @@ pub fn resolve_artifact(arg: &str) -> Result<PathBuf> {
         if let Some(e) = reg.get(arg) {
             let file = PathBuf::from(&e.path);
             if !file.exists() {
-                bail!("{arg}: registered artifact file {} is missing; produce it with `{}`", e.path, e.produce);
+                bail!(
+                    "{arg}: registered artifact file {} is missing; produce it with `{}`",
+                    e.path,
+                    e.produce
+                );
             }
             return Ok(file);
         }

@@ -36,7 +36,12 @@ pub fn utc_stamp(unix: u64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
-    format!("{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z", secs / 3600, (secs % 3600) / 60, secs % 60)
+    format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        secs / 3600,
+        (secs % 3600) / 60,
+        secs % 60
+    )
 }
 
 struct Prepared {
@@ -47,35 +52,50 @@ struct Prepared {
 }
 
 pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
-    let log = Log { level: cfg.log_level };
+    let log = Log {
+        level: cfg.log_level,
+    };
     let t0 = Instant::now();
-    let started_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    let started_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
     if let Some(dir) = &cfg.output {
         report::write::check_output_dir(dir)?;
     }
     let artifact_path = registry::resolve_artifact(&cfg.artifact)?;
 
     // Read and verify the inputs before spending time on the model.
-    let (corpus, domains, streams): (Option<Corpus>, Vec<(String, String)>, Vec<LoadedStream>) = match &cfg.input {
-        Input::Corpus { manifest, quick, streams, stream_dir } => {
-            let c = Corpus::open(manifest, stream_dir.as_deref())?;
-            let sel = c.select(*quick, streams)?;
-            let loaded = sel.iter().map(|s| c.load(s)).collect::<Result<Vec<_>>>()?;
-            let doms = c
-                .manifest
-                .domains
-                .iter()
-                .filter(|d| loaded.iter().any(|s| s.domain == d.id))
-                .map(|d| (d.id.clone(), d.title.clone()))
-                .collect();
-            (Some(c), doms, loaded)
-        }
-        Input::Text(p) => (None, Vec::new(), vec![load_text_file(p)?]),
-    };
+    let (corpus, domains, streams): (Option<Corpus>, Vec<(String, String)>, Vec<LoadedStream>) =
+        match &cfg.input {
+            Input::Corpus {
+                manifest,
+                quick,
+                streams,
+                stream_dir,
+            } => {
+                let c = Corpus::open(manifest, stream_dir.as_deref())?;
+                let sel = c.select(*quick, streams)?;
+                let loaded = sel.iter().map(|s| c.load(s)).collect::<Result<Vec<_>>>()?;
+                let doms = c
+                    .manifest
+                    .domains
+                    .iter()
+                    .filter(|d| loaded.iter().any(|s| s.domain == d.id))
+                    .map(|d| (d.id.clone(), d.title.clone()))
+                    .collect();
+                (Some(c), doms, loaded)
+            }
+            Input::Text(p) => (None, Vec::new(), vec![load_text_file(p)?]),
+        };
 
     log.info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
     let t_load = Instant::now();
-    let opts = LoadOptions { device: cfg.device, threads: cfg.threads, verify_digest: cfg.verify_artifact };
+    let opts = LoadOptions {
+        device: cfg.device,
+        threads: cfg.threads,
+        verify_digest: cfg.verify_artifact,
+    };
     let mut load_bar = Progress::new("loading weights", 1, log);
     let engine = Engine::load(&artifact_path, &opts, &mut |done, total| {
         let _ = total;
@@ -90,11 +110,19 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     }
     cfg.kv.check_head_dim(c.head_dim)?;
     let kv_bytes = cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
-    log.info(format!("artifact   {} ({:.1} MB)", a.path().display(), a.file_bytes as f64 / 1e6));
+    log.info(format!(
+        "artifact   {} ({:.1} MB)",
+        a.path().display(),
+        a.file_bytes as f64 / 1e6
+    ));
     log.info(format!(
         "           digest {}{}",
         a.digest,
-        if cfg.verify_artifact { " (verified)" } else { "" }
+        if cfg.verify_artifact {
+            " (verified)"
+        } else {
+            ""
+        }
     ));
     log.info(format!(
         "model      {} {:.1}M params, {} layers, d {}, {}/{} heads, head_dim {}, vocab {}, weights {}",
@@ -114,9 +142,19 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         kv_bytes
     ));
     log.info(format!("device     {}", engine.device.describe()));
-    log.info(format!("protocol   context {} stride {}", cfg.protocol.context, cfg.protocol.stride));
-    log.debug(format!("tokenizer sha256 {} vocab {}", engine.tokenizer.sha256(), engine.tokenizer.vocab_size()));
-    log.debug(format!("weights loaded in {load_s:.2}s; provenance {:?}", a.provenance));
+    log.info(format!(
+        "protocol   context {} stride {}",
+        cfg.protocol.context, cfg.protocol.stride
+    ));
+    log.debug(format!(
+        "tokenizer sha256 {} vocab {}",
+        engine.tokenizer.sha256(),
+        engine.tokenizer.vocab_size()
+    ));
+    log.debug(format!(
+        "weights loaded in {load_s:.2}s; provenance {:?}",
+        a.provenance
+    ));
 
     // Tokenize every stream before scoring.
     let t_tok = Instant::now();
@@ -138,7 +176,11 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
                 tokens.len()
             );
         }
-        prepared.push(Prepared { stream: s, tokens, full_tokens });
+        prepared.push(Prepared {
+            stream: s,
+            tokens,
+            full_tokens,
+        });
     }
     let tokenize_s = t_tok.elapsed().as_secs_f64();
     let total_bytes: usize = prepared.iter().map(|p| p.stream.text.len()).sum();
@@ -156,23 +198,31 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
             prepared.len(),
             total_bytes,
             total_tokens,
-            cfg.max_tokens.map(|m| format!(", capped at {m} per stream ({input_tokens} in all)")).unwrap_or_default()
+            cfg.max_tokens
+                .map(|m| format!(", capped at {m} per stream ({input_tokens} in all)"))
+                .unwrap_or_default()
         )),
         None => log.info(format!(
             "text       {}: {} bytes, {} tokens{}",
             prepared[0].stream.path.display(),
             total_bytes,
             total_tokens,
-            cfg.max_tokens.map(|m| format!(", capped at {m}")).unwrap_or_default()
+            cfg.max_tokens
+                .map(|m| format!(", capped at {m}"))
+                .unwrap_or_default()
         )),
     }
-    log.info(format!("scoring    {} tokens to process ({} windows)", total_processed, {
-        let mut n = 0;
-        for p in &prepared {
-            n += windows(p.tokens.len(), cfg.protocol)?.len();
+    log.info(format!(
+        "scoring    {} tokens to process ({} windows)",
+        total_processed,
+        {
+            let mut n = 0;
+            for p in &prepared {
+                n += windows(p.tokens.len(), cfg.protocol)?.len();
+            }
+            n
         }
-        n
-    }));
+    ));
 
     // Score.
     let t_score = Instant::now();
@@ -180,7 +230,11 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     let mut done_before = 0u64;
     let mut stream_reports = Vec::with_capacity(prepared.len());
     for p in &prepared {
-        log.debug(format!("stream {} begins: {} tokens", p.stream.id, p.tokens.len()));
+        log.debug(format!(
+            "stream {} begins: {} tokens",
+            p.stream.id,
+            p.tokens.len()
+        ));
         progress.set_message(&p.stream.id);
         let ts = Instant::now();
         let score = engine
@@ -192,7 +246,9 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         done_before += score.processed_tokens as u64;
         // Bits per byte count the bytes of the text that was scored.
         let bytes = if p.tokens.len() < p.full_tokens {
-            engine.tokenizer.byte_len_of_prefix(&p.stream.text, p.tokens.len())?
+            engine
+                .tokenizer
+                .byte_len_of_prefix(&p.stream.text, p.tokens.len())?
         } else {
             p.stream.text.len() as u64
         };
@@ -240,10 +296,17 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         schema: report::SCHEMA.into(),
         schema_version: report::SCHEMA_VERSION,
         run_id: run_id.clone(),
-        tool: report::Tool { name: "ninfer-perplexity".into(), version: env!("CARGO_PKG_VERSION").into() },
+        tool: report::Tool {
+            name: "ninfer-perplexity".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
         started_unix_s: started_unix,
         settings: report::Settings {
-            mode: if corpus.is_some() { "corpus".into() } else { "text".into() },
+            mode: if corpus.is_some() {
+                "corpus".into()
+            } else {
+                "text".into()
+            },
             context: cfg.protocol.context,
             stride: cfg.protocol.stride,
             kv_dtype: cfg.kv.name().into(),
@@ -276,7 +339,12 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         streams: stream_reports,
         domains: domain_rows,
         overall,
-        timings: report::Timings { load_s, tokenize_s, score_s, total_s: t0.elapsed().as_secs_f64() },
+        timings: report::Timings {
+            load_s,
+            tokenize_s,
+            score_s,
+            total_s: t0.elapsed().as_secs_f64(),
+        },
         throughput: report::Throughput {
             processed_tokens: total_processed,
             processed_tokens_per_s: total_processed as f64 / score_s.max(1e-9),
@@ -285,7 +353,10 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         peak_rss_bytes: report::peak_rss_bytes(),
         cuda_memory: engine.cuda_memory(),
     };
-    let dir = cfg.output.clone().unwrap_or_else(|| PathBuf::from("profiles/perplexity").join(&run_id));
+    let dir = cfg
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("profiles/perplexity").join(&run_id));
     let json = serde_json::to_string_pretty(&rep)?;
     let report_path = report::write::write_report(&dir, &json)?;
     log.info(format!(
@@ -296,7 +367,11 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         report_path.display()
     ));
     let table = report::table::render(&rep);
-    Ok(RunOutput { report: rep, report_path, table })
+    Ok(RunOutput {
+        report: rep,
+        report_path,
+        table,
+    })
 }
 
 #[cfg(test)]

@@ -45,6 +45,12 @@ impl Tokenizer {
             .inner
             .encode(text, true)
             .map_err(|e| anyhow!("tokenization failed: {e}"))?;
-        Ok(enc.get_offsets().iter().take(n).map(|o| o.1).max().unwrap_or(0) as u64)
+        Ok(enc
+            .get_offsets()
+            .iter()
+            .take(n)
+            .map(|o| o.1)
+            .max()
+            .unwrap_or(0) as u64)
     }
 }

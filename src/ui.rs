@@ -67,10 +67,15 @@ impl Progress {
     pub fn new(label: &str, total: u64, log: Log) -> Progress {
         let enabled = log.level >= LogLevel::Info;
         let bar = if enabled && std::io::stderr().is_terminal() {
-            let b = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+            let b = indicatif::ProgressBar::with_draw_target(
+                Some(total),
+                indicatif::ProgressDrawTarget::stderr(),
+            );
             b.set_style(
-                indicatif::ProgressStyle::with_template("{msg} {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "{msg} {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             b.set_message(label.to_string());
             Some(b)
@@ -78,7 +83,15 @@ impl Progress {
             None
         };
         let now = Instant::now();
-        Progress { bar, total, started: now, last_line: now, every: Duration::from_secs(10), enabled, label: label.into() }
+        Progress {
+            bar,
+            total,
+            started: now,
+            last_line: now,
+            every: Duration::from_secs(10),
+            enabled,
+            label: label.into(),
+        }
     }
 
     pub fn set_message(&mut self, msg: &str) {

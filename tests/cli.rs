@@ -16,7 +16,11 @@ fn perplexity(args: &[&str]) -> Output {
 }
 
 fn pack(args: &[&str]) -> Output {
-    Command::new(common::bin("ninfer-pack")).args(args).current_dir(common::repo()).output().unwrap()
+    Command::new(common::bin("ninfer-pack"))
+        .args(args)
+        .current_dir(common::repo())
+        .output()
+        .unwrap()
 }
 
 fn stderr(o: &Output) -> String {
@@ -26,7 +30,10 @@ fn stderr(o: &Output) -> String {
 /// Asserts a failed run with a single `error:` line containing every `needle`.
 fn assert_error(o: &Output, needles: &[&str]) {
     let e = stderr(o);
-    assert!(!o.status.success(), "expected failure, got success; stderr: {e}");
+    assert!(
+        !o.status.success(),
+        "expected failure, got success; stderr: {e}"
+    );
     let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(lines.len(), 1, "exactly one error line expected: {e}");
     for n in needles {
@@ -67,20 +74,47 @@ fn s(p: &Path) -> &str {
 fn smollm2_text_run_prints_table_and_writes_report() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let tmp = common::tempdir();
-    let txt = text_file(tmp.path(), "t.txt", "The quick brown fox jumps over the lazy dog. ".repeat(8).as_bytes());
+    let txt = text_file(
+        tmp.path(),
+        "t.txt",
+        "The quick brown fox jumps over the lazy dog. "
+            .repeat(8)
+            .as_bytes(),
+    );
     let out = tmp.path().join("out");
-    let o = perplexity(&[s(&art), "--text", s(&txt), "--context", "32", "--stride", "16", "--output", s(&out)]);
+    let o = perplexity(&[
+        s(&art),
+        "--text",
+        s(&txt),
+        "--context",
+        "32",
+        "--stride",
+        "16",
+        "--output",
+        s(&out),
+    ]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     let stdout = String::from_utf8(o.stdout).unwrap();
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 2, "header + one row: {stdout}");
-    assert!(lines[0].starts_with("domain") && lines[0].contains("ppl 95% CI") && lines[0].contains("bits/byte"));
+    assert!(
+        lines[0].starts_with("domain")
+            && lines[0].contains("ppl 95% CI")
+            && lines[0].contains("bits/byte")
+    );
     assert!(lines[1].starts_with("overall"));
-    for needle in ["artifact", "digest sha256:", "kv         bf16 (768 bytes per token per layer)", "stream     t.txt", "done"] {
+    for needle in [
+        "artifact",
+        "digest sha256:",
+        "kv         bf16 (768 bytes per token per layer)",
+        "stream     t.txt",
+        "done",
+    ] {
         assert!(err.contains(needle), "stderr lacks `{needle}`: {err}");
     }
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["schema_version"], 1);
     assert_eq!(r["settings"]["context"], 32);
     let st = &r["streams"][0];
@@ -88,7 +122,10 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     assert!(windows.len() > 2);
     let scored: u64 = windows.iter().map(|w| w["scored"].as_u64().unwrap()).sum();
     assert_eq!(scored, st["scored"].as_u64().unwrap());
-    assert_eq!(st["scored"].as_u64().unwrap() + 1, st["tokens"].as_u64().unwrap());
+    assert_eq!(
+        st["scored"].as_u64().unwrap() + 1,
+        st["tokens"].as_u64().unwrap()
+    );
     let nll: f64 = windows.iter().map(|w| w["nll_sum"].as_f64().unwrap()).sum();
     assert!((nll - st["nll_sum"].as_f64().unwrap()).abs() < 1e-9);
     assert!((st["ppl"].as_f64().unwrap() - st["mean_nll"].as_f64().unwrap().exp()).abs() < 1e-9);
@@ -105,7 +142,10 @@ fn bad_artifacts() {
     let out = tmp.path().join("out");
     let run = |art: &Path| perplexity(&[s(art), "--text", s(&txt), "--output", s(&out)]);
 
-    assert_error(&run(&tmp.path().join("nope.ninfer")), &["nope.ninfer", "no such artifact file"]);
+    assert_error(
+        &run(&tmp.path().join("nope.ninfer")),
+        &["nope.ninfer", "no such artifact file"],
+    );
 
     let good = tiny_artifact(tmp.path());
     let bytes = std::fs::read(&good).unwrap();
@@ -116,11 +156,21 @@ fn bad_artifacts() {
     let trunc = text_file(tmp.path(), "trunc.ninfer", &bytes[..bytes.len() - 100]);
     assert_error(&run(&trunc), &["trunc.ninfer", "truncated"]);
 
-    let garbage = text_file(tmp.path(), "garbage.ninfer", b"this is not a model at all, just text....");
-    assert_error(&run(&garbage), &["garbage.ninfer", "not a .ninfer artifact"]);
+    let garbage = text_file(
+        tmp.path(),
+        "garbage.ninfer",
+        b"this is not a model at all, just text....",
+    );
+    assert_error(
+        &run(&garbage),
+        &["garbage.ninfer", "not a .ninfer artifact"],
+    );
 
     // A plain safetensors file (no ninfer metadata).
-    assert_error(&run(&common::repo().join("eval/fixtures/tiny-qwen3/model.safetensors")), &["model.safetensors", "not a .ninfer artifact"]);
+    assert_error(
+        &run(&common::repo().join("eval/fixtures/tiny-qwen3/model.safetensors")),
+        &["model.safetensors", "not a .ninfer artifact"],
+    );
 
     // Rewrite the header's metadata (same length keeps offsets valid).
     let edit = |name: &str, from: &str, to: &str| -> PathBuf {
@@ -132,20 +182,56 @@ fn bad_artifacts() {
         b[8..8 + n].copy_from_slice(header.replacen(from, to, 1).as_bytes());
         text_file(tmp.path(), name, &b)
     };
-    assert_error(&run(&edit("magic.ninfer", "\"format\":\"ninfer\"", "\"format\":\"nanfer\"")), &["magic.ninfer", "wrong magic"]);
-    assert_error(&run(&edit("ver.ninfer", "\"format_version\":\"1\"", "\"format_version\":\"9\"")), &["ver.ninfer", "unsupported format version 9"]);
     assert_error(
-        &run(&edit("shape.ninfer", "\\\"intermediate_size\\\":32", "\\\"intermediate_size\\\":64")),
-        &["shape.ninfer", "mlp.gate_proj.weight", "has shape [32, 16] but the config implies [64, 16]"],
+        &run(&edit(
+            "magic.ninfer",
+            "\"format\":\"ninfer\"",
+            "\"format\":\"nanfer\"",
+        )),
+        &["magic.ninfer", "wrong magic"],
     );
-    assert_error(&run(&edit("dtype.ninfer", "\"dtype\":\"F32\"", "\"dtype\":\"I32\"")), &["dtype.ninfer", "dtype I32"]);
+    assert_error(
+        &run(&edit(
+            "ver.ninfer",
+            "\"format_version\":\"1\"",
+            "\"format_version\":\"9\"",
+        )),
+        &["ver.ninfer", "unsupported format version 9"],
+    );
+    assert_error(
+        &run(&edit(
+            "shape.ninfer",
+            "\\\"intermediate_size\\\":32",
+            "\\\"intermediate_size\\\":64",
+        )),
+        &[
+            "shape.ninfer",
+            "mlp.gate_proj.weight",
+            "has shape [32, 16] but the config implies [64, 16]",
+        ],
+    );
+    assert_error(
+        &run(&edit(
+            "dtype.ninfer",
+            "\"dtype\":\"F32\"",
+            "\"dtype\":\"I32\"",
+        )),
+        &["dtype.ninfer", "dtype I32"],
+    );
 
     // Flip one weight byte: loads, but --verify-artifact catches it.
     let mut b = bytes.clone();
     let last = b.len() - 3;
     b[last] ^= 0x40;
     let flipped = text_file(tmp.path(), "flip.ninfer", &b);
-    let o = perplexity(&[s(&flipped), "--text", s(&txt), "--output", s(&out), "--verify-artifact"]);
+    let o = perplexity(&[
+        s(&flipped),
+        "--text",
+        s(&txt),
+        "--output",
+        s(&out),
+        "--verify-artifact",
+    ]);
     assert_error(&o, &["flip.ninfer", "digest mismatch"]);
     assert!(!out.exists(), "no report may be written on failure");
 }
@@ -161,16 +247,37 @@ fn bad_text_and_flags() {
         perplexity(&a)
     };
     let empty = text_file(tmp.path(), "empty.txt", b"");
-    assert_error(&run(&["--text", s(&empty)]), &["empty.txt", "text file is empty"]);
+    assert_error(
+        &run(&["--text", s(&empty)]),
+        &["empty.txt", "text file is empty"],
+    );
     let bad = text_file(tmp.path(), "bad.txt", b"abc\xe4\xbd");
-    assert_error(&run(&["--text", s(&bad)]), &["bad.txt", "invalid UTF-8 at byte offset 3"]);
+    assert_error(
+        &run(&["--text", s(&bad)]),
+        &["bad.txt", "invalid UTF-8 at byte offset 3"],
+    );
     let one = text_file(tmp.path(), "one.txt", b"a");
-    assert_error(&run(&["--text", s(&one)]), &["one.txt", "1 token(s); at least 2"]);
-    assert_error(&run(&["--text", s(&tmp.path().join("missing.txt"))]), &["missing.txt", "cannot read text"]);
+    assert_error(
+        &run(&["--text", s(&one)]),
+        &["one.txt", "1 token(s); at least 2"],
+    );
+    assert_error(
+        &run(&["--text", s(&tmp.path().join("missing.txt"))]),
+        &["missing.txt", "cannot read text"],
+    );
     let ok = text_file(tmp.path(), "ok.txt", b"hello world hello world");
-    assert_error(&run(&["--text", s(&ok), "--context", "4", "--stride", "4"]), &["--context 4 --stride 4"]);
-    assert_error(&run(&["--text", s(&ok), "--kv-dtype", "fp9"]), &["fp9", "valid: bf16, int8, fp8, nvfp4, k8v4, f32"]);
-    assert_error(&run(&["--text", s(&ok), "--device", "cuda"]), &["--device cuda:0", "no CUDA backend"]);
+    assert_error(
+        &run(&["--text", s(&ok), "--context", "4", "--stride", "4"]),
+        &["--context 4 --stride 4"],
+    );
+    assert_error(
+        &run(&["--text", s(&ok), "--kv-dtype", "fp9"]),
+        &["fp9", "valid: bf16, int8, fp8, nvfp4, k8v4, f32"],
+    );
+    assert_error(
+        &run(&["--text", s(&ok), "--device", "cuda"]),
+        &["--device cuda:0", "no CUDA backend"],
+    );
     assert!(!out.exists(), "no report may be written on failure");
 
     // Non-empty --output is refused before any work.

@@ -8,7 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn perplexity(args: &[&str]) -> Output {
-    Command::new(common::bin("ninfer-perplexity")).args(args).current_dir(common::repo()).output().unwrap()
+    Command::new(common::bin("ninfer-perplexity"))
+        .args(args)
+        .current_dir(common::repo())
+        .output()
+        .unwrap()
 }
 
 fn err_line(o: &Output) -> String {
@@ -51,7 +55,11 @@ fn mini(streams: &[(&str, &str, bool, &str)], tamper: Option<&str>) -> Mini {
     }
     let manifest = root.join("manifest.json");
     std::fs::write(&manifest, m).unwrap();
-    Mini { _dir: dir, manifest, root }
+    Mini {
+        _dir: dir,
+        manifest,
+        root,
+    }
 }
 
 const PROSE: &str = "Rain fell on the quiet town all night, and by morning the river had risen over the old stone steps. ";
@@ -65,11 +73,27 @@ fn s(p: &Path) -> &str {
 fn smollm2_corpus_run_prints_domain_table() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let m = mini(
-        &[("p1", "prose", true, &PROSE.repeat(3)), ("p2", "prose", false, &PROSE.repeat(2)), ("c1", "code", true, &CODE.repeat(4))],
+        &[
+            ("p1", "prose", true, &PROSE.repeat(3)),
+            ("p2", "prose", false, &PROSE.repeat(2)),
+            ("c1", "code", true, &CODE.repeat(4)),
+        ],
         None,
     );
     let out = m.root.join("out");
-    let o = perplexity(&[s(&art), "--corpus", s(&m.manifest), "--context", "32", "--stride", "16", "--output", s(&out), "--log-level", "debug"]);
+    let o = perplexity(&[
+        s(&art),
+        "--corpus",
+        s(&m.manifest),
+        "--context",
+        "32",
+        "--stride",
+        "16",
+        "--output",
+        s(&out),
+        "--log-level",
+        "debug",
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     let stdout = String::from_utf8(o.stdout).unwrap();
@@ -78,19 +102,43 @@ fn smollm2_corpus_run_prints_domain_table() {
     assert!(rows[1].starts_with("Prose") && rows[1].split_whitespace().nth(1) == Some("2"));
     assert!(rows[2].starts_with("Code"));
     assert!(rows[3].starts_with("overall") && rows[3].split_whitespace().nth(1) == Some("3"));
-    for needle in ["corpus     mini", "3 streams", "debug: stream p1 begins", "stream     p2", "stream     c1"] {
+    for needle in [
+        "corpus     mini",
+        "3 streams",
+        "debug: stream p1 begins",
+        "stream     p2",
+        "stream     c1",
+    ] {
         assert!(err.contains(needle), "stderr lacks `{needle}`: {err}");
     }
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["corpus"]["name"], "mini");
-    let scored: u64 = r["domains"].as_array().unwrap().iter().map(|d| d["scored"].as_u64().unwrap()).sum();
+    let scored: u64 = r["domains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["scored"].as_u64().unwrap())
+        .sum();
     assert_eq!(scored, r["overall"]["scored"].as_u64().unwrap());
 
     // --quick keeps one stream per domain.
     let out2 = m.root.join("out2");
-    let o = perplexity(&[s(&art), "--corpus", s(&m.manifest), "--quick", "--context", "32", "--stride", "16", "--output", s(&out2)]);
+    let o = perplexity(&[
+        s(&art),
+        "--corpus",
+        s(&m.manifest),
+        "--quick",
+        "--context",
+        "32",
+        "--stride",
+        "16",
+        "--output",
+        s(&out2),
+    ]);
     assert!(o.status.success());
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out2.join("report.json")).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out2.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["streams"].as_array().unwrap().len(), 2);
     assert_eq!(r["settings"]["quick"], true);
 }
@@ -101,7 +149,16 @@ fn corpus_bad_input() {
     let dir = common::tempdir();
     let art = dir.path().join("tiny.ninfer");
     let o = Command::new(common::bin("ninfer-pack"))
-        .args(["hf", "eval/fixtures/tiny-qwen3", "--tokenizer", s(&tok), "--weights", "f32", "-o", s(&art)])
+        .args([
+            "hf",
+            "eval/fixtures/tiny-qwen3",
+            "--tokenizer",
+            s(&tok),
+            "--weights",
+            "f32",
+            "-o",
+            s(&art),
+        ])
         .current_dir(common::repo())
         .output()
         .unwrap();
@@ -118,27 +175,47 @@ fn corpus_bad_input() {
 
     let m = mini(&good, Some("\"bytes\"=>\"bites\""));
     let e = err_line(&run(&m, &[]));
-    assert!(e.contains("manifest.json") && e.contains("missing field `bytes`"), "{e}");
+    assert!(
+        e.contains("manifest.json") && e.contains("missing field `bytes`"),
+        "{e}"
+    );
 
     let m = mini(&good, Some("\"domain\":\"code\"=>\"domain\":\"poetry\""));
     let e = err_line(&run(&m, &[]));
-    assert!(e.contains("unknown domain `poetry`") && e.contains("streams[1].domain"), "{e}");
+    assert!(
+        e.contains("unknown domain `poetry`") && e.contains("streams[1].domain"),
+        "{e}"
+    );
 
     let m = mini(&good, None);
     std::fs::remove_file(m.root.join("streams/c1.txt")).unwrap();
     let e = err_line(&run(&m, &[]));
-    assert!(e.contains("stream `c1`") && e.contains("cannot read") && e.contains("build.py"), "{e}");
+    assert!(
+        e.contains("stream `c1`") && e.contains("cannot read") && e.contains("build.py"),
+        "{e}"
+    );
 
     let m = mini(&good, None);
     std::fs::write(m.root.join("streams/p1.txt"), PROSE.replace("Rain", "Snow")).unwrap();
     let e = err_line(&run(&m, &[]));
-    assert!(e.contains("stream `p1`") && e.contains("does not match the manifest") && e.contains("rebuild"), "{e}");
+    assert!(
+        e.contains("stream `p1`")
+            && e.contains("does not match the manifest")
+            && e.contains("rebuild"),
+        "{e}"
+    );
 
-    let m = mini(&[("p1", "prose", false, PROSE), ("c1", "code", false, CODE)], None);
+    let m = mini(
+        &[("p1", "prose", false, PROSE), ("c1", "code", false, CODE)],
+        None,
+    );
     let e = err_line(&run(&m, &["--quick"]));
     assert!(e.contains("--quick selects nothing"), "{e}");
 
-    let m = mini(&[("p1", "prose", true, PROSE), ("c1", "code", false, "x")], None);
+    let m = mini(
+        &[("p1", "prose", true, PROSE), ("c1", "code", false, "x")],
+        None,
+    );
     let e = err_line(&run(&m, &[]));
     assert!(e.contains("stream `c1`") && e.contains("at least 2"), "{e}");
 
@@ -148,5 +225,8 @@ fn corpus_bad_input() {
 
     let o = perplexity(&[s(&art), "--corpus", "/nonexistent/manifest.json"]);
     let e = err_line(&o);
-    assert!(e.contains("/nonexistent/manifest.json") && e.contains("cannot read manifest"), "{e}");
+    assert!(
+        e.contains("/nonexistent/manifest.json") && e.contains("cannot read manifest"),
+        "{e}"
+    );
 }

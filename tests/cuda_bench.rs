@@ -25,7 +25,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 fn env_or<T: std::str::FromStr>(k: &str, d: T) -> T {
-    std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d)
+    std::env::var(k)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(d)
 }
 
 #[test]
@@ -43,19 +46,37 @@ fn random_model_throughput_against_the_gemm_rate() {
             let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
             let p = repo
                 .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-                .join(format!("eval/.cache/random/{preset_name}-L{}.ninfer", config.num_layers));
-            let fresh = Artifact::open(&p).map(|a| a.config == config).unwrap_or(false);
+                .join(format!(
+                    "eval/.cache/random/{preset_name}-L{}.ninfer",
+                    config.num_layers
+                ));
+            let fresh = Artifact::open(&p)
+                .map(|a| a.config == config)
+                .unwrap_or(false);
             if !fresh {
                 let t = Instant::now();
-                let spec = RandomSpec { config: config.clone(), seed: 1, tokenizer_json: None };
+                let spec = RandomSpec {
+                    config: config.clone(),
+                    seed: 1,
+                    tokenizer_json: None,
+                };
                 write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
-                eprintln!("generated {} in {:.1}s", p.display(), t.elapsed().as_secs_f64());
+                eprintln!(
+                    "generated {} in {:.1}s",
+                    p.display(),
+                    t.elapsed().as_secs_f64()
+                );
             }
             p
         }
     };
-    let kv = KvDtype::parse(&std::env::var("NINFER_BENCH_KV").unwrap_or_else(|_| "bf16".into())).unwrap();
-    let p = Protocol::new(env_or("NINFER_BENCH_CONTEXT", 4096), env_or("NINFER_BENCH_STRIDE", 2048)).unwrap();
+    let kv = KvDtype::parse(&std::env::var("NINFER_BENCH_KV").unwrap_or_else(|_| "bf16".into()))
+        .unwrap();
+    let p = Protocol::new(
+        env_or("NINFER_BENCH_CONTEXT", 4096),
+        env_or("NINFER_BENCH_STRIDE", 2048),
+    )
+    .unwrap();
     let n_windows: usize = env_or("NINFER_BENCH_WINDOWS", 16);
 
     let a = Artifact::open(&art).unwrap();
@@ -79,7 +100,8 @@ fn random_model_throughput_against_the_gemm_rate() {
     let ws = windows(ids.len(), p).unwrap();
     // Warm-up: compiles the kernels and allocates the buffers.
     let t = Instant::now();
-    m.score_windows(&ids, &ws[..1], kv, &mut |_, _| Ok(())).unwrap();
+    m.score_windows(&ids, &ws[..1], kv, &mut |_, _| Ok(()))
+        .unwrap();
     let warm_s = t.elapsed().as_secs_f64();
     let mut finite = true;
     let t = Instant::now();
@@ -91,7 +113,10 @@ fn random_model_throughput_against_the_gemm_rate() {
     let score_s = t.elapsed().as_secs_f64();
     assert!(finite, "non-finite log-probabilities");
     let processed: usize = ws.iter().map(|w| w.len()).sum();
-    let flops: f64 = ws.iter().map(|w| plan::window_flops(&c, w.len(), w.scored())).sum();
+    let flops: f64 = ws
+        .iter()
+        .map(|w| plan::window_flops(&c, w.len(), w.scored()))
+        .sum();
     let tflops = flops / score_s / 1e12;
     let mem = m.memory_report();
     let out = serde_json::json!({

@@ -66,7 +66,13 @@ fn edge_vectors(d: usize) -> Vec<f32> {
     push(&|i| if i == d - 1 { -3.5 } else { 1e-3 });
     push(&|i| f32::from_bits(1 + i as u32)); // subnormals only
     push(&|i| (i as f32 - d as f32 / 2.0) * 0.5); // half-integer ties
-    push(&|i| if i % 2 == 0 { f32::MAX } else { -f32::MAX / 3.0 });
+    push(&|i| {
+        if i % 2 == 0 {
+            f32::MAX
+        } else {
+            -f32::MAX / 3.0
+        }
+    });
     push(&|i| 1e-38 * (i as f32 + 1.0));
     push(&|i| ((i * 7) % 11) as f32 - 5.0);
     v
@@ -76,11 +82,21 @@ fn check(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, what: &str) {
     let got = encode_decode(gpu, elem, x, d).unwrap_or_else(|e| panic!("{what}: {e:#}"));
     for (i, vec) in x.chunks(d).enumerate() {
         let want = elem.encode_bytes(vec);
-        assert_eq!(got.stored[i], want, "{what}: {} d={d} vector {i} stored bytes", elem.name());
+        assert_eq!(
+            got.stored[i],
+            want,
+            "{what}: {} d={d} vector {i} stored bytes",
+            elem.name()
+        );
         let mut rt = vec.to_vec();
         elem.roundtrip(&mut rt);
         for (j, (a, b)) in got.decoded[i * d..(i + 1) * d].iter().zip(&rt).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{what}: {} d={d} vector {i} element {j}: {a:e} vs {b:e}", elem.name());
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{what}: {} d={d} vector {i} element {j}: {a:e} vs {b:e}",
+                elem.name()
+            );
         }
     }
 }
@@ -91,7 +107,13 @@ fn device_codecs_store_the_cpu_bits() {
     let g = gpu();
     for elem in ELEMS {
         for d in [1, 7, 8, 16, 33, 64, 80, 96, 128, 200, 256] {
-            check(&g, elem, &random_vectors(97, d, d as u64 * 31 + 7), d, "random");
+            check(
+                &g,
+                elem,
+                &random_vectors(97, d, d as u64 * 31 + 7),
+                d,
+                "random",
+            );
             check(&g, elem, &edge_vectors(d), d, "edge");
         }
     }
@@ -103,12 +125,18 @@ fn device_codecs_match_the_reference_fixtures() {
     let g = gpu();
     // NINFER_REPO: the repository when this binary runs on another machine than it was built on.
     let repo = std::env::var_os("NINFER_REPO").map(std::path::PathBuf::from);
-    let dir = repo.unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))).join("eval/fixtures/kv");
-    let index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).expect("eval/fixtures/kv/index.json")).unwrap();
+    let dir = repo
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .join("eval/fixtures/kv");
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("index.json")).expect("eval/fixtures/kv/index.json"),
+    )
+    .unwrap();
     let floats = |name: &str| -> Vec<f32> {
         let b = std::fs::read(dir.join(name)).unwrap();
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     };
     let mut n = 0;
     for v in index["vectors"].as_array().unwrap() {
@@ -119,14 +147,23 @@ fn device_codecs_match_the_reference_fixtures() {
             other => panic!("unknown fixture format {other}"),
         };
         let d = v["head_dim"].as_u64().unwrap() as usize;
-        check(&g, elem, &floats(v["input"].as_str().unwrap()), d, v["name"].as_str().unwrap());
+        check(
+            &g,
+            elem,
+            &floats(v["input"].as_str().unwrap()),
+            d,
+            v["name"].as_str().unwrap(),
+        );
         n += 1;
     }
     // Element codecs over their edge sets (e4m3: every finite bf16 value too), non-finite
     // inputs left out: the device encoders are specified for finite input only.
     for s in index["scalar"].as_array().unwrap() {
         let kind = s["kind"].as_str().unwrap();
-        let x: Vec<f32> = floats(s["input"].as_str().unwrap()).into_iter().filter(|v| v.is_finite()).collect();
+        let x: Vec<f32> = floats(s["input"].as_str().unwrap())
+            .into_iter()
+            .filter(|v| v.is_finite())
+            .collect();
         let got = element_codes(&g, kind, &x).unwrap();
         for (i, (&v, &c)) in x.iter().zip(&got).enumerate() {
             let want = match kind {

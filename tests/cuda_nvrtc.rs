@@ -23,7 +23,9 @@ fn nvrtc_compiles_every_kernel() {
     // Explicit directory first, then the install script's default cache.
     let mut dirs: Vec<PathBuf> = loader::env_dirs();
     let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
-    let cache = repo.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR"))).join("eval/.cache/nvrtc");
+    let cache = repo
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .join("eval/.cache/nvrtc");
     if let Ok(rd) = std::fs::read_dir(&cache) {
         for e in rd.flatten() {
             dirs.push(e.path().join("nvidia/cu13/lib"));
@@ -65,8 +67,16 @@ fn nvrtc_compiles_every_kernel() {
                 continue;
             }
         };
-        eprintln!("kernels/{}: {} bytes of sm_90 code in {secs:.1}s", p.key(), c.cubin.len());
-        assert!(c.cubin.starts_with(b"\x7fELF"), "kernels/{}: NVRTC returned no ELF CUBIN", p.key());
+        eprintln!(
+            "kernels/{}: {} bytes of sm_90 code in {secs:.1}s",
+            p.key(),
+            c.cubin.len()
+        );
+        assert!(
+            c.cubin.starts_with(b"\x7fELF"),
+            "kernels/{}: NVRTC returned no ELF CUBIN",
+            p.key()
+        );
         // With NINFER_CUDA_CACHE_DIR set, this run also fills the CUBIN cache that a GPU
         // machine without time to compile can be given.
         nvrtc::store_cached(&p, "sm_90", &c.cubin);
@@ -76,7 +86,10 @@ fn nvrtc_compiles_every_kernel() {
         }
         for e in p.entries() {
             match res.iter().find(|r| r.name == e) {
-                None => failures.push(format!("kernels/{}: entry `{e}` missing from the compiled program", p.key())),
+                None => failures.push(format!(
+                    "kernels/{}: entry `{e}` missing from the compiled program",
+                    p.key()
+                )),
                 Some(r) => {
                     if is_hot(&e) && (r.spill_stores > 0 || r.spill_loads > 0) {
                         failures.push(format!(
@@ -89,12 +102,20 @@ fn nvrtc_compiles_every_kernel() {
             }
         }
     }
-    eprintln!("{:<28} {:>5} {:>7} {:>7} {:>6} {:>7}", "kernel (sm_90)", "regs", "spill-w", "spill-r", "stack", "smem");
+    eprintln!(
+        "{:<28} {:>5} {:>7} {:>7} {:>6} {:>7}",
+        "kernel (sm_90)", "regs", "spill-w", "spill-r", "stack", "smem"
+    );
     for r in &table {
         eprintln!(
             "{:<28} {:>5} {:>7} {:>7} {:>6} {:>7}",
             r.name, r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.shared_bytes
         );
     }
-    assert!(failures.is_empty(), "{} kernel failure(s):\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} kernel failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -33,7 +33,9 @@ const MEAN_NLL_BOUND: f64 = 1e-3;
 /// The repository: `NINFER_REPO` when set (test binaries carried to another machine),
 /// else where this test was built.
 fn repo() -> PathBuf {
-    std::env::var_os("NINFER_REPO").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+    std::env::var_os("NINFER_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 fn require_gpu() {
@@ -43,7 +45,10 @@ fn require_gpu() {
 }
 
 fn parity_tokens() -> usize {
-    std::env::var("NINFER_PARITY_TOKENS").ok().and_then(|s| s.parse().ok()).unwrap_or(1024)
+    std::env::var("NINFER_PARITY_TOKENS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1024)
 }
 
 fn protocol() -> Protocol {
@@ -53,7 +58,8 @@ fn protocol() -> Protocol {
 /// The corpus's quick streams (one per domain), tokenized and cut.
 fn quick_streams(tok: &dyn Fn(&str) -> Vec<u32>, max: usize) -> Vec<(String, Vec<u32>)> {
     let dir = repo().join("eval/corpora/perplexity-1m");
-    let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
     let mut out = Vec::new();
     for s in m["streams"].as_array().unwrap() {
         if s["quick"].as_bool() != Some(true) {
@@ -61,8 +67,12 @@ fn quick_streams(tok: &dyn Fn(&str) -> Vec<u32>, max: usize) -> Vec<(String, Vec
         }
         let id = s["id"].as_str().unwrap().to_string();
         let p = dir.join("streams").join(format!("{id}.txt"));
-        let text = std::fs::read_to_string(&p)
-            .unwrap_or_else(|e| panic!("{}: {e} (build the corpus: bash ci/prepare.sh)", p.display()));
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (build the corpus: bash ci/prepare.sh)",
+                p.display()
+            )
+        });
         let mut ids = tok(&text);
         ids.truncate(max);
         out.push((id, ids));
@@ -82,7 +92,11 @@ fn emit(line: serde_json::Value) {
     eprintln!("{line}");
     if let Ok(p) = std::env::var("NINFER_PARITY_OUT") {
         use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap();
         writeln!(f, "{line}").unwrap();
     }
 }
@@ -108,8 +122,16 @@ fn mean_nll(lps: &[f32]) -> f64 {
 /// Compares CUDA with the CPU for every KV format and both precisions; returns failures.
 fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<String> {
     let p = protocol();
-    let cpu = Engine::load(artifact, &LoadOptions { device: DeviceRequest::Cpu, threads: 0, verify_digest: false }, &mut |_, _| {})
-        .unwrap();
+    let cpu = Engine::load(
+        artifact,
+        &LoadOptions {
+            device: DeviceRequest::Cpu,
+            threads: 0,
+            verify_digest: false,
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
     let t = std::time::Instant::now();
     let mut cpu_lps = Vec::new();
     for kv in KvDtype::ALL {
@@ -117,7 +139,10 @@ fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<
             .iter()
             .map(|(_, ids)| {
                 let s = cpu.score(ids, p, kv, true, &mut |_, _| {}).unwrap();
-                s.windows.into_iter().flat_map(|w| w.logprobs.unwrap()).collect()
+                s.windows
+                    .into_iter()
+                    .flat_map(|w| w.logprobs.unwrap())
+                    .collect()
             })
             .collect();
         cpu_lps.push(per);
@@ -136,7 +161,11 @@ fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<
                 let want = &cpu_lps[ki][si];
                 assert_eq!(g.len(), want.len(), "{case} {id}: scored tokens");
                 for (x, y) in g.iter().zip(want) {
-                    assert!(x.is_finite(), "{case} {id} {}: non-finite CUDA log-probability", kv.name());
+                    assert!(
+                        x.is_finite(),
+                        "{case} {id} {}: non-finite CUDA log-probability",
+                        kv.name()
+                    );
                     c.max_abs_lp = c.max_abs_lp.max((*x as f64 - *y as f64).abs());
                 }
                 c.tokens += g.len();
@@ -160,7 +189,10 @@ fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<
             }
             // The exact path in f32 arithmetic differs from the CPU by summation order only.
             if precision == Precision::F32 && kv == KvDtype::F32 && c.max_abs_lp > 1e-3 {
-                failures.push(format!("{case} f32 f32: max |Δ logprob| {:.3e} > 1e-3", c.max_abs_lp));
+                failures.push(format!(
+                    "{case} f32 f32: max |Δ logprob| {:.3e} > 1e-3",
+                    c.max_abs_lp
+                ));
             }
         }
     }
@@ -168,7 +200,12 @@ fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<
 }
 
 fn assert_none(failures: Vec<String>) {
-    assert!(failures.is_empty(), "{} parity failure(s):\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} parity failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -176,7 +213,11 @@ fn assert_none(failures: Vec<String>) {
 fn smollm2_matches_the_cpu_for_every_kv_format() {
     require_gpu();
     let art = repo().join("models/smollm2-135m-bf16.ninfer");
-    assert!(art.exists(), "{} is missing: run `bash eval/prepare-smollm2.sh`", art.display());
+    assert!(
+        art.exists(),
+        "{} is missing: run `bash eval/prepare-smollm2.sh`",
+        art.display()
+    );
     let e = Engine::load(&art, &LoadOptions::default(), &mut |_, _| {}).unwrap();
     let streams = quick_streams(&|t| e.tokenizer.encode(t).unwrap(), parity_tokens());
     drop(e);
@@ -185,7 +226,11 @@ fn smollm2_matches_the_cpu_for_every_kv_format() {
 
 fn tiny_qwen3(dir: &Path) -> PathBuf {
     let tok = repo().join("models/cache/qwen3-tokenizer.json");
-    assert!(tok.exists(), "{} is missing: run `bash eval/fetch-qwen3-tokenizer.sh`", tok.display());
+    assert!(
+        tok.exists(),
+        "{} is missing: run `bash eval/fetch-qwen3-tokenizer.sh`",
+        tok.display()
+    );
     let src = read_hf_dir(&repo().join("eval/fixtures/tiny-qwen3"), Some(&tok)).unwrap();
     let p = dir.join("tiny-qwen3-bf16.ninfer");
     write_artifact(&src, WeightFormat::Bf16, &p).unwrap();
@@ -223,8 +268,16 @@ fn random_qwen3_hd128_matches_the_cpu_for_every_kv_format() {
     require_gpu();
     let d = tempfile::tempdir().unwrap();
     let art = d.path().join("random-hd128.ninfer");
-    write_random_artifact(&RandomSpec { config: small_hd128(), seed: 3, tokenizer_json: None }, &art, &mut |_, _| {})
-        .unwrap();
+    write_random_artifact(
+        &RandomSpec {
+            config: small_hd128(),
+            seed: 3,
+            tokenizer_json: None,
+        },
+        &art,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let streams = quick_streams(&|t| t.bytes().map(u32::from).collect(), parity_tokens());
     assert_none(run_case("random-qwen3-hd128", &art, &streams));
 }
@@ -235,10 +288,20 @@ fn reruns_are_bitwise_and_batching_changes_nothing() {
     require_gpu();
     let d = tempfile::tempdir().unwrap();
     let art = d.path().join("random-hd128.ninfer");
-    write_random_artifact(&RandomSpec { config: small_hd128(), seed: 5, tokenizer_json: None }, &art, &mut |_, _| {})
-        .unwrap();
+    write_random_artifact(
+        &RandomSpec {
+            config: small_hd128(),
+            seed: 5,
+            tokenizer_json: None,
+        },
+        &art,
+        &mut |_, _| {},
+    )
+    .unwrap();
     let a = Artifact::open(&art).unwrap();
-    let text = std::fs::read_to_string(repo().join("eval/corpora/perplexity-1m/streams/en-ref-1.txt")).unwrap();
+    let text =
+        std::fs::read_to_string(repo().join("eval/corpora/perplexity-1m/streams/en-ref-1.txt"))
+            .unwrap();
     let ids: Vec<u32> = text.bytes().take(3000).map(u32::from).collect();
     let p = protocol();
     for (precision, bound) in [(Precision::F32, 1e-4), (Precision::Bf16, 1e-2)] {
@@ -246,14 +309,33 @@ fn reruns_are_bitwise_and_batching_changes_nothing() {
         for kv in [KvDtype::Bf16, KvDtype::K8v4] {
             let first = gpu_logprobs(&m, &ids, p, kv);
             let again = gpu_logprobs(&m, &ids, p, kv);
-            let same = first.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{} {}: a rerun changed bits (a race?)", precision.name(), kv.name());
+            let same = first
+                .iter()
+                .zip(&again)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{} {}: a rerun changed bits (a race?)",
+                precision.name(),
+                kv.name()
+            );
             m.set_max_windows_per_pass(1);
             let single = gpu_logprobs(&m, &ids, p, kv);
             m.set_max_windows_per_pass(usize::MAX);
-            let d = first.iter().zip(&single).map(|(x, y)| (*x as f64 - *y as f64).abs()).fold(0.0, f64::max);
-            emit(serde_json::json!({"check": "batching", "precision": precision.name(), "kv": kv.name(), "max_abs_dlogprob": d}));
-            assert!(d <= bound, "{} {}: one window per pass differs by {d:.3e} > {bound:e}", precision.name(), kv.name());
+            let d = first
+                .iter()
+                .zip(&single)
+                .map(|(x, y)| (*x as f64 - *y as f64).abs())
+                .fold(0.0, f64::max);
+            emit(
+                serde_json::json!({"check": "batching", "precision": precision.name(), "kv": kv.name(), "max_abs_dlogprob": d}),
+            );
+            assert!(
+                d <= bound,
+                "{} {}: one window per pass differs by {d:.3e} > {bound:e}",
+                precision.name(),
+                kv.name()
+            );
         }
     }
 }
@@ -264,19 +346,47 @@ fn a_bad_token_fails_with_the_cpu_message() {
     require_gpu();
     let d = tempfile::tempdir().unwrap();
     let art = tiny_qwen3(d.path());
-    let load = |device| Engine::load(&art, &LoadOptions { device, threads: 0, verify_digest: false }, &mut |_, _| {}).unwrap();
+    let load = |device| {
+        Engine::load(
+            &art,
+            &LoadOptions {
+                device,
+                threads: 0,
+                verify_digest: false,
+            },
+            &mut |_, _| {},
+        )
+        .unwrap()
+    };
     let (cpu, gpu) = (load(DeviceRequest::Cpu), load(DeviceRequest::Cuda(0)));
-    assert!(gpu.device.class().starts_with("cuda-sm"), "{}", gpu.device.class());
+    assert!(
+        gpu.device.class().starts_with("cuda-sm"),
+        "{}",
+        gpu.device.class()
+    );
     let ids = [1u32, 2, 3, 200_000, 4];
     let p = Protocol::new(4, 2).unwrap();
-    let e_cpu = cpu.score(&ids, p, KvDtype::Int8, false, &mut |_, _| {}).unwrap_err().to_string();
-    let e_gpu = gpu.score(&ids, p, KvDtype::Int8, false, &mut |_, _| {}).unwrap_err().to_string();
+    let e_cpu = cpu
+        .score(&ids, p, KvDtype::Int8, false, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    let e_gpu = gpu
+        .score(&ids, p, KvDtype::Int8, false, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
     assert_eq!(e_gpu, e_cpu);
     // And the good prefix scores the same way through the engine on both.
-    let s_cpu = cpu.score(&ids[..3], p, KvDtype::Int8, true, &mut |_, _| {}).unwrap();
-    let s_gpu = gpu.score(&ids[..3], p, KvDtype::Int8, true, &mut |_, _| {}).unwrap();
+    let s_cpu = cpu
+        .score(&ids[..3], p, KvDtype::Int8, true, &mut |_, _| {})
+        .unwrap();
+    let s_gpu = gpu
+        .score(&ids[..3], p, KvDtype::Int8, true, &mut |_, _| {})
+        .unwrap();
     assert_eq!(s_cpu.totals.scored, s_gpu.totals.scored);
     assert!((s_cpu.totals.mean_nll() - s_gpu.totals.mean_nll()).abs() < MEAN_NLL_BOUND);
     let mem = gpu.cuda_memory().expect("a CUDA engine reports its memory");
-    assert!(mem.peak_allocated_bytes >= mem.weights_bytes && mem.weights_bytes > 0, "{mem:?}");
+    assert!(
+        mem.peak_allocated_bytes >= mem.weights_bytes && mem.weights_bytes > 0,
+        "{mem:?}"
+    );
 }

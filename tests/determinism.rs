@@ -9,35 +9,74 @@ use ninfer_perplexity::score::{Protocol, StreamScore};
 fn score(threads: usize, kv: KvDtype, tokens: &[u32]) -> StreamScore {
     let e = Engine::load(
         &common::artifact("smollm2-135m-bf16.ninfer"),
-        &LoadOptions { threads, ..Default::default() },
+        &LoadOptions {
+            threads,
+            ..Default::default()
+        },
         &mut |_, _| {},
     )
     .unwrap();
-    e.score(tokens, Protocol::new(96, 40).unwrap(), kv, true, &mut |_, _| {}).unwrap()
+    e.score(
+        tokens,
+        Protocol::new(96, 40).unwrap(),
+        kv,
+        true,
+        &mut |_, _| {},
+    )
+    .unwrap()
 }
 
 fn bits(s: &StreamScore) -> Vec<u64> {
     let mut v = vec![s.totals.nll_sum.to_bits(), s.totals.nll_sq_sum.to_bits()];
     for w in &s.windows {
         v.push(w.nll_sum.to_bits());
-        v.extend(w.logprobs.as_ref().unwrap().iter().map(|x| x.to_bits() as u64));
+        v.extend(
+            w.logprobs
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits() as u64),
+        );
     }
     v
 }
 
 #[test]
 fn identical_bits_for_1_2_and_3_threads_and_repeated_runs() {
-    let text = std::fs::read_to_string(common::repo().join("eval/fixtures/tiny_qwen3_logprobs.json")).unwrap();
-    let e = Engine::load(&common::artifact("smollm2-135m-bf16.ninfer"), &LoadOptions::default(), &mut |_, _| {}).unwrap();
-    let tokens: Vec<u32> = e.tokenizer.encode(&text[..4000]).unwrap().into_iter().take(300).collect();
+    let text =
+        std::fs::read_to_string(common::repo().join("eval/fixtures/tiny_qwen3_logprobs.json"))
+            .unwrap();
+    let e = Engine::load(
+        &common::artifact("smollm2-135m-bf16.ninfer"),
+        &LoadOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let tokens: Vec<u32> = e
+        .tokenizer
+        .encode(&text[..4000])
+        .unwrap()
+        .into_iter()
+        .take(300)
+        .collect();
     drop(e);
     for kv in [KvDtype::Bf16, KvDtype::Nvfp4] {
         let one = score(1, kv, &tokens);
         assert!(one.windows.len() >= 5, "needs several windows");
         let reference = bits(&one);
         for threads in [2, 3] {
-            assert_eq!(bits(&score(threads, kv, &tokens)), reference, "{} with {threads} threads", kv.name());
+            assert_eq!(
+                bits(&score(threads, kv, &tokens)),
+                reference,
+                "{} with {threads} threads",
+                kv.name()
+            );
         }
-        assert_eq!(bits(&score(2, kv, &tokens)), reference, "{}: second run", kv.name());
+        assert_eq!(
+            bits(&score(2, kv, &tokens)),
+            reference,
+            "{}: second run",
+            kv.name()
+        );
     }
 }

@@ -27,7 +27,9 @@ const CHILD_ARGS: &str = "NINFER_HARNESS_GATE_ARGS";
 /// In a child process: run the harness with the given arguments and exit with its status.
 #[test]
 fn harness_child() {
-    let Ok(json) = std::env::var(CHILD_ARGS) else { return };
+    let Ok(json) = std::env::var(CHILD_ARGS) else {
+        return;
+    };
     let args: Vec<String> = serde_json::from_str(&json).expect("child arguments");
     let mut argv: Vec<OsString> = vec!["harness".into()];
     argv.extend(args.into_iter().map(OsString::from));
@@ -50,15 +52,21 @@ struct Run {
 fn run_harness(args: &[&str], envs: &[(&str, &str)]) -> Run {
     let report = common::tempdir();
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "harness_child", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ARGS, serde_json::to_string(args).unwrap())
-        .env("INSTA_UPDATE", "no")
-        .env("NINFER_HARNESS_REPORT_DIR", report.path())
-        .env("RUST_BACKTRACE", "0")
-        .env_remove("NINFER_TEST_FAULT")
-        .env_remove("NINFER_HARNESS_FLAGS")
-        .env_remove("NINFER_HARNESS_THREADS")
-        .env_remove("NINFER_REGISTRY");
+    cmd.args([
+        "--exact",
+        "harness_child",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ])
+    .env(CHILD_ARGS, serde_json::to_string(args).unwrap())
+    .env("INSTA_UPDATE", "no")
+    .env("NINFER_HARNESS_REPORT_DIR", report.path())
+    .env("RUST_BACKTRACE", "0")
+    .env_remove("NINFER_TEST_FAULT")
+    .env_remove("NINFER_HARNESS_FLAGS")
+    .env_remove("NINFER_HARNESS_THREADS")
+    .env_remove("NINFER_REGISTRY");
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -78,7 +86,10 @@ fn run_harness(args: &[&str], envs: &[(&str, &str)]) -> Run {
 
 impl Run {
     fn show(&self) -> String {
-        format!("exit {}\n--- stdout\n{}\n--- stderr\n{}", self.code, self.stdout, self.stderr)
+        format!(
+            "exit {}\n--- stdout\n{}\n--- stderr\n{}",
+            self.code, self.stdout, self.stderr
+        )
     }
 }
 
@@ -114,28 +125,63 @@ fn fault_switch_makes_trials_fail() {
     let before = no_pending_snapshots();
     for fault in ["rope-shift", "skip-final-norm"] {
         let run = run_harness(&gate_args(&[]), &[("NINFER_TEST_FAULT", fault)]);
-        assert_eq!(run.code, 101, "{fault}: the harness must fail\n{}", run.show());
-        assert!(run.stdout.contains("0 passed; 2 failed"), "{fault}: both trials must fail\n{}", run.show());
+        assert_eq!(
+            run.code,
+            101,
+            "{fault}: the harness must fail\n{}",
+            run.show()
+        );
+        assert!(
+            run.stdout.contains("0 passed; 2 failed"),
+            "{fault}: both trials must fail\n{}",
+            run.show()
+        );
         assert_eq!(run.trials.len(), 2, "{}", run.show());
         for t in &run.trials {
-            assert_eq!(t.status, "drift", "{fault}: {} should drift\n{}", t.name, run.show());
+            assert_eq!(
+                t.status,
+                "drift",
+                "{fault}: {} should drift\n{}",
+                t.name,
+                run.show()
+            );
             let delta = t.delta_mean_nll.unwrap();
             assert!(delta.abs() > t.allowed.unwrap(), "{fault}: {}", t.name);
         }
-        assert!(run.stdout.contains("mean NLL drifted beyond the tolerance"), "{}", run.show());
-        assert!(run.stderr.contains("NINFER_TEST_FAULT"), "the harness must say the engine is perturbed\n{}", run.show());
+        assert!(
+            run.stdout.contains("mean NLL drifted beyond the tolerance"),
+            "{}",
+            run.show()
+        );
+        assert!(
+            run.stderr.contains("NINFER_TEST_FAULT"),
+            "the harness must say the engine is perturbed\n{}",
+            run.show()
+        );
     }
-    assert_eq!(no_pending_snapshots(), before, "a faulty run must not leave pending snapshots");
+    assert_eq!(
+        no_pending_snapshots(),
+        before,
+        "a faulty run must not leave pending snapshots"
+    );
 }
 
 #[test]
 fn clean_runs_pass_with_identical_numbers() {
     common::artifact("smollm2-135m-bf16.ninfer");
     // One engine thread and one trial at a time, then two trials at once on all cores.
-    let a = run_harness(&gate_args(&["--test-threads", "1"]), &[("NINFER_HARNESS_THREADS", "1")]);
+    let a = run_harness(
+        &gate_args(&["--test-threads", "1"]),
+        &[("NINFER_HARNESS_THREADS", "1")],
+    );
     let b = run_harness(&gate_args(&["--test-threads", "2"]), &[]);
     for run in [&a, &b] {
-        assert_eq!(run.code, 0, "a clean run must pass its baselines\n{}", run.show());
+        assert_eq!(
+            run.code,
+            0,
+            "a clean run must pass its baselines\n{}",
+            run.show()
+        );
         assert!(run.stdout.contains("2 passed; 0 failed"), "{}", run.show());
     }
     let key = |r: &Run| {
@@ -144,7 +190,12 @@ fn clean_runs_pass_with_identical_numbers() {
             .iter()
             .map(|t| {
                 let n = t.result.as_ref().unwrap();
-                (t.name.clone(), n.mean_nll.to_bits(), n.nll_sum.to_bits(), n.scored_tokens)
+                (
+                    t.name.clone(),
+                    n.mean_nll.to_bits(),
+                    n.nll_sum.to_bits(),
+                    n.scored_tokens,
+                )
             })
             .collect();
         v.sort();
@@ -153,7 +204,12 @@ fn clean_runs_pass_with_identical_numbers() {
     assert_eq!(key(&a).len(), 2);
     assert_eq!(key(&a), key(&b), "two clean runs must give the same bits");
     for t in &a.trials {
-        assert_eq!(t.delta_mean_nll, Some(0.0), "{}: the CPU path reproduces its baseline exactly", t.name);
+        assert_eq!(
+            t.delta_mean_nll,
+            Some(0.0),
+            "{}: the CPU path reproduces its baseline exactly",
+            t.name
+        );
     }
 }
 
@@ -173,7 +229,11 @@ fn missing_artifact_is_ignored_with_the_reason_never_passed() {
         args.extend_from_slice(extra);
         let run = run_harness(&args, &[("NINFER_REGISTRY", reg)]);
         assert_eq!(run.code, 0, "{}", run.show());
-        assert!(run.stdout.contains("0 passed; 0 failed; 16 ignored"), "{}", run.show());
+        assert!(
+            run.stdout.contains("0 passed; 0 failed; 16 ignored"),
+            "{}",
+            run.show()
+        );
         if extra.is_empty() {
             assert!(
                 run.stderr.contains("artifact file models/no-such-file.ninfer is missing (produce it with `bash make-ghost.sh`)"),
@@ -182,63 +242,134 @@ fn missing_artifact_is_ignored_with_the_reason_never_passed() {
             );
         } else {
             // Forced to run, the trial still reports itself ignored, with the reason.
-            assert!(run.stdout.contains("ignored (artifact file models/no-such-file.ninfer is missing"), "{}", run.show());
+            assert!(
+                run.stdout
+                    .contains("ignored (artifact file models/no-such-file.ninfer is missing"),
+                "{}",
+                run.show()
+            );
         }
     }
 }
 
 #[test]
 fn gpu_tier_is_ignored_without_a_gpu() {
-    if ninfer_perplexity::backend::Device::select(ninfer_perplexity::backend::DeviceRequest::Cuda(0), 1).is_ok() {
+    if ninfer_perplexity::backend::Device::select(
+        ninfer_perplexity::backend::DeviceRequest::Cuda(0),
+        1,
+    )
+    .is_ok()
+    {
         return; // a GPU machine: the GPU tier runs there
     }
     let run = run_harness(&["--tier", "gpu", "--kv-dtype", "bf16", "--list"], &[]);
     assert_eq!(run.code, 0, "{}", run.show());
-    assert!(run.stdout.contains("cuda/smollm2-135m-bf16/en-ref-1/bf16: test"), "{}", run.show());
+    assert!(
+        run.stdout
+            .contains("cuda/smollm2-135m-bf16/en-ref-1/bf16: test"),
+        "{}",
+        run.show()
+    );
     let run = run_harness(&["--tier", "gpu", "--kv-dtype", "bf16"], &[]);
     assert_eq!(run.code, 0, "{}", run.show());
-    assert!(run.stdout.contains("0 passed; 0 failed; 16 ignored"), "{}", run.show());
-    assert!(run.stderr.contains("16 trial(s) ignored: gpu-tier smollm2-135m-bf16: no usable GPU"), "{}", run.show());
+    assert!(
+        run.stdout.contains("0 passed; 0 failed; 16 ignored"),
+        "{}",
+        run.show()
+    );
+    assert!(
+        run.stderr
+            .contains("16 trial(s) ignored: gpu-tier smollm2-135m-bf16: no usable GPU"),
+        "{}",
+        run.show()
+    );
 }
 
 #[test]
 fn harness_flags_from_the_environment() {
-    let run = run_harness(&["--list"], &[("NINFER_HARNESS_FLAGS", "--tier cpu --kv-dtype=k8v4")]);
+    let run = run_harness(
+        &["--list"],
+        &[("NINFER_HARNESS_FLAGS", "--tier cpu --kv-dtype=k8v4")],
+    );
     assert_eq!(run.code, 0, "{}", run.show());
-    let names: Vec<&str> = run.stdout.lines().filter(|l| l.ends_with(": test")).collect();
+    let names: Vec<&str> = run
+        .stdout
+        .lines()
+        .filter(|l| l.ends_with(": test"))
+        .collect();
     assert_eq!(names.len(), 16, "{}", run.show());
-    assert!(names.iter().all(|n| n.ends_with("/k8v4: test") && !n.starts_with("cuda/")), "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| n.ends_with("/k8v4: test") && !n.starts_with("cuda/")),
+        "{names:?}"
+    );
     let run = run_harness(&["--list"], &[("NINFER_HARNESS_FLAGS", "--exact")]);
     assert_eq!(run.code, 2, "{}", run.show());
-    assert!(run.stderr.contains("NINFER_HARNESS_FLAGS may hold only harness flags"), "{}", run.show());
+    assert!(
+        run.stderr
+            .contains("NINFER_HARNESS_FLAGS may hold only harness flags"),
+        "{}",
+        run.show()
+    );
 }
 
 #[test]
 fn bad_flag_values_list_the_choices() {
     for (args, want) in [
-        (&["--kv-dtype", "fp9"][..], "unknown KV dtype `fp9` (valid: bf16, int8, fp8, nvfp4, k8v4, f32)"),
-        (&["--tier=fast"][..], "--tier: unknown tier `fast` (valid: cpu, gpu)"),
-        (&["--device", "tpu"][..], "--device: unknown device `tpu` (valid: cpu, cuda, cuda:N)"),
+        (
+            &["--kv-dtype", "fp9"][..],
+            "unknown KV dtype `fp9` (valid: bf16, int8, fp8, nvfp4, k8v4, f32)",
+        ),
+        (
+            &["--tier=fast"][..],
+            "--tier: unknown tier `fast` (valid: cpu, gpu)",
+        ),
+        (
+            &["--device", "tpu"][..],
+            "--device: unknown device `tpu` (valid: cpu, cuda, cuda:N)",
+        ),
         (&["--artifact", "nope"][..], "`nope` is not registered in"),
         (&["--kv-dtype"][..], "--kv-dtype needs a value"),
     ] {
         let run = run_harness(args, &[]);
         assert_eq!(run.code, 2, "{args:?}\n{}", run.show());
-        assert!(run.stderr.contains(want), "{args:?}: expected `{want}`\n{}", run.show());
+        assert!(
+            run.stderr.contains(want),
+            "{args:?}: expected `{want}`\n{}",
+            run.show()
+        );
     }
 }
 
 // ---- in-process checks of the pieces ----------------------------------------------------
 
 fn argv(v: &[&str]) -> Vec<OsString> {
-    std::iter::once("harness").chain(v.iter().copied()).map(OsString::from).collect()
+    std::iter::once("harness")
+        .chain(v.iter().copied())
+        .map(OsString::from)
+        .collect()
 }
 
 #[test]
 fn harness_flags_are_removed_and_libtest_flags_kept() {
     let (f, rest) = flags::extract(argv(&[
-        "--kv-dtype", "fp8,int8", "--exact", "--artifact=a", "--skip", "code-", "x/y", "--device", "cuda:1",
-        "--tier", "cpu", "--test-threads", "3", "--format", "terse", "--list",
+        "--kv-dtype",
+        "fp8,int8",
+        "--exact",
+        "--artifact=a",
+        "--skip",
+        "code-",
+        "x/y",
+        "--device",
+        "cuda:1",
+        "--tier",
+        "cpu",
+        "--test-threads",
+        "3",
+        "--format",
+        "terse",
+        "--list",
     ]))
     .unwrap();
     assert_eq!(f.kv, vec![KvDtype::Fp8, KvDtype::Int8]);
@@ -249,7 +380,18 @@ fn harness_flags_are_removed_and_libtest_flags_kept() {
     let rest: Vec<String> = rest.into_iter().map(|s| s.into_string().unwrap()).collect();
     assert_eq!(
         rest,
-        ["harness", "--exact", "--skip", "code-", "x/y", "--test-threads", "3", "--format", "terse", "--list"]
+        [
+            "harness",
+            "--exact",
+            "--skip",
+            "code-",
+            "x/y",
+            "--test-threads",
+            "3",
+            "--format",
+            "terse",
+            "--list"
+        ]
     );
     let args = libtest_mimic::Arguments::from_iter(rest);
     assert!(args.exact && args.list);
@@ -283,7 +425,10 @@ fn record() -> Record {
 fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     let r = record();
     assert_eq!(Record::parse(&r.render()).unwrap(), r);
-    let tol = Tolerance { abs: 0.0, rel: 1e-9 };
+    let tol = Tolerance {
+        abs: 0.0,
+        rel: 1e-9,
+    };
     match baseline::compare(&r, &r, tol) {
         Verdict::Pass { delta, allowed } => assert!(delta == 0.0 && (allowed - 3e-9).abs() < 1e-20),
         v => panic!("{v:?}"),
@@ -291,13 +436,25 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     let mut n = r.clone();
     n.mean_nll += 1e-12;
     n.nll_sum += 255e-12;
-    assert!(baseline::compare(&r, &n, tol).passed(), "inside the tolerance");
+    assert!(
+        baseline::compare(&r, &n, tol).passed(),
+        "inside the tolerance"
+    );
     n.mean_nll = 3.001;
     n.nll_sum = 3.001 * 255.0;
-    assert!(matches!(baseline::compare(&r, &n, tol), Verdict::Drift { .. }));
+    assert!(matches!(
+        baseline::compare(&r, &n, tol),
+        Verdict::Drift { .. }
+    ));
     let msg = baseline::failure_message(Some(&r), &n, Some(&baseline::compare(&r, &n, tol)), tol);
-    assert!(msg.contains("mean_nll 3.000000000") && msg.contains("mean_nll 3.001000000"), "{msg}");
-    assert!(msg.contains("delta:    +1.000e-3") && msg.contains("allowed 3.000e-9"), "{msg}");
+    assert!(
+        msg.contains("mean_nll 3.000000000") && msg.contains("mean_nll 3.001000000"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("delta:    +1.000e-3") && msg.contains("allowed 3.000e-9"),
+        "{msg}"
+    );
 
     let mut t = r.clone();
     t.stream_tokens = 1001;
@@ -305,24 +462,40 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     let v = baseline::compare(&r, &t, tol);
     assert!(matches!(v, Verdict::TokensChanged(_)), "{v:?}");
     let msg = baseline::failure_message(Some(&r), &t, Some(&v), tol);
-    assert!(msg.contains("the tokenizer or the corpus changed") && msg.contains("stream tokens: 1000 -> 1001"), "{msg}");
-    assert!(!msg.contains("delta:"), "no NLL delta for changed tokens: {msg}");
+    assert!(
+        msg.contains("the tokenizer or the corpus changed")
+            && msg.contains("stream tokens: 1000 -> 1001"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("delta:"),
+        "no NLL delta for changed tokens: {msg}"
+    );
 
     let mut p = r.clone();
     p.context = 256;
-    assert!(matches!(baseline::compare(&r, &p, tol), Verdict::ProtocolChanged(_)));
+    assert!(matches!(
+        baseline::compare(&r, &p, tol),
+        Verdict::ProtocolChanged(_)
+    ));
 }
 
 #[test]
 fn malformed_baseline_names_the_file_and_the_field() {
     let dir = common::tempdir();
-    let loc = Location { dir: dir.path().join("b"), name: "s".into() };
+    let loc = Location {
+        dir: dir.path().join("b"),
+        name: "s".into(),
+    };
     std::fs::create_dir_all(&loc.dir).unwrap();
     let good = record().render();
     let bad = good.replace("\"scored\": 255", "\"scored\": \"many\"");
     std::fs::write(loc.snap(), format!("---\nsource: x\n---\n{bad}\n")).unwrap();
     let e = baseline::load(&loc, dir.path()).unwrap_err();
-    assert!(e.starts_with("b/s.snap: ") && e.contains("field `tokens.scored`"), "{e}");
+    assert!(
+        e.starts_with("b/s.snap: ") && e.contains("field `tokens.scored`"),
+        "{e}"
+    );
     let missing = good.replace("\"mean_nll\"", "\"mean\"");
     std::fs::write(loc.snap(), format!("---\nsource: x\n---\n{missing}\n")).unwrap();
     let e = baseline::load(&loc, dir.path()).unwrap_err();
@@ -337,17 +510,50 @@ fn malformed_registry_names_the_file_and_the_field() {
     let p = dir.path().join("registry.json");
     let entry = r#""name": "a", "path": "m.ninfer", "produce": "make""#;
     for (body, want) in [
-        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": ["cpu", "tpu"]}}]}}"#), "`artifacts[0].tiers[1]`: unknown tier `tpu` (valid: cpu, gpu)"),
-        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": "cpu"}}]}}"#), "`artifacts[0].tiers`: expected an array"),
-        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"rel": -1}}}}}}]}}"#), "`artifacts[0].tolerance.cpu.rel`: expected a non-negative number"),
-        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"relative": 1}}}}}}]}}"#), "unknown field `relative` (fields: abs, rel)"),
-        (format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cuda/fp9": {{"abs": 1}}}}}}]}}"#), "`artifacts[0].tolerance.cuda/fp9`: unknown KV dtype `fp9` (valid:"),
-        (r#"{"schema_version": 1, "artifacts": [{"name": "a", "path": 3, "produce": "make"}]}"#.to_string(), "`artifacts[0].path`: expected a string, found a number"),
-        (r#"{"schema_version": 1, "artifacts": [{"name": "a", "produce": "make"}]}"#.to_string(), "`artifacts[0]`: missing field `path`"),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": ["cpu", "tpu"]}}]}}"#
+            ),
+            "`artifacts[0].tiers[1]`: unknown tier `tpu` (valid: cpu, gpu)",
+        ),
+        (
+            format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": "cpu"}}]}}"#),
+            "`artifacts[0].tiers`: expected an array",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"rel": -1}}}}}}]}}"#
+            ),
+            "`artifacts[0].tolerance.cpu.rel`: expected a non-negative number",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"relative": 1}}}}}}]}}"#
+            ),
+            "unknown field `relative` (fields: abs, rel)",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cuda/fp9": {{"abs": 1}}}}}}]}}"#
+            ),
+            "`artifacts[0].tolerance.cuda/fp9`: unknown KV dtype `fp9` (valid:",
+        ),
+        (
+            r#"{"schema_version": 1, "artifacts": [{"name": "a", "path": 3, "produce": "make"}]}"#
+                .to_string(),
+            "`artifacts[0].path`: expected a string, found a number",
+        ),
+        (
+            r#"{"schema_version": 1, "artifacts": [{"name": "a", "produce": "make"}]}"#.to_string(),
+            "`artifacts[0]`: missing field `path`",
+        ),
     ] {
         std::fs::write(&p, &body).unwrap();
         let e = format!("{:#}", Registry::load(&p).unwrap_err());
-        assert!(e.starts_with(&p.display().to_string()) && e.contains(want), "expected `{want}` in: {e}");
+        assert!(
+            e.starts_with(&p.display().to_string()) && e.contains(want),
+            "expected `{want}` in: {e}"
+        );
     }
     std::fs::write(
         &p,
@@ -356,18 +562,40 @@ fn malformed_registry_names_the_file_and_the_field() {
     .unwrap();
     let r = Registry::load(&p).unwrap();
     let e = r.get("a").unwrap();
-    assert_eq!(e.tolerance_for("cuda-sm90", "bf16"), Some(Tolerance { abs: 1e-3, rel: 0.0 }));
-    assert_eq!(e.tolerance_for("cuda-sm90", "nvfp4"), Some(Tolerance { abs: 1e-2, rel: 0.0 }));
+    assert_eq!(
+        e.tolerance_for("cuda-sm90", "bf16"),
+        Some(Tolerance {
+            abs: 1e-3,
+            rel: 0.0
+        })
+    );
+    assert_eq!(
+        e.tolerance_for("cuda-sm90", "nvfp4"),
+        Some(Tolerance {
+            abs: 1e-2,
+            rel: 0.0
+        })
+    );
     assert_eq!(e.tolerance_for("cpu", "bf16"), None);
 }
 
 #[test]
 fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
     let r = Registry::load(&common::repo().join("eval/registry.json")).unwrap();
-    for e in r.artifacts.iter().filter(|e| e.tiers.iter().any(|t| t == "cpu")) {
+    for e in r
+        .artifacts
+        .iter()
+        .filter(|e| e.tiers.iter().any(|t| t == "cpu"))
+    {
         for kv in KvDtype::ALL {
-            let t = e.tolerance_for("cpu", kv.name()).unwrap_or_else(|| harness::default_tolerance("cpu", kv));
-            assert!(t.allowed(3.0) < 1e-6, "{}: the CPU tier must stay (almost) exact", e.name);
+            let t = e
+                .tolerance_for("cpu", kv.name())
+                .unwrap_or_else(|| harness::default_tolerance("cpu", kv));
+            assert!(
+                t.allowed(3.0) < 1e-6,
+                "{}: the CPU tier must stay (almost) exact",
+                e.name
+            );
         }
     }
 }

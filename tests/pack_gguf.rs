@@ -650,7 +650,10 @@ fn synthetic_parse_rename_and_values() {
             hex::encode(sha2::Sha256::digest(&bytes))
         );
         // Provenance keeps the file name only, so digests do not depend on the input's location.
-        assert_eq!(src.source_files[0].path, path.file_name().unwrap().to_string_lossy());
+        assert_eq!(
+            src.source_files[0].path,
+            path.file_name().unwrap().to_string_lossy()
+        );
         let mut want = std::collections::BTreeMap::new();
         want.insert("F32".to_string(), 2 * LAYERS + 1 + untied as usize);
         want.insert("Q4_0".to_string(), 2 * LAYERS);

@@ -29,11 +29,25 @@ fn compare(engine: &Engine, fixture: &Value) -> Diff {
     for case in fixture["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let text = case["text"].as_str().unwrap();
-        let want_ids: Vec<u32> = case["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want_ids: Vec<u32> = case["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let ids = engine.tokenizer.encode(text).unwrap();
-        assert_eq!(ids, want_ids, "{name}: token ids differ from the reference tokenizer");
-        let p = Protocol::new(case["context"].as_u64().unwrap() as usize, case["stride"].as_u64().unwrap() as usize).unwrap();
-        let s = engine.score(&ids, p, KvDtype::F32, true, &mut |_, _| {}).unwrap();
+        assert_eq!(
+            ids, want_ids,
+            "{name}: token ids differ from the reference tokenizer"
+        );
+        let p = Protocol::new(
+            case["context"].as_u64().unwrap() as usize,
+            case["stride"].as_u64().unwrap() as usize,
+        )
+        .unwrap();
+        let s = engine
+            .score(&ids, p, KvDtype::F32, true, &mut |_, _| {})
+            .unwrap();
         let wins = case["windows"].as_array().unwrap();
         assert_eq!(s.windows.len(), wins.len(), "{name}: window count");
         for (w, fw) in s.windows.iter().zip(wins) {
@@ -55,17 +69,34 @@ fn compare(engine: &Engine, fixture: &Value) -> Diff {
                 d.tokens += 1;
             }
         }
-        assert_eq!(s.totals.scored, case["scored"].as_u64().unwrap(), "{name}: scored tokens");
+        assert_eq!(
+            s.totals.scored,
+            case["scored"].as_u64().unwrap(),
+            "{name}: scored tokens"
+        );
         let want = case["mean_nll"].as_f64().unwrap();
         let rel = (s.totals.mean_nll() - want).abs() / want.abs();
         d.max_rel_mean_nll = d.max_rel_mean_nll.max(rel);
-        eprintln!("{name}: mean_nll {:.8} ref {:.8} rel {:.2e}", s.totals.mean_nll(), want, rel);
+        eprintln!(
+            "{name}: mean_nll {:.8} ref {:.8} rel {:.2e}",
+            s.totals.mean_nll(),
+            want,
+            rel
+        );
     }
     d
 }
 
 fn load(path: &Path, threads: usize) -> Engine {
-    Engine::load(path, &LoadOptions { threads, ..Default::default() }, &mut |_, _| {}).unwrap()
+    Engine::load(
+        path,
+        &LoadOptions {
+            threads,
+            ..Default::default()
+        },
+        &mut |_, _| {},
+    )
+    .unwrap()
 }
 
 #[test]
@@ -75,8 +106,16 @@ fn smollm2_f32_matches_transformers() {
     let d = compare(&e, &fx);
     eprintln!("smollm2 f32: {d:?}");
     assert!(d.tokens > 300, "fixture too small");
-    assert!(d.max_abs_logprob <= 2e-4, "max |Δ logprob| {:.3e} > 2e-4", d.max_abs_logprob);
-    assert!(d.max_rel_mean_nll <= 1e-5, "max relative Δ mean NLL {:.3e} > 1e-5", d.max_rel_mean_nll);
+    assert!(
+        d.max_abs_logprob <= 2e-4,
+        "max |Δ logprob| {:.3e} > 2e-4",
+        d.max_abs_logprob
+    );
+    assert!(
+        d.max_rel_mean_nll <= 1e-5,
+        "max relative Δ mean NLL {:.3e} > 1e-5",
+        d.max_rel_mean_nll
+    );
 }
 
 /// bf16 weights against the float32 reference. Measured on the committed fixture
@@ -88,8 +127,16 @@ fn smollm2_bf16_stays_within_measured_bound() {
     let e = load(&common::artifact("smollm2-135m-bf16.ninfer"), 0);
     let d = compare(&e, &fx);
     eprintln!("smollm2 bf16: {d:?}");
-    assert!(d.max_rel_mean_nll <= BF16_MAX_REL_MEAN_NLL, "bf16 relative Δ mean NLL {:.3e}", d.max_rel_mean_nll);
-    assert!(d.max_abs_logprob <= BF16_MAX_ABS_LOGPROB, "bf16 max |Δ logprob| {:.3e}", d.max_abs_logprob);
+    assert!(
+        d.max_rel_mean_nll <= BF16_MAX_REL_MEAN_NLL,
+        "bf16 relative Δ mean NLL {:.3e}",
+        d.max_rel_mean_nll
+    );
+    assert!(
+        d.max_abs_logprob <= BF16_MAX_ABS_LOGPROB,
+        "bf16 max |Δ logprob| {:.3e}",
+        d.max_abs_logprob
+    );
 }
 
 const BF16_MAX_REL_MEAN_NLL: f64 = 1.4e-3;
@@ -104,16 +151,30 @@ fn tiny(dir: &str, fixture: &str) {
     let e = load(&art, 0);
     let d = compare(&e, &common::read_json(fixture));
     eprintln!("{dir}: {d:?}");
-    assert!(d.max_abs_logprob <= 2e-4, "max |Δ logprob| {:.3e} > 2e-4", d.max_abs_logprob);
-    assert!(d.max_rel_mean_nll <= 1e-5, "relative Δ mean NLL {:.3e} > 1e-5", d.max_rel_mean_nll);
+    assert!(
+        d.max_abs_logprob <= 2e-4,
+        "max |Δ logprob| {:.3e} > 2e-4",
+        d.max_abs_logprob
+    );
+    assert!(
+        d.max_rel_mean_nll <= 1e-5,
+        "relative Δ mean NLL {:.3e} > 1e-5",
+        d.max_rel_mean_nll
+    );
 }
 
 #[test]
 fn tiny_qwen3_matches_transformers() {
-    tiny("eval/fixtures/tiny-qwen3", "eval/fixtures/tiny_qwen3_logprobs.json");
+    tiny(
+        "eval/fixtures/tiny-qwen3",
+        "eval/fixtures/tiny_qwen3_logprobs.json",
+    );
 }
 
 #[test]
 fn tiny_qwen2_matches_transformers() {
-    tiny("eval/fixtures/tiny-qwen2", "eval/fixtures/tiny_qwen2_logprobs.json");
+    tiny(
+        "eval/fixtures/tiny-qwen2",
+        "eval/fixtures/tiny_qwen2_logprobs.json",
+    );
 }

@@ -40,14 +40,21 @@ fn fixed_report() -> Report {
     ];
     let domains = vec![
         aggregate("en", "English", streams.iter().filter(|s| s.domain == "en")),
-        aggregate("code", "Code", streams.iter().filter(|s| s.domain == "code")),
+        aggregate(
+            "code",
+            "Code",
+            streams.iter().filter(|s| s.domain == "code"),
+        ),
     ];
     let overall = aggregate("overall", "overall", streams.iter());
     Report {
         schema: SCHEMA.into(),
         schema_version: SCHEMA_VERSION,
         run_id: "20261130T000000Z-00000000-bf16".into(),
-        tool: Tool { name: "ninfer-perplexity".into(), version: "0.0.0".into() },
+        tool: Tool {
+            name: "ninfer-perplexity".into(),
+            version: "0.0.0".into(),
+        },
         started_unix_s: 0.0,
         settings: Settings {
             mode: "corpus".into(),
@@ -89,13 +96,29 @@ fn fixed_report() -> Report {
                 eos_token_id: None,
             },
         },
-        tokenizer: TokenizerInfo { sha256: "cd".repeat(32), vocab_size: 10 },
-        corpus: Some(CorpusInfo { name: "t".into(), manifest: "m.json".into(), manifest_sha256: "ef".repeat(32) }),
+        tokenizer: TokenizerInfo {
+            sha256: "cd".repeat(32),
+            vocab_size: 10,
+        },
+        corpus: Some(CorpusInfo {
+            name: "t".into(),
+            manifest: "m.json".into(),
+            manifest_sha256: "ef".repeat(32),
+        }),
         streams,
         domains,
         overall,
-        timings: Timings { load_s: 0.1, tokenize_s: 0.2, score_s: 0.3, total_s: 0.6 },
-        throughput: Throughput { processed_tokens: 15, processed_tokens_per_s: 50.0, scored_tokens_per_s: 40.0 },
+        timings: Timings {
+            load_s: 0.1,
+            tokenize_s: 0.2,
+            score_s: 0.3,
+            total_s: 0.6,
+        },
+        throughput: Throughput {
+            processed_tokens: 15,
+            processed_tokens_per_s: 50.0,
+            scored_tokens_per_s: 40.0,
+        },
         peak_rss_bytes: Some(1 << 20),
         cuda_memory: None,
     }
@@ -108,7 +131,10 @@ fn report_round_trips_exactly() {
     let back: Report = serde_json::from_str(&json).unwrap();
     assert_eq!(back, r);
     // Unrounded floats survive: 1/3-style values come back bit for bit.
-    assert_eq!(back.overall.totals.mean_nll.to_bits(), r.overall.totals.mean_nll.to_bits());
+    assert_eq!(
+        back.overall.totals.mean_nll.to_bits(),
+        r.overall.totals.mean_nll.to_bits()
+    );
 }
 
 #[test]

@@ -40,7 +40,10 @@ impl DigestBuilder {
         self.field(b"tensor");
         self.field(name.as_bytes());
         self.field(dtype.as_bytes());
-        let dims: Vec<u8> = shape.iter().flat_map(|d| (*d as u64).to_le_bytes()).collect();
+        let dims: Vec<u8> = shape
+            .iter()
+            .flat_map(|d| (*d as u64).to_le_bytes())
+            .collect();
         self.field(&dims);
         self.field(data);
     }

@@ -38,11 +38,15 @@ pub struct Artifact {
 
 fn explain(e: SafeTensorError) -> anyhow::Error {
     match e {
-        SafeTensorError::HeaderTooSmall | SafeTensorError::InvalidHeaderLength | SafeTensorError::HeaderTooLarge => {
+        SafeTensorError::HeaderTooSmall
+        | SafeTensorError::InvalidHeaderLength
+        | SafeTensorError::HeaderTooLarge => {
             anyhow!("not a .ninfer artifact (file too short or header length invalid)")
         }
         SafeTensorError::MetadataIncompleteBuffer => {
-            anyhow!("file is truncated or has trailing bytes (tensor data does not match the header)")
+            anyhow!(
+                "file is truncated or has trailing bytes (tensor data does not match the header)"
+            )
         }
         SafeTensorError::InvalidHeader(_) | SafeTensorError::InvalidHeaderDeserialization(_) => {
             anyhow!("not a .ninfer artifact (header is not valid safetensors JSON)")
@@ -89,7 +93,9 @@ impl Artifact {
         }
         let version = field(&meta, "format_version")?;
         if version != FORMAT_VERSION.to_string() {
-            bail!("unsupported format version {version} (this build reads version {FORMAT_VERSION})");
+            bail!(
+                "unsupported format version {version} (this build reads version {FORMAT_VERSION})"
+            );
         }
         let config: ModelConfig = serde_json::from_str(field(&meta, "config")?)
             .map_err(|e| anyhow!("metadata `config` is invalid: {e}"))?;
@@ -125,7 +131,11 @@ impl Artifact {
                 .get(name)
                 .with_context(|| format!("tensor `{name}` is missing"))?;
             if &t.shape != shape {
-                bail!("tensor `{name}` has shape {:?} but the config implies {:?}", t.shape, shape);
+                bail!(
+                    "tensor `{name}` has shape {:?} but the config implies {:?}",
+                    t.shape,
+                    shape
+                );
             }
             let want = if weight_format == WeightFormat::F32 || is_vector_tensor(name, shape) {
                 Dtype::F32
@@ -142,9 +152,17 @@ impl Artifact {
             }
         }
         if tensors.len() != expected.len() {
-            let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
-            let extra = tensors.keys().find(|k| !known.contains(k.as_str())).cloned().unwrap_or_default();
-            bail!("tensor `{extra}` is not part of a {} model with this config", config.family.name());
+            let known: std::collections::HashSet<&str> =
+                expected.iter().map(|(n, _)| n.as_str()).collect();
+            let extra = tensors
+                .keys()
+                .find(|k| !known.contains(k.as_str()))
+                .cloned()
+                .unwrap_or_default();
+            bail!(
+                "tensor `{extra}` is not part of a {} model with this config",
+                config.family.name()
+            );
         }
         Ok(Artifact {
             path: path.to_path_buf(),
@@ -189,7 +207,10 @@ impl Artifact {
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
                 .collect(),
-            other => bail!("{}: tensor `{name}` has unsupported dtype {other:?}", self.path.display()),
+            other => bail!(
+                "{}: tensor `{name}` has unsupported dtype {other:?}",
+                self.path.display()
+            ),
         })
     }
 
@@ -202,7 +223,12 @@ impl Artifact {
             }
         }
         for (name, t) in &self.tensors {
-            d.tensor(name, &dtype_name(t.dtype).to_uppercase(), &t.shape, &self.mmap[t.start..t.end]);
+            d.tensor(
+                name,
+                &dtype_name(t.dtype).to_uppercase(),
+                &t.shape,
+                &self.mmap[t.start..t.end],
+            );
         }
         let actual = d.finish();
         if actual != self.digest {

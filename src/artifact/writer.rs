@@ -53,21 +53,42 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
             .remove(name.as_str())
             .with_context(|| format!("the source has no tensor `{name}`"))?;
         if t.shape != shape {
-            bail!("tensor `{name}` has shape {:?}, the config implies {:?}", t.shape, shape);
+            bail!(
+                "tensor `{name}` has shape {:?}, the config implies {:?}",
+                t.shape,
+                shape
+            );
         }
         if t.data.len() != shape.iter().product::<usize>() {
-            bail!("tensor `{name}`: {} values for shape {:?}", t.data.len(), shape);
+            bail!(
+                "tensor `{name}`: {} values for shape {:?}",
+                t.data.len(),
+                shape
+            );
         }
         if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
             bail!("tensor `{name}` holds a non-finite value at flat index {i}");
         }
         let (dtype, bytes) = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
-            (Dtype::F32, bytemuck::cast_slice::<f32, u8>(&t.data).to_vec())
+            (
+                Dtype::F32,
+                bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
+            )
         } else {
             let b: Vec<half::bf16> = t.data.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            (Dtype::BF16, bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec())
+            (
+                Dtype::BF16,
+                bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec(),
+            )
         };
-        tensors.insert(name, OwnedTensor { dtype, shape, bytes });
+        tensors.insert(
+            name,
+            OwnedTensor {
+                dtype,
+                shape,
+                bytes,
+            },
+        );
     }
     if let Some(extra) = given.keys().next() {
         bail!("the source has a tensor the config does not use: `{extra}`");
@@ -100,7 +121,8 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
     let meta: HashMap<String, String> = meta.into_iter().collect();
     let views: Vec<(&str, &OwnedTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create directory", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("{}: cannot create directory", dir.display()))?;
     }
     // serialize_to_file writes a sibling temp file and renames it into place.
     safetensors::serialize_to_file(views, Some(meta), out)

@@ -34,8 +34,15 @@ impl DeviceRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Device {
-    Cpu { threads: usize },
-    Cuda { ordinal: usize, name: String, compute_capability: (i32, i32), memory_bytes: u64 },
+    Cpu {
+        threads: usize,
+    },
+    Cuda {
+        ordinal: usize,
+        name: String,
+        compute_capability: (i32, i32),
+        memory_bytes: u64,
+    },
 }
 
 impl Device {
@@ -65,11 +72,16 @@ impl Device {
                     let note = format!("device auto: using CUDA device 0 ({})", g.name);
                     Ok((cuda_device(g), Some(note)))
                 }
-                Err(why) => Ok((Device::Cpu { threads }, Some(format!("device auto: using the CPU: {why}")))),
+                Err(why) => Ok((
+                    Device::Cpu { threads },
+                    Some(format!("device auto: using the CPU: {why}")),
+                )),
             },
             DeviceRequest::Cuda(n) => match probe(n) {
                 Ok(g) => Ok((cuda_device(g), None)),
-                Err(why) => bail!("--device cuda:{n}: no CUDA backend available ({why}); use --device cpu"),
+                Err(why) => {
+                    bail!("--device cuda:{n}: no CUDA backend available ({why}); use --device cpu")
+                }
             },
         }
     }
@@ -77,8 +89,16 @@ impl Device {
     pub fn describe(&self) -> String {
         match self {
             Device::Cpu { threads } => format!("cpu ({threads} threads)"),
-            Device::Cuda { ordinal, name, compute_capability: (a, b), memory_bytes } => {
-                format!("cuda:{ordinal} ({name}, sm_{a}{b}, {:.1} GiB)", *memory_bytes as f64 / (1u64 << 30) as f64)
+            Device::Cuda {
+                ordinal,
+                name,
+                compute_capability: (a, b),
+                memory_bytes,
+            } => {
+                format!(
+                    "cuda:{ordinal} ({name}, sm_{a}{b}, {:.1} GiB)",
+                    *memory_bytes as f64 / (1u64 << 30) as f64
+                )
             }
         }
     }
@@ -89,7 +109,10 @@ impl Device {
     pub fn class(&self) -> String {
         match self {
             Device::Cpu { .. } => "cpu".to_string(),
-            Device::Cuda { compute_capability: (a, b), .. } => format!("cuda-sm{a}{b}"),
+            Device::Cuda {
+                compute_capability: (a, b),
+                ..
+            } => format!("cuda-sm{a}{b}"),
         }
     }
 }
@@ -121,7 +144,10 @@ mod tests {
         let (d, note) = Device::select_with(DeviceRequest::Auto, 4, none).unwrap();
         assert_eq!(d, Device::Cpu { threads: 4 });
         let note = note.unwrap();
-        assert!(note.contains("using the CPU") && note.contains("libcuda.so"), "{note}");
+        assert!(
+            note.contains("using the CPU") && note.contains("libcuda.so"),
+            "{note}"
+        );
         assert!(!note.contains('\n'));
     }
 
@@ -135,13 +161,17 @@ mod tests {
 
     #[test]
     fn cuda_without_a_device_is_a_one_line_error() {
-        let e = Device::select_with(DeviceRequest::Cuda(0), 4, none).unwrap_err().to_string();
+        let e = Device::select_with(DeviceRequest::Cuda(0), 4, none)
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             e,
             "--device cuda:0: no CUDA backend available (no CUDA driver: libcuda.so could not be loaded); use --device cpu"
         );
         assert!(!e.contains('\n'));
-        let e = Device::select_with(DeviceRequest::Cuda(3), 4, h200).unwrap_err().to_string();
+        let e = Device::select_with(DeviceRequest::Cuda(3), 4, h200)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("CUDA device 3 does not exist"), "{e}");
         let (d, note) = Device::select_with(DeviceRequest::Cuda(0), 4, h200).unwrap();
         assert!(matches!(d, Device::Cuda { ordinal: 0, .. }) && note.is_none());

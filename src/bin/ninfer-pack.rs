@@ -97,13 +97,34 @@ fn pack(src: Result<PackSource>, weights: &str, output: &Path) -> Result<()> {
 
 fn run(args: Args) -> Result<()> {
     match args.cmd {
-        Cmd::Gguf { input, output, weights } => pack(gguf::read_gguf(&input), &weights, &output),
-        Cmd::Hf { input, output, weights, tokenizer } => {
-            pack(hf::read_hf_dir(&input, tokenizer.as_deref()), &weights, &output)
-        }
-        Cmd::Random { output, preset, layers, seed, tokenizer } => {
-            ninfer_perplexity::backend::cuda::random::run_cli(&output, &preset, layers, seed, tokenizer.as_deref())
-        }
+        Cmd::Gguf {
+            input,
+            output,
+            weights,
+        } => pack(gguf::read_gguf(&input), &weights, &output),
+        Cmd::Hf {
+            input,
+            output,
+            weights,
+            tokenizer,
+        } => pack(
+            hf::read_hf_dir(&input, tokenizer.as_deref()),
+            &weights,
+            &output,
+        ),
+        Cmd::Random {
+            output,
+            preset,
+            layers,
+            seed,
+            tokenizer,
+        } => ninfer_perplexity::backend::cuda::random::run_cli(
+            &output,
+            &preset,
+            layers,
+            seed,
+            tokenizer.as_deref(),
+        ),
         Cmd::Inspect { artifact, verify } => {
             let a = Artifact::open(&artifact)?;
             if verify {

@@ -68,14 +68,18 @@ fn sha256_hex(b: &[u8]) -> String {
 impl Manifest {
     /// Parses and validates a manifest; errors name the offending field.
     pub fn parse(text: &str) -> Result<Manifest> {
-        let m: Manifest = serde_json::from_str(text).map_err(|e| anyhow!("invalid manifest: {e}"))?;
+        let m: Manifest =
+            serde_json::from_str(text).map_err(|e| anyhow!("invalid manifest: {e}"))?;
         m.validate()?;
         Ok(m)
     }
 
     pub fn validate(&self) -> Result<()> {
         if self.schema_version != MANIFEST_SCHEMA {
-            bail!("`schema_version` is {}, this build reads {MANIFEST_SCHEMA}", self.schema_version);
+            bail!(
+                "`schema_version` is {}, this build reads {MANIFEST_SCHEMA}",
+                self.schema_version
+            );
         }
         if self.name.trim().is_empty() {
             bail!("`name` is empty");
@@ -101,13 +105,23 @@ impl Manifest {
                 bail!("`streams[{i}].id`: `{}` appears twice", s.id);
             }
             if !domains.contains(s.domain.as_str()) {
-                bail!("`streams[{i}].domain`: unknown domain `{}` for stream `{}`", s.domain, s.id);
+                bail!(
+                    "`streams[{i}].domain`: unknown domain `{}` for stream `{}`",
+                    s.domain,
+                    s.id
+                );
             }
             if s.sha256.len() != 64 || !s.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                bail!("`streams[{i}].sha256` of stream `{}` is not a sha256 hex digest", s.id);
+                bail!(
+                    "`streams[{i}].sha256` of stream `{}` is not a sha256 hex digest",
+                    s.id
+                );
             }
             if s.file.is_empty() || s.file.contains("..") || Path::new(&s.file).is_absolute() {
-                bail!("`streams[{i}].file` of stream `{}` must be a relative file name", s.id);
+                bail!(
+                    "`streams[{i}].file` of stream `{}` must be a relative file name",
+                    s.id
+                );
             }
         }
         Ok(())
@@ -116,21 +130,40 @@ impl Manifest {
 
 impl Corpus {
     pub fn open(manifest_path: &Path, stream_dir: Option<&Path>) -> Result<Corpus> {
-        let bytes = std::fs::read(manifest_path).map_err(|e| anyhow!("{}: cannot read manifest: {e}", manifest_path.display()))?;
-        let text = std::str::from_utf8(&bytes).map_err(|_| anyhow!("{}: manifest is not UTF-8", manifest_path.display()))?;
-        let manifest = Manifest::parse(text).with_context(|| manifest_path.display().to_string())?;
+        let bytes = std::fs::read(manifest_path)
+            .map_err(|e| anyhow!("{}: cannot read manifest: {e}", manifest_path.display()))?;
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|_| anyhow!("{}: manifest is not UTF-8", manifest_path.display()))?;
+        let manifest =
+            Manifest::parse(text).with_context(|| manifest_path.display().to_string())?;
         let stream_dir = match stream_dir {
             Some(d) => d.to_path_buf(),
-            None => manifest_path.parent().unwrap_or(Path::new(".")).join("streams"),
+            None => manifest_path
+                .parent()
+                .unwrap_or(Path::new("."))
+                .join("streams"),
         };
-        Ok(Corpus { manifest_path: manifest_path.to_path_buf(), manifest_sha256: sha256_hex(&bytes), manifest, stream_dir })
+        Ok(Corpus {
+            manifest_path: manifest_path.to_path_buf(),
+            manifest_sha256: sha256_hex(&bytes),
+            manifest,
+            stream_dir,
+        })
     }
 
     /// The selected streams: all, the quick ones, or the named ones.
     pub fn select(&self, quick: bool, only: &[String]) -> Result<Vec<&StreamEntry>> {
-        let mut out: Vec<&StreamEntry> = self.manifest.streams.iter().filter(|s| !quick || s.quick).collect();
+        let mut out: Vec<&StreamEntry> = self
+            .manifest
+            .streams
+            .iter()
+            .filter(|s| !quick || s.quick)
+            .collect();
         if quick && out.is_empty() {
-            bail!("{}: --quick selects nothing: no stream is marked quick", self.manifest_path.display());
+            bail!(
+                "{}: --quick selects nothing: no stream is marked quick",
+                self.manifest_path.display()
+            );
         }
         if !only.is_empty() {
             for id in only {
@@ -140,7 +173,10 @@ impl Corpus {
             }
             out.retain(|s| only.contains(&s.id));
             if out.is_empty() {
-                bail!("{}: the --stream selection and --quick leave no stream", self.manifest_path.display());
+                bail!(
+                    "{}: the --stream selection and --quick leave no stream",
+                    self.manifest_path.display()
+                );
             }
         }
         Ok(out)
@@ -151,7 +187,11 @@ impl Corpus {
         let path = self.stream_dir.join(&s.file);
         let rebuild = "build it with `python3 eval/corpora/perplexity-1m/build.py`";
         let bytes = std::fs::read(&path).map_err(|e| {
-            anyhow!("stream `{}`: cannot read {}: {e}; {rebuild}", s.id, path.display())
+            anyhow!(
+                "stream `{}`: cannot read {}: {e}; {rebuild}",
+                s.id,
+                path.display()
+            )
         })?;
         let sha = sha256_hex(&bytes);
         if sha != s.sha256 || bytes.len() as u64 != s.bytes {
@@ -164,8 +204,15 @@ impl Corpus {
                 s.bytes
             );
         }
-        let text = decode_utf8(bytes).map_err(|e| anyhow!("stream `{}`: {}: {e}", s.id, path.display()))?;
-        Ok(LoadedStream { id: s.id.clone(), domain: s.domain.clone(), path, sha256: sha, text })
+        let text = decode_utf8(bytes)
+            .map_err(|e| anyhow!("stream `{}`: {}: {e}", s.id, path.display()))?;
+        Ok(LoadedStream {
+            id: s.id.clone(),
+            domain: s.domain.clone(),
+            path,
+            sha256: sha,
+            text,
+        })
     }
 }
 
@@ -179,14 +226,24 @@ pub fn decode_utf8(bytes: Vec<u8>) -> Result<String> {
 
 /// Reads a `--text` file as one stream.
 pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
-    let bytes = std::fs::read(path).map_err(|e| anyhow!("{}: cannot read text: {e}", path.display()))?;
+    let bytes =
+        std::fs::read(path).map_err(|e| anyhow!("{}: cannot read text: {e}", path.display()))?;
     if bytes.is_empty() {
         bail!("{}: text file is empty", path.display());
     }
     let sha256 = sha256_hex(&bytes);
     let text = decode_utf8(bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let id = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "text".into());
-    Ok(LoadedStream { id, domain: "text".into(), path: path.to_path_buf(), sha256, text })
+    let id = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "text".into());
+    Ok(LoadedStream {
+        id,
+        domain: "text".into(),
+        path: path.to_path_buf(),
+        sha256,
+        text,
+    })
 }
 
 #[cfg(test)]
@@ -202,16 +259,25 @@ mod tests {
 
     #[test]
     fn valid_manifest_parses() {
-        let s = format!(r#"{{"id":"a-1","domain":"a","title":"x","quick":true,"file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#);
+        let s = format!(
+            r#"{{"id":"a-1","domain":"a","title":"x","quick":true,"file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#
+        );
         let m = Manifest::parse(&manifest(&s)).unwrap();
         assert_eq!(m.streams.len(), 1);
     }
 
     #[test]
     fn errors_name_the_field() {
-        let bad_domain = format!(r#"{{"id":"a-1","domain":"zz","title":"x","file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#);
-        let e = Manifest::parse(&manifest(&bad_domain)).unwrap_err().to_string();
-        assert!(e.contains("unknown domain `zz`") && e.contains("streams[0].domain"), "{e}");
+        let bad_domain = format!(
+            r#"{{"id":"a-1","domain":"zz","title":"x","file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#
+        );
+        let e = Manifest::parse(&manifest(&bad_domain))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown domain `zz`") && e.contains("streams[0].domain"),
+            "{e}"
+        );
         let dup = format!(
             r#"{{"id":"a","domain":"a","title":"x","file":"a.txt","bytes":3,"sha256":"{SHA}"}},{{"id":"a","domain":"b","title":"y","file":"b.txt","bytes":3,"sha256":"{SHA}"}}"#
         );
@@ -220,14 +286,17 @@ mod tests {
         let missing = r#"{"id":"a","domain":"a","title":"x","file":"a.txt","sha256":"00"}"#;
         let e = Manifest::parse(&manifest(missing)).unwrap_err().to_string();
         assert!(e.contains("bytes"), "{e}");
-        let badsha = r#"{"id":"a","domain":"a","title":"x","file":"a.txt","bytes":1,"sha256":"00"}"#;
+        let badsha =
+            r#"{"id":"a","domain":"a","title":"x","file":"a.txt","bytes":1,"sha256":"00"}"#;
         let e = Manifest::parse(&manifest(badsha)).unwrap_err().to_string();
         assert!(e.contains("streams[0].sha256"), "{e}");
     }
 
     #[test]
     fn invalid_utf8_reports_offset() {
-        let e = decode_utf8(vec![b'a', b'b', 0xff, b'c']).unwrap_err().to_string();
+        let e = decode_utf8(vec![b'a', b'b', 0xff, b'c'])
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "invalid UTF-8 at byte offset 2");
     }
 }

@@ -29,7 +29,12 @@ pub enum ForwardError {
     #[error("token id {id} at window position {pos} is outside the vocabulary ({vocab})")]
     TokenOutOfRange { id: u32, pos: usize, vocab: usize },
     #[error("non-finite {which} value at layer {layer}, window position {pos}, KV head {head}")]
-    NonFiniteKv { which: &'static str, layer: usize, pos: usize, head: usize },
+    NonFiniteKv {
+        which: &'static str,
+        layer: usize,
+        pos: usize,
+        head: usize,
+    },
 }
 
 pub struct CpuModel {
@@ -62,8 +67,17 @@ impl Fault {
 
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: Weights) -> CpuModel {
-        let inv_freq = inv_freq(config.head_dim, config.rope_theta, config.rope_scaling.as_ref());
-        CpuModel { config, weights, inv_freq, fault: Fault::from_env() }
+        let inv_freq = inv_freq(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling.as_ref(),
+        );
+        CpuModel {
+            config,
+            weights,
+            inv_freq,
+            fault: Fault::from_env(),
+        }
     }
 
     /// Log-probabilities of `tokens[first_target..]`, each given all earlier tokens of the
@@ -76,7 +90,10 @@ impl CpuModel {
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let t_len = tokens.len();
-        assert!(first_target >= 1 && first_target <= t_len, "first_target out of range");
+        assert!(
+            first_target >= 1 && first_target <= t_len,
+            "first_target out of range"
+        );
         let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
         let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
         let eps = c.rms_norm_eps;
@@ -87,7 +104,11 @@ impl CpuModel {
         for (pos, (&id, row)) in tokens.iter().zip(x.chunks_mut(d)).enumerate() {
             let id_us = id as usize;
             if id_us >= c.vocab_size {
-                return Err(ForwardError::TokenOutOfRange { id, pos, vocab: c.vocab_size });
+                return Err(ForwardError::TokenOutOfRange {
+                    id,
+                    pos,
+                    vocab: c.vocab_size,
+                });
             }
             row.copy_from_slice(&w.embed[id_us * d..(id_us + 1) * d]);
         }
@@ -101,14 +122,20 @@ impl CpuModel {
         let mut attn = vec![0.0f32; t_len * qd];
         let mut gu = vec![0.0f32; t_len * 2 * f];
         let mut act = vec![0.0f32; t_len * f];
-        let shape = AttnShape { tokens: t_len, q_heads: hq, kv_heads: hkv, head_dim: hd };
+        let shape = AttnShape {
+            tokens: t_len,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: hd,
+        };
 
         for (li, l) in w.layers.iter().enumerate() {
             // Attention block.
             rms_norm(&x, &l.attn_norm, eps, &mut h);
             matmul_wt(&h, t_len, d, &l.wqkv, qkv_w, &mut qkv, false);
             if let Some(b) = &l.bqkv {
-                qkv.par_chunks_mut(qkv_w).for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+                qkv.par_chunks_mut(qkv_w)
+                    .for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
             }
             // Split qkv[T, q+2kv] into q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D].
             for t in 0..t_len {
@@ -125,7 +152,11 @@ impl CpuModel {
             if li == 0 && self.fault == Some(Fault::RopeShift) {
                 // Test-only fault: layer 0's keys rotated for position t + 1.
                 let t = RopeTable::new(&self.inv_freq, t_len + 1);
-                let shifted = RopeTable { half: t.half, cos: t.cos[t.half..].to_vec(), sin: t.sin[t.half..].to_vec() };
+                let shifted = RopeTable {
+                    half: t.half,
+                    cos: t.cos[t.half..].to_vec(),
+                    sin: t.sin[t.half..].to_vec(),
+                };
                 shifted.apply(&mut k, hkv);
             } else {
                 rope.apply(&mut k, hkv);
@@ -154,7 +185,14 @@ impl CpuModel {
             rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, eps, o);
         });
         let mut out = vec![0.0f32; rows];
-        head::logprobs(&hn, d, w.head(), c.vocab_size, &tokens[first_target..], &mut out);
+        head::logprobs(
+            &hn,
+            d,
+            w.head(),
+            c.vocab_size,
+            &tokens[first_target..],
+            &mut out,
+        );
         Ok(out)
     }
 }
@@ -171,7 +209,12 @@ fn store_kv(
 ) -> Result<(), ForwardError> {
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
         let vec_idx = i / hd;
-        return Err(ForwardError::NonFiniteKv { which, layer, pos: vec_idx / hkv, head: vec_idx % hkv });
+        return Err(ForwardError::NonFiniteKv {
+            which,
+            layer,
+            pos: vec_idx / hkv,
+            head: vec_idx % hkv,
+        });
     }
     let is_key = which == "key";
     x.par_chunks_mut(hd).for_each(|vec| {
@@ -194,8 +237,19 @@ mod tests {
         let mut x = vec![0.5f32; 3 * 2 * 4];
         x[(2 * 2 + 1) * 4 + 3] = f32::NAN;
         let e = store_kv(&mut x, 2, 4, KvDtype::Int8, 7, "key").unwrap_err();
-        assert_eq!(e, ForwardError::NonFiniteKv { which: "key", layer: 7, pos: 2, head: 1 });
-        assert_eq!(e.to_string(), "non-finite key value at layer 7, window position 2, KV head 1");
+        assert_eq!(
+            e,
+            ForwardError::NonFiniteKv {
+                which: "key",
+                layer: 7,
+                pos: 2,
+                head: 1
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "non-finite key value at layer 7, window position 2, KV head 1"
+        );
         let mut y = vec![1.0f32; 8];
         y[0] = f32::INFINITY;
         assert!(store_kv(&mut y, 1, 8, KvDtype::Nvfp4, 0, "value").is_err());

@@ -20,7 +20,7 @@ pub struct LayerWeights {
 }
 
 pub struct Weights {
-    pub embed: Vec<f32>,           // [vocab, d]
+    pub embed: Vec<f32>, // [vocab, d]
     pub layers: Vec<LayerWeights>,
     pub final_norm: Vec<f32>,      // [d]
     pub lm_head: Option<Vec<f32>>, // [vocab, d] when untied
@@ -72,10 +72,29 @@ impl Weights {
             let mut wgu = get(&format!("{p}.mlp.gate_proj.weight"))?;
             wgu.extend(get(&format!("{p}.mlp.up_proj.weight"))?);
             let wdown = get(&format!("{p}.mlp.down_proj.weight"))?;
-            layers.push(LayerWeights { attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown });
+            layers.push(LayerWeights {
+                attn_norm,
+                wqkv,
+                bqkv,
+                q_norm,
+                k_norm,
+                wo,
+                mlp_norm,
+                wgu,
+                wdown,
+            });
         }
         let final_norm = get("model.norm.weight")?;
-        let lm_head = if c.tie_word_embeddings { None } else { Some(get("lm_head.weight")?) };
-        Ok(Weights { embed, layers, final_norm, lm_head })
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight")?)
+        };
+        Ok(Weights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
     }
 }

@@ -18,20 +18,30 @@ use std::path::{Path, PathBuf};
 /// sha256 and size of a file, for provenance.
 pub fn source_file(path: &Path) -> Result<SourceFile> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
     loop {
-        let n = f.read(&mut buf).with_context(|| format!("{}: read failed", path.display()))?;
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("{}: read failed", path.display()))?;
         if n == 0 {
             break;
         }
         bytes += n as u64;
         h.update(&buf[..n]);
     }
-    let name = path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    Ok(SourceFile { path: name, sha256: hex::encode(h.finalize()), bytes })
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(SourceFile {
+        path: name,
+        sha256: hex::encode(h.finalize()),
+        bytes,
+    })
 }
 
 fn get_usize(c: &Value, key: &str) -> Result<Option<usize>> {
@@ -51,7 +61,10 @@ fn need_usize(c: &Value, key: &str) -> Result<usize> {
 fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| anyhow!("config.json: `{key}` must be a number")),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| anyhow!("config.json: `{key}` must be a number")),
     }
 }
 
@@ -91,33 +104,47 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
     // transformers 5 moves RoPE settings under `rope_parameters`; 4.x keeps them at top level.
     let rope = c.get("rope_parameters").filter(|v| v.is_object());
     let rope_theta = get_f64(c, "rope_theta")?
-        .or(rope.and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()))
+        .or(rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|v| v.as_f64()))
         .unwrap_or(10000.0);
     let scaling_v = c.get("rope_scaling").filter(|v| !v.is_null()).or(rope);
     let rope_scaling = match scaling_v {
         None => None,
         Some(s) => {
-            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+            let kind = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("default");
             match kind {
                 "default" => None,
                 "llama3" => {
                     let f = |k: &str| {
-                        s.get(k).and_then(|v| v.as_f64()).ok_or_else(|| anyhow!("config.json: rope scaling `{k}` is missing"))
+                        s.get(k)
+                            .and_then(|v| v.as_f64())
+                            .ok_or_else(|| anyhow!("config.json: rope scaling `{k}` is missing"))
                     };
                     Some(RopeScaling {
                         factor: f("factor")?,
                         low_freq_factor: f("low_freq_factor")?,
                         high_freq_factor: f("high_freq_factor")?,
-                        original_max_position_embeddings: f("original_max_position_embeddings")? as u64,
+                        original_max_position_embeddings: f("original_max_position_embeddings")?
+                            as u64,
                     })
                 }
-                other => bail!("config.json: unsupported RoPE scaling `{other}` (supported: default, llama3)"),
+                other => bail!(
+                    "config.json: unsupported RoPE scaling `{other}` (supported: default, llama3)"
+                ),
             }
         }
     };
     let attention_bias = match family {
         Family::Qwen2 => true,
-        _ => c.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
+        _ => c
+            .get("attention_bias")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
     };
     let cfg = ModelConfig {
         family,
@@ -132,7 +159,10 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
         rope_theta,
         rope_scaling,
         max_position_embeddings: get_usize(c, "max_position_embeddings")?.unwrap_or(2048),
-        tie_word_embeddings: c.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        tie_word_embeddings: c
+            .get("tie_word_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
         attention_bias,
         qk_norm: family == Family::Qwen3,
         bos_token_id: first_id(c.get("bos_token_id")),
@@ -144,7 +174,10 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
 
 fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
         Dtype::BF16 => bytes
             .chunks_exact(2)
             .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
@@ -163,15 +196,23 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         bail!("{}: not a directory", dir.display());
     }
     let cfg_path = dir.join("config.json");
-    let cfg_text = std::fs::read_to_string(&cfg_path).with_context(|| format!("{}: cannot read", cfg_path.display()))?;
-    let cfg_json: Value =
-        serde_json::from_str(&cfg_text).with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+    let cfg_text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("{}: cannot read", cfg_path.display()))?;
+    let cfg_json: Value = serde_json::from_str(&cfg_text)
+        .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
     let config = parse_config(&cfg_json).with_context(|| dir.display().to_string())?;
 
-    let tok_path: PathBuf = tokenizer.map(Path::to_path_buf).unwrap_or_else(|| dir.join("tokenizer.json"));
-    let tokenizer_json = std::fs::read_to_string(&tok_path)
-        .with_context(|| format!("{}: cannot read tokenizer (pass --tokenizer FILE if it lives elsewhere)", tok_path.display()))?;
-    crate::tokenizer::Tokenizer::from_json(&tokenizer_json).with_context(|| tok_path.display().to_string())?;
+    let tok_path: PathBuf = tokenizer
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| dir.join("tokenizer.json"));
+    let tokenizer_json = std::fs::read_to_string(&tok_path).with_context(|| {
+        format!(
+            "{}: cannot read tokenizer (pass --tokenizer FILE if it lives elsewhere)",
+            tok_path.display()
+        )
+    })?;
+    crate::tokenizer::Tokenizer::from_json(&tokenizer_json)
+        .with_context(|| tok_path.display().to_string())?;
 
     let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("{}: cannot list", dir.display()))?
@@ -187,10 +228,13 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     let mut source_dtypes = BTreeMap::new();
     for shard in &shards {
         source_files.push(source_file(shard)?);
-        let file = std::fs::File::open(shard).with_context(|| format!("{}: cannot open", shard.display()))?;
+        let file = std::fs::File::open(shard)
+            .with_context(|| format!("{}: cannot open", shard.display()))?;
         // SAFETY: read-only mapping of a file this process does not modify.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", shard.display()))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| anyhow!("{}: invalid safetensors: {e}", shard.display()))?;
+        let mmap = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("{}: cannot map", shard.display()))?;
+        let st = SafeTensors::deserialize(&mmap)
+            .map_err(|e| anyhow!("{}: invalid safetensors: {e}", shard.display()))?;
         for (name, view) in st.tensors() {
             if config.tie_word_embeddings && name == "lm_head.weight" {
                 continue; // a tied head saved twice
@@ -198,11 +242,21 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
             if name.ends_with("rotary_emb.inv_freq") {
                 continue; // a buffer some exporters save; recomputed from the config
             }
-            *source_dtypes.entry(format!("{:?}", view.dtype())).or_insert(0) += 1;
+            *source_dtypes
+                .entry(format!("{:?}", view.dtype()))
+                .or_insert(0) += 1;
             let data = widen(view.dtype(), view.data()).ok_or_else(|| {
-                anyhow!("{}: tensor `{name}` has unsupported dtype {:?} (supported: F32, F16, BF16)", shard.display(), view.dtype())
+                anyhow!(
+                    "{}: tensor `{name}` has unsupported dtype {:?} (supported: F32, F16, BF16)",
+                    shard.display(),
+                    view.dtype()
+                )
             })?;
-            tensors.push(SourceTensor { name, shape: view.shape().to_vec(), data });
+            tensors.push(SourceTensor {
+                name,
+                shape: view.shape().to_vec(),
+                data,
+            });
         }
     }
     tensors.sort_by(|a, b| a.name.cmp(&b.name));

@@ -115,7 +115,11 @@ impl Totals {
     }
 
     pub fn sum(&self) -> NllSum {
-        NllSum { scored: self.scored, nll_sum: self.nll_sum, nll_sq_sum: self.nll_sq_sum }
+        NllSum {
+            scored: self.scored,
+            nll_sum: self.nll_sum,
+            nll_sq_sum: self.nll_sq_sum,
+        }
     }
 }
 
@@ -163,7 +167,11 @@ pub struct Throughput {
 }
 
 /// Token-weighted aggregation of streams into one row.
-pub fn aggregate<'a>(id: &str, title: &str, streams: impl Iterator<Item = &'a StreamReport>) -> Aggregate {
+pub fn aggregate<'a>(
+    id: &str,
+    title: &str,
+    streams: impl Iterator<Item = &'a StreamReport>,
+) -> Aggregate {
     let mut s = NllSum::default();
     let (mut n, mut bytes, mut input) = (0usize, 0u64, 0usize);
     for st in streams {
@@ -172,7 +180,13 @@ pub fn aggregate<'a>(id: &str, title: &str, streams: impl Iterator<Item = &'a St
         input += st.input_tokens;
         n += 1;
     }
-    Aggregate { id: id.into(), title: title.into(), streams: n, input_tokens: input, totals: Totals::new(&s, bytes) }
+    Aggregate {
+        id: id.into(),
+        title: title.into(),
+        streams: n,
+        input_tokens: input,
+        totals: Totals::new(&s, bytes),
+    }
 }
 
 /// Peak resident set size of this process (Linux), if known.

@@ -13,21 +13,35 @@ pub fn check_output_dir(dir: &Path) -> Result<()> {
     match std::fs::metadata(dir) {
         Ok(m) if !m.is_dir() => bail!("{}: --output exists and is not a directory", dir.display()),
         Ok(_) => {
-            let mut it = std::fs::read_dir(dir).with_context(|| format!("{}: cannot read --output directory", dir.display()))?;
+            let mut it = std::fs::read_dir(dir)
+                .with_context(|| format!("{}: cannot read --output directory", dir.display()))?;
             if it.next().is_some() {
-                bail!("{}: --output directory is not empty (give an empty or new directory)", dir.display());
+                bail!(
+                    "{}: --output directory is not empty (give an empty or new directory)",
+                    dir.display()
+                );
             }
             probe_writable(dir)
         }
         Err(_) => {
             let mut anc = dir.parent();
             while let Some(a) = anc {
-                let a = if a.as_os_str().is_empty() { Path::new(".") } else { a };
+                let a = if a.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    a
+                };
                 if a.exists() {
                     if !a.is_dir() {
-                        bail!("{}: cannot create --output directory: {} is not a directory", dir.display(), a.display());
+                        bail!(
+                            "{}: cannot create --output directory: {} is not a directory",
+                            dir.display(),
+                            a.display()
+                        );
                     }
-                    return probe_writable(a).with_context(|| format!("{}: cannot create --output directory", dir.display()));
+                    return probe_writable(a).with_context(|| {
+                        format!("{}: cannot create --output directory", dir.display())
+                    });
                 }
                 anc = a.parent();
             }
@@ -46,7 +60,8 @@ fn probe_writable(dir: &Path) -> Result<()> {
 
 /// Writes `json` as `dir/report.json` atomically; returns the path.
 pub fn write_report(dir: &Path, json: &str) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create output directory", dir.display()))?;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("{}: cannot create output directory", dir.display()))?;
     let path = dir.join("report.json");
     let mut tmp = tempfile::Builder::new()
         .prefix(".report.json.")
@@ -56,7 +71,8 @@ pub fn write_report(dir: &Path, json: &str) -> Result<PathBuf> {
     tmp.write_all(json.as_bytes())
         .and_then(|_| tmp.as_file().sync_all())
         .with_context(|| format!("{}: cannot write report", path.display()))?;
-    tmp.persist(&path).with_context(|| format!("{}: cannot move report into place", path.display()))?;
+    tmp.persist(&path)
+        .with_context(|| format!("{}: cannot move report into place", path.display()))?;
     Ok(path)
 }
 
@@ -95,7 +111,10 @@ mod tests {
         let dir = root.path().join("out");
         let p = write_report(&dir, "{}").unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "{}");
-        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("report.json")]);
     }
 }

@@ -128,7 +128,11 @@ mod tests {
 
     #[test]
     fn bits_per_byte() {
-        let s = NllSum { scored: 2, nll_sum: 2.0 * std::f64::consts::LN_2, nll_sq_sum: 0.0 };
+        let s = NllSum {
+            scored: 2,
+            nll_sum: 2.0 * std::f64::consts::LN_2,
+            nll_sq_sum: 0.0,
+        };
         assert_relative_eq!(s.bits_per_byte(4), 0.5);
     }
 }

@@ -68,12 +68,20 @@ pub fn windows(n: usize, p: Protocol) -> Result<Vec<Window>, ProtocolError> {
         return Err(ProtocolError::TooFewTokens { tokens: n });
     }
     let first_end = p.context.min(n);
-    let mut out = vec![Window { begin: 0, start: 1, end: first_end }];
+    let mut out = vec![Window {
+        begin: 0,
+        start: 1,
+        end: first_end,
+    }];
     let mut s = first_end;
     while s < n {
         let end = (s + p.stride).min(n);
         let begin = s.saturating_sub(p.context - p.stride);
-        out.push(Window { begin, start: s, end });
+        out.push(Window {
+            begin,
+            start: s,
+            end,
+        });
         s = end;
     }
     Ok(out)
@@ -108,8 +116,22 @@ mod tests {
     #[test]
     fn short_stream_is_one_window() {
         let p = Protocol::new(8, 4).unwrap();
-        assert_eq!(windows(5, p).unwrap(), vec![Window { begin: 0, start: 1, end: 5 }]);
-        assert_eq!(windows(8, p).unwrap(), vec![Window { begin: 0, start: 1, end: 8 }]);
+        assert_eq!(
+            windows(5, p).unwrap(),
+            vec![Window {
+                begin: 0,
+                start: 1,
+                end: 5
+            }]
+        );
+        assert_eq!(
+            windows(8, p).unwrap(),
+            vec![Window {
+                begin: 0,
+                start: 1,
+                end: 8
+            }]
+        );
     }
 
     #[test]
@@ -117,7 +139,18 @@ mod tests {
         let p = Protocol::new(8, 4).unwrap();
         assert_eq!(
             windows(9, p).unwrap(),
-            vec![Window { begin: 0, start: 1, end: 8 }, Window { begin: 4, start: 8, end: 9 }]
+            vec![
+                Window {
+                    begin: 0,
+                    start: 1,
+                    end: 8
+                },
+                Window {
+                    begin: 4,
+                    start: 8,
+                    end: 9
+                }
+            ]
         );
     }
 
@@ -125,12 +158,33 @@ mod tests {
     fn stride_one_and_stride_c_minus_one() {
         let p = Protocol::new(4, 1).unwrap();
         let ws = windows(7, p).unwrap();
-        assert_eq!(ws[1], Window { begin: 1, start: 4, end: 5 });
+        assert_eq!(
+            ws[1],
+            Window {
+                begin: 1,
+                start: 4,
+                end: 5
+            }
+        );
         assert_eq!(ws.len(), 4);
         let p = Protocol::new(4, 3).unwrap();
         let ws = windows(11, p).unwrap();
-        assert_eq!(ws[1], Window { begin: 3, start: 4, end: 7 });
-        assert_eq!(ws.last().unwrap(), &Window { begin: 9, start: 10, end: 11 });
+        assert_eq!(
+            ws[1],
+            Window {
+                begin: 3,
+                start: 4,
+                end: 7
+            }
+        );
+        assert_eq!(
+            ws.last().unwrap(),
+            &Window {
+                begin: 9,
+                start: 10,
+                end: 11
+            }
+        );
     }
 
     #[test]
@@ -138,22 +192,41 @@ mod tests {
         let p = Protocol::new(64, 32).unwrap();
         let ws = windows(100, p).unwrap();
         assert_eq!(ws.len(), 3);
-        assert_eq!(ws[2], Window { begin: 64, start: 96, end: 100 });
+        assert_eq!(
+            ws[2],
+            Window {
+                begin: 64,
+                start: 96,
+                end: 100
+            }
+        );
         check(100, p);
     }
 
     #[test]
     fn invalid_protocols_and_streams_are_errors() {
-        assert_eq!(Protocol::new(8, 0), Err(ProtocolError::ZeroStride { stride: 0 }));
+        assert_eq!(
+            Protocol::new(8, 0),
+            Err(ProtocolError::ZeroStride { stride: 0 })
+        );
         assert_eq!(
             Protocol::new(8, 8),
-            Err(ProtocolError::StrideNotBelowContext { context: 8, stride: 8 })
+            Err(ProtocolError::StrideNotBelowContext {
+                context: 8,
+                stride: 8
+            })
         );
         assert!(Protocol::new(1, 1).is_err(), "C < 2 leaves no valid stride");
         assert!(Protocol::new(0, 0).is_err());
         let p = Protocol::new(8, 4).unwrap();
-        assert_eq!(windows(1, p), Err(ProtocolError::TooFewTokens { tokens: 1 }));
-        assert_eq!(windows(0, p), Err(ProtocolError::TooFewTokens { tokens: 0 }));
+        assert_eq!(
+            windows(1, p),
+            Err(ProtocolError::TooFewTokens { tokens: 1 })
+        );
+        assert_eq!(
+            windows(0, p),
+            Err(ProtocolError::TooFewTokens { tokens: 0 })
+        );
         assert!(windows(2, p).is_ok());
     }
 

@@ -89,31 +89,50 @@ impl Record {
             device_class: &self.device_class,
             kv_dtype: &self.kv_dtype,
             stream: &self.stream,
-            protocol: BodyProtocol { context: self.context, stride: self.stride, max_tokens: self.max_tokens },
+            protocol: BodyProtocol {
+                context: self.context,
+                stride: self.stride,
+                max_tokens: self.max_tokens,
+            },
             identity: BodyIdentity {
                 corpus: &self.corpus,
                 stream_sha256: &self.stream_sha256,
                 tokenizer_sha256: &self.tokenizer_sha256,
             },
-            tokens: BodyTokens { stream: self.stream_tokens, input: self.input_tokens, scored: self.scored_tokens },
-            nll: BodyNll { mean_nll: self.mean_nll, ppl: self.ppl, nll_sum: self.nll_sum },
+            tokens: BodyTokens {
+                stream: self.stream_tokens,
+                input: self.input_tokens,
+                scored: self.scored_tokens,
+            },
+            nll: BodyNll {
+                mean_nll: self.mean_nll,
+                ppl: self.ppl,
+                nll_sum: self.nll_sum,
+            },
         };
         serde_json::to_string_pretty(&b).expect("a baseline body always serializes")
     }
 
     /// Parses a body; an error names the field (`tokens.scored`).
     pub fn parse(body: &str) -> Result<Record, String> {
-        let v: Value = serde_json::from_str(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+        let v: Value =
+            serde_json::from_str(body).map_err(|e| format!("the body is not JSON: {e}"))?;
         if !v.is_object() {
             return Err("the body must be a JSON object".into());
         }
         let schema = uint(&v, "schema")?;
         if schema != SCHEMA {
-            return Err(format!("field `schema`: version {schema} is not supported (this harness writes {SCHEMA})"));
+            return Err(format!(
+                "field `schema`: version {schema} is not supported (this harness writes {SCHEMA})"
+            ));
         }
         let max_tokens = match field(&v, "protocol.max_tokens")? {
             Value::Null => None,
-            x => Some(x.as_u64().ok_or_else(|| bad("protocol.max_tokens", "a whole number or null", x))? as usize),
+            x => Some(
+                x.as_u64()
+                    .ok_or_else(|| bad("protocol.max_tokens", "a whole number or null", x))?
+                    as usize,
+            ),
         };
         Ok(Record {
             artifact: string(&v, "artifact")?,
@@ -137,14 +156,19 @@ impl Record {
 
     /// The trial's name as the harness lists it.
     pub fn subject(&self) -> String {
-        format!("{}/{}/{} on {}", self.artifact, self.stream, self.kv_dtype, self.device_class)
+        format!(
+            "{}/{}/{} on {}",
+            self.artifact, self.stream, self.kv_dtype, self.device_class
+        )
     }
 }
 
 fn field<'a>(v: &'a Value, path: &str) -> Result<&'a Value, String> {
     let mut cur = v;
     for part in path.split('.') {
-        cur = cur.get(part).ok_or_else(|| format!("missing field `{path}`"))?;
+        cur = cur
+            .get(part)
+            .ok_or_else(|| format!("missing field `{path}`"))?;
     }
     Ok(cur)
 }
@@ -155,7 +179,9 @@ fn bad(path: &str, expected: &str, found: &Value) -> String {
 
 fn string(v: &Value, path: &str) -> Result<String, String> {
     let x = field(v, path)?;
-    x.as_str().map(str::to_string).ok_or_else(|| bad(path, "a string", x))
+    x.as_str()
+        .map(str::to_string)
+        .ok_or_else(|| bad(path, "a string", x))
 }
 
 fn uint(v: &Value, path: &str) -> Result<u64, String> {
@@ -194,7 +220,11 @@ impl Verdict {
 }
 
 fn diffs(pairs: &[(&str, String, String)]) -> Vec<String> {
-    pairs.iter().filter(|(_, a, b)| a != b).map(|(n, a, b)| format!("{n}: {a} -> {b}")).collect()
+    pairs
+        .iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(n, a, b)| format!("{n}: {a} -> {b}"))
+        .collect()
 }
 
 /// Compares `new` with the baseline `old`.
@@ -203,7 +233,11 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
         ("artifact", old.artifact.clone(), new.artifact.clone()),
         ("stream", old.stream.clone(), new.stream.clone()),
         ("kv_dtype", old.kv_dtype.clone(), new.kv_dtype.clone()),
-        ("device_class", old.device_class.clone(), new.device_class.clone()),
+        (
+            "device_class",
+            old.device_class.clone(),
+            new.device_class.clone(),
+        ),
     ]);
     if !subject.is_empty() {
         return Verdict::WrongSubject(subject);
@@ -218,12 +252,32 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
         return Verdict::ProtocolChanged(protocol);
     }
     let tokens = diffs(&[
-        ("stream tokens", old.stream_tokens.to_string(), new.stream_tokens.to_string()),
-        ("input tokens", old.input_tokens.to_string(), new.input_tokens.to_string()),
-        ("scored tokens", old.scored_tokens.to_string(), new.scored_tokens.to_string()),
+        (
+            "stream tokens",
+            old.stream_tokens.to_string(),
+            new.stream_tokens.to_string(),
+        ),
+        (
+            "input tokens",
+            old.input_tokens.to_string(),
+            new.input_tokens.to_string(),
+        ),
+        (
+            "scored tokens",
+            old.scored_tokens.to_string(),
+            new.scored_tokens.to_string(),
+        ),
         ("corpus", old.corpus.clone(), new.corpus.clone()),
-        ("stream sha256", old.stream_sha256.clone(), new.stream_sha256.clone()),
-        ("tokenizer sha256", old.tokenizer_sha256.clone(), new.tokenizer_sha256.clone()),
+        (
+            "stream sha256",
+            old.stream_sha256.clone(),
+            new.stream_sha256.clone(),
+        ),
+        (
+            "tokenizer sha256",
+            old.tokenizer_sha256.clone(),
+            new.tokenizer_sha256.clone(),
+        ),
     ]);
     if !tokens.is_empty() {
         return Verdict::TokensChanged(tokens);
@@ -260,7 +314,9 @@ impl insta::Comparator for TolerantComparator {
     }
 
     fn dyn_clone(&self) -> Box<dyn insta::Comparator> {
-        Box::new(TolerantComparator { tolerance: self.tolerance })
+        Box::new(TolerantComparator {
+            tolerance: self.tolerance,
+        })
     }
 }
 
@@ -275,7 +331,11 @@ pub struct Location {
 impl Location {
     pub fn new(root: &Path, r: &Record) -> Location {
         Location {
-            dir: root.join("baselines").join(&r.artifact).join(&r.device_class).join(&r.kv_dtype),
+            dir: root
+                .join("baselines")
+                .join(&r.artifact)
+                .join(&r.device_class)
+                .join(&r.kv_dtype),
             name: r.stream.clone(),
         }
     }
@@ -293,16 +353,30 @@ pub fn load(loc: &Location, root: &Path) -> Result<Option<Record>, String> {
     if !path.exists() {
         return Ok(None);
     }
-    let shown = path.strip_prefix(root).unwrap_or(&path).display().to_string();
-    let snap = insta::Snapshot::from_file(&path).map_err(|e| format!("{shown}: not a readable insta snapshot: {e}"))?;
-    let body = body_of(&snap).ok_or_else(|| format!("{shown}: a binary snapshot, expected a text baseline"))?;
-    Record::parse(&body).map(Some).map_err(|e| format!("{shown}: {e}"))
+    let shown = path
+        .strip_prefix(root)
+        .unwrap_or(&path)
+        .display()
+        .to_string();
+    let snap = insta::Snapshot::from_file(&path)
+        .map_err(|e| format!("{shown}: not a readable insta snapshot: {e}"))?;
+    let body = body_of(&snap)
+        .ok_or_else(|| format!("{shown}: a binary snapshot, expected a text baseline"))?;
+    Record::parse(&body)
+        .map(Some)
+        .map_err(|e| format!("{shown}: {e}"))
 }
 
 /// Runs insta's file-snapshot assertion for `new` with the tolerant comparator. Returns
 /// whether insta accepted it; when not, insta has written the pending `.snap.new` (unless
 /// `CI=true` or `INSTA_UPDATE=no`) and printed its diff.
-pub fn assert_with_insta(loc: &Location, new: &Record, tol: Tolerance, description: String, input_file: Option<&Path>) -> bool {
+pub fn assert_with_insta(
+    loc: &Location,
+    new: &Record,
+    tol: Tolerance,
+    description: String,
+    input_file: Option<&Path>,
+) -> bool {
     let mut settings = insta::Settings::clone_current();
     settings.set_snapshot_path(&loc.dir);
     settings.set_prepend_module_to_snapshot(false);
@@ -336,18 +410,43 @@ fn signed(x: f64) -> String {
 
 /// A tolerance in words: `|delta mean NLL| <= 0 + 1e-9 x |baseline|`.
 pub fn tolerance_text(t: Tolerance) -> String {
-    let n = |x: f64| if x == 0.0 { "0".to_string() } else { format!("{x:e}") };
-    format!("|delta mean NLL| <= {} + {} x |baseline mean NLL|", n(t.abs), n(t.rel))
+    let n = |x: f64| {
+        if x == 0.0 {
+            "0".to_string()
+        } else {
+            format!("{x:e}")
+        }
+    };
+    format!(
+        "|delta mean NLL| <= {} + {} x |baseline mean NLL|",
+        n(t.abs),
+        n(t.rel)
+    )
 }
 
 /// The failure message for a trial whose result does not match its baseline.
-pub fn failure_message(old: Option<&Record>, new: &Record, verdict: Option<&Verdict>, tol: Tolerance) -> String {
-    let now = format!("mean_nll {:.9}  ppl {}  ({} scored tokens)", new.mean_nll, ppl_text(new.ppl), new.scored_tokens);
+pub fn failure_message(
+    old: Option<&Record>,
+    new: &Record,
+    verdict: Option<&Verdict>,
+    tol: Tolerance,
+) -> String {
+    let now = format!(
+        "mean_nll {:.9}  ppl {}  ({} scored tokens)",
+        new.mean_nll,
+        ppl_text(new.ppl),
+        new.scored_tokens
+    );
     let tol_text = tolerance_text(tol);
     let (Some(old), Some(verdict)) = (old, verdict) else {
         return format!("no baseline yet for {}\n  new:      {now}", new.subject());
     };
-    let was = format!("mean_nll {:.9}  ppl {}  ({} scored tokens)", old.mean_nll, ppl_text(old.ppl), old.scored_tokens);
+    let was = format!(
+        "mean_nll {:.9}  ppl {}  ({} scored tokens)",
+        old.mean_nll,
+        ppl_text(old.ppl),
+        old.scored_tokens
+    );
     match verdict {
         Verdict::Pass { .. } => format!("within tolerance, but insta did not accept it\n  baseline: {was}\n  new:      {now}"),
         Verdict::WrongSubject(d) => format!(

@@ -87,7 +87,14 @@ Environment:
 ";
 
 /// libtest options whose value is the next argument; they and their value pass through.
-const LIBTEST_WITH_VALUE: [&str; 6] = ["--test-threads", "--logfile", "--skip", "--color", "--format", "-Z"];
+const LIBTEST_WITH_VALUE: [&str; 6] = [
+    "--test-threads",
+    "--logfile",
+    "--skip",
+    "--color",
+    "--format",
+    "-Z",
+];
 
 /// Splits the harness's flags from the rest. `args[0]` is the program name and is kept.
 pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), String> {
@@ -126,7 +133,9 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
         let value = match inline {
             Some(v) => v,
             None => match it.next() {
-                Some(v) => v.into_string().map_err(|_| format!("{name}: the value is not UTF-8"))?,
+                Some(v) => v
+                    .into_string()
+                    .map_err(|_| format!("{name}: the value is not UTF-8"))?,
                 None => return Err(format!("{name} needs a value\n\n{HELP}")),
             },
         };
@@ -135,7 +144,9 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
                 return Err(format!("{name}: empty value in `{value}`"));
             }
             match name.as_str() {
-                "--kv-dtype" => flags.kv.push(KvDtype::parse(v).map_err(|e| format!("--kv-dtype: {e}"))?),
+                "--kv-dtype" => flags
+                    .kv
+                    .push(KvDtype::parse(v).map_err(|e| format!("--kv-dtype: {e}"))?),
                 "--artifact" => flags.artifacts.push(v.to_string()),
                 "--device" => {
                     let d = parse_device(v)?;
@@ -158,15 +169,19 @@ fn parse_device(v: &str) -> Result<DeviceKind, String> {
         "cuda" => Ok(DeviceKind::Cuda),
         _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(_)) => Ok(DeviceKind::Cuda),
-            _ => Err(format!("--device: unknown device `{v}` (valid: cpu, cuda, cuda:N)")),
+            _ => Err(format!(
+                "--device: unknown device `{v}` (valid: cpu, cuda, cuda:N)"
+            )),
         },
     }
 }
 
 fn parse_tier(v: &str) -> Result<Tier, String> {
-    Tier::ALL.into_iter().find(|t| t.name() == v).ok_or_else(|| {
-        let names: Vec<&str> = Tier::ALL.iter().map(|t| t.name()).collect();
-        format!("--tier: unknown tier `{v}` (valid: {})", names.join(", "))
-    })
+    Tier::ALL
+        .into_iter()
+        .find(|t| t.name() == v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = Tier::ALL.iter().map(|t| t.name()).collect();
+            format!("--tier: unknown tier `{v}` (valid: {})", names.join(", "))
+        })
 }
-

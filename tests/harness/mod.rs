@@ -50,14 +50,23 @@ pub const CORPUS_MANIFEST: &str = "eval/corpora/perplexity-1m/manifest.json";
 pub fn default_tolerance(class: &str, kv: KvDtype) -> Tolerance {
     if class == "cpu" {
         // Measured spread 0 (bit-identical for 1..N threads and run to run) plus a margin.
-        Tolerance { abs: 0.0, rel: 1e-9 }
+        Tolerance {
+            abs: 0.0,
+            rel: 1e-9,
+        }
     } else if matches!(kv, KvDtype::F32 | KvDtype::Bf16) {
         // GPU classes: another reduction order and window batching; provisional until measured.
-        Tolerance { abs: 5e-4, rel: 0.0 }
+        Tolerance {
+            abs: 5e-4,
+            rel: 0.0,
+        }
     } else {
         // Quantized KV turns tiny activation differences into rounding flips (measured on the
         // CPU: a 3e-6 change with f32 KV became up to 3e-2 with nvfp4 over 255 tokens).
-        Tolerance { abs: 5e-3, rel: 0.0 }
+        Tolerance {
+            abs: 5e-3,
+            rel: 0.0,
+        }
     }
 }
 
@@ -129,7 +138,10 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
             continue;
         }
         let (protocol, max_tokens) = match tier {
-            Tier::Cpu => (Protocol::new(CPU_TIER_CONTEXT, CPU_TIER_STRIDE), Some(CPU_TIER_PREFIX)),
+            Tier::Cpu => (
+                Protocol::new(CPU_TIER_CONTEXT, CPU_TIER_STRIDE),
+                Some(CPU_TIER_PREFIX),
+            ),
             Tier::Gpu => (Protocol::new(GPU_TIER_CONTEXT, GPU_TIER_STRIDE), None),
         };
         let protocol = protocol.map_err(|e| format!("tier {}: {e}", tier.name()))?;
@@ -149,7 +161,10 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
             }
             let file = root.join(&entry.path);
             let missing = (!file.exists()).then(|| {
-                format!("artifact file {} is missing (produce it with `{}`)", entry.path, entry.produce)
+                format!(
+                    "artifact file {} is missing (produce it with `{}`)",
+                    entry.path, entry.produce
+                )
             });
             for stream in &corpus.manifest.streams {
                 for kv in KvDtype::ALL {
@@ -172,15 +187,27 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
             }
         }
     }
-    Ok(Plan { specs, corpus: Arc::new(corpus) })
+    Ok(Plan {
+        specs,
+        corpus: Arc::new(corpus),
+    })
 }
 
 // ---- shared engines and token streams (loaded once per process) ----------------------
 
 type Shared<T> = Arc<OnceLock<Result<Arc<T>, String>>>;
 
-fn shared<T>(map: &Mutex<HashMap<String, Shared<T>>>, key: String, init: impl FnOnce() -> Result<T, String>) -> Result<Arc<T>, String> {
-    let cell = map.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_default().clone();
+fn shared<T>(
+    map: &Mutex<HashMap<String, Shared<T>>>,
+    key: String,
+    init: impl FnOnce() -> Result<T, String>,
+) -> Result<Arc<T>, String> {
+    let cell = map
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_default()
+        .clone();
     cell.get_or_init(|| init().map(Arc::new)).clone()
 }
 
@@ -201,7 +228,11 @@ fn engine_for(root: &Path, spec: &Spec) -> Result<Arc<Engine>, String> {
     let path = root.join(&spec.artifact.path);
     let key = format!("{}|{request:?}", path.display());
     shared(ENGINES.get_or_init(Default::default), key, || {
-        let opts = LoadOptions { device: request, threads: engine_threads(), verify_digest: false };
+        let opts = LoadOptions {
+            device: request,
+            threads: engine_threads(),
+            verify_digest: false,
+        };
         let e = Engine::load(&path, &opts, &mut |_, _| {}).map_err(|e| format!("{e:#}"))?;
         if let Some(pinned) = &spec.artifact.digest {
             if *pinned != e.artifact.digest {
@@ -219,8 +250,15 @@ fn tokens_for(corpus: &Corpus, engine: &Engine, spec: &Spec) -> Result<Arc<Strea
     let key = format!("{}|{}", engine.tokenizer.sha256(), spec.stream.id);
     shared(TOKENS.get_or_init(Default::default), key, || {
         let s = corpus.load(&spec.stream).map_err(|e| format!("{e:#}"))?;
-        let tokens = engine.tokenizer.encode(&s.text).map_err(|e| format!("stream `{}`: {e:#}", s.id))?;
-        Ok(StreamTokens { tokens, sha256: s.sha256, path: s.path })
+        let tokens = engine
+            .tokenizer
+            .encode(&s.text)
+            .map_err(|e| format!("stream `{}`: {e:#}", s.id))?;
+        Ok(StreamTokens {
+            tokens,
+            sha256: s.sha256,
+            path: s.path,
+        })
     })
 }
 
@@ -269,7 +307,9 @@ fn run_trial(ctx: &Ctx, spec: &Spec) -> Result<Completion, Failed> {
         rep.message = Some(msg.clone());
     }
     ctx.sink.push(rep);
-    outcome.map(|()| Completion::Completed).map_err(Failed::from)
+    outcome
+        .map(|()| Completion::Completed)
+        .map_err(Failed::from)
 }
 
 fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<(), String> {
@@ -277,7 +317,9 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
     let class = engine.device.class().to_string();
     rep.device_class = Some(class.clone());
     let stream = tokens_for(&ctx.corpus, &engine, spec)?;
-    let n = spec.max_tokens.map_or(stream.tokens.len(), |m| m.min(stream.tokens.len()));
+    let n = spec
+        .max_tokens
+        .map_or(stream.tokens.len(), |m| m.min(stream.tokens.len()));
     let input = &stream.tokens[..n];
     let score = engine
         .score(input, spec.protocol, spec.kv, false, &mut |_, _| {})
@@ -302,7 +344,10 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         nll_sum: t.nll_sum,
     };
     rep.result = Some(numbers(&new));
-    let tol = spec.artifact.tolerance_for(&class, spec.kv.name()).unwrap_or_else(|| default_tolerance(&class, spec.kv));
+    let tol = spec
+        .artifact
+        .tolerance_for(&class, spec.kv.name())
+        .unwrap_or_else(|| default_tolerance(&class, spec.kv));
     let loc = Location::new(&ctx.root, &new);
     let rel = |p: &Path| p.strip_prefix(&ctx.root).unwrap_or(p).display().to_string();
 
@@ -325,7 +370,8 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         "{} on {class}, KV {}: {} of `{}`, context {}, stride {}; tolerance {}",
         spec.artifact.name,
         spec.kv.name(),
-        spec.max_tokens.map_or("all tokens".to_string(), |m| format!("first {m} tokens")),
+        spec.max_tokens
+            .map_or("all tokens".to_string(), |m| format!("first {m} tokens")),
         spec.stream.id,
         spec.protocol.context,
         spec.protocol.stride,
@@ -340,12 +386,21 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
     }
     // Which file insta left behind, if any.
     let fresh = |p: &Path| {
-        p.metadata().and_then(|m| m.modified()).map(|m| m >= started - std::time::Duration::from_secs(1)).unwrap_or(false)
+        p.metadata()
+            .and_then(|m| m.modified())
+            .map(|m| m >= started - std::time::Duration::from_secs(1))
+            .unwrap_or(false)
     };
     let written = if fresh(&loc.pending()) {
-        format!("pending snapshot written to {}: review it with `cargo insta review`", rel(&loc.pending()))
+        format!(
+            "pending snapshot written to {}: review it with `cargo insta review`",
+            rel(&loc.pending())
+        )
     } else if fresh(&loc.snap()) {
-        format!("{} was rewritten in place (INSTA_UPDATE=always or force)", rel(&loc.snap()))
+        format!(
+            "{} was rewritten in place (INSTA_UPDATE=always or force)",
+            rel(&loc.snap())
+        )
     } else {
         "nothing was written (CI=true or INSTA_UPDATE=no); run without them to get a pending snapshot".to_string()
     };
@@ -353,7 +408,11 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         (Err(e), _) => ("bad-baseline", format!("malformed baseline: {e}")),
         (Ok(None), _) => (
             "new",
-            format!("{}\n  no baseline at {}", baseline::failure_message(None, &new, None, tol), rel(&loc.snap())),
+            format!(
+                "{}\n  no baseline at {}",
+                baseline::failure_message(None, &new, None, tol),
+                rel(&loc.snap())
+            ),
         ),
         (Ok(Some(old)), Some(v)) => (
             match v {
@@ -377,10 +436,18 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
 /// cannot pass them on the command line (`cargo test` passes `--` arguments to every test
 /// binary, nextest passes none). Only harness flags are accepted there.
 fn with_env_flags(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
-    let Some(env) = std::env::var_os("NINFER_HARNESS_FLAGS") else { return Ok(args) };
-    let env = env.into_string().map_err(|_| "NINFER_HARNESS_FLAGS is not UTF-8".to_string())?;
-    let words: Vec<OsString> = std::iter::once("harness").chain(env.split_whitespace()).map(OsString::from).collect();
-    let (_, rest) = flags::extract(words.clone()).map_err(|e| format!("NINFER_HARNESS_FLAGS: {e}"))?;
+    let Some(env) = std::env::var_os("NINFER_HARNESS_FLAGS") else {
+        return Ok(args);
+    };
+    let env = env
+        .into_string()
+        .map_err(|_| "NINFER_HARNESS_FLAGS is not UTF-8".to_string())?;
+    let words: Vec<OsString> = std::iter::once("harness")
+        .chain(env.split_whitespace())
+        .map(OsString::from)
+        .collect();
+    let (_, rest) =
+        flags::extract(words.clone()).map_err(|e| format!("NINFER_HARNESS_FLAGS: {e}"))?;
     if rest.len() > 1 {
         return Err(format!(
             "NINFER_HARNESS_FLAGS may hold only harness flags (--kv-dtype, --artifact, --device, --tier), not {:?}",
@@ -396,7 +463,10 @@ fn with_env_flags(args: Vec<OsString>) -> Result<Vec<OsString>, String> {
 /// CPU worker threads for the engine: `NINFER_HARNESS_THREADS`, else one per core. Results
 /// do not depend on it (the gate test checks that).
 fn engine_threads() -> usize {
-    std::env::var("NINFER_HARNESS_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    std::env::var("NINFER_HARNESS_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Exit status for usage and setup errors (bad flag values, malformed registry).
@@ -412,7 +482,10 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let p = info.payload();
-        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied());
         if !msg.is_some_and(|m| m.starts_with("snapshot assertion for '")) {
             default_hook(info)
         }
@@ -464,7 +537,9 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
     let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
     for s in &plan.specs {
         if let Some(r) = &s.ignore_reason {
-            *reasons.entry(format!("{}-tier {}: {r}", s.tier.name(), s.artifact.name)).or_default() += 1;
+            *reasons
+                .entry(format!("{}-tier {}: {r}", s.tier.name(), s.artifact.name))
+                .or_default() += 1;
         }
     }
     if !args.list {
@@ -472,7 +547,11 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
             eprintln!("harness: {n} trial(s) ignored: {r}");
         }
     }
-    let ctx = Arc::new(Ctx { root, corpus: plan.corpus.clone(), sink: sink.clone() });
+    let ctx = Arc::new(Ctx {
+        root,
+        corpus: plan.corpus.clone(),
+        sink: sink.clone(),
+    });
     let trials: Vec<Trial> = plan
         .specs
         .into_iter()
@@ -486,7 +565,15 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
     let c = libtest_mimic::run(&args, trials);
     if !args.list {
         let reasons: Vec<(String, usize)> = reasons.into_iter().collect();
-        sink.finish((c.num_passed, c.num_failed, c.num_ignored, c.num_filtered_out), &reasons);
+        sink.finish(
+            (
+                c.num_passed,
+                c.num_failed,
+                c.num_ignored,
+                c.num_filtered_out,
+            ),
+            &reasons,
+        );
     }
     if c.has_failed() {
         EXIT_FAILED

@@ -43,18 +43,26 @@ impl Sink {
     pub fn from_env() -> Result<Sink, String> {
         let dir = std::env::var_os("NINFER_HARNESS_REPORT_DIR").map(PathBuf::from);
         if let Some(d) = &dir {
-            std::fs::create_dir_all(d).map_err(|e| format!("NINFER_HARNESS_REPORT_DIR {}: {e}", d.display()))?;
+            std::fs::create_dir_all(d)
+                .map_err(|e| format!("NINFER_HARNESS_REPORT_DIR {}: {e}", d.display()))?;
             // A fresh run: earlier lines would mix two runs.
             let _ = std::fs::remove_file(d.join("trials.jsonl"));
         }
-        Ok(Sink { dir, rows: Mutex::new(Vec::new()) })
+        Ok(Sink {
+            dir,
+            rows: Mutex::new(Vec::new()),
+        })
     }
 
     pub fn push(&self, r: TrialReport) {
         if let Some(d) = &self.dir {
             let line = serde_json::to_string(&r).expect("report serializes");
             let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(d.join("trials.jsonl")) {
+            if let Ok(mut f) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(d.join("trials.jsonl"))
+            {
                 let _ = writeln!(f, "{line}");
             }
             rows.push(r);
@@ -75,7 +83,11 @@ impl Sink {
             failed,
             ignored,
             filtered,
-            if failed > 0 { " **Drift or errors: the gate fails.**" } else { "" }
+            if failed > 0 {
+                " **Drift or errors: the gate fails.**"
+            } else {
+                ""
+            }
         ));
         for (reason, n) in ignored_reasons {
             md.push_str(&format!("- {n} trial(s) ignored: {reason}\n"));
@@ -83,7 +95,9 @@ impl Sink {
         if !ignored_reasons.is_empty() {
             md.push('\n');
         }
-        md.push_str("| trial | device | baseline ppl | new ppl | Δ mean NLL (nats) | allowed | status |\n");
+        md.push_str(
+            "| trial | device | baseline ppl | new ppl | Δ mean NLL (nats) | allowed | status |\n",
+        );
         md.push_str("| --- | --- | ---: | ---: | ---: | ---: | --- |\n");
         for r in &rows {
             let f = |x: Option<f64>, p: usize| x.map_or("–".to_string(), |x| format!("{x:.p$}"));
@@ -96,14 +110,22 @@ impl Sink {
                 f(r.result.as_ref().map(|b| b.ppl), 4),
                 e(r.delta_mean_nll),
                 r.allowed.map_or("–".to_string(), |x| format!("{x:.1e}")),
-                if r.status == "pass" { "pass".to_string() } else { format!("**{}**", r.status) }
+                if r.status == "pass" {
+                    "pass".to_string()
+                } else {
+                    format!("**{}**", r.status)
+                }
             ));
         }
         let failures: Vec<&TrialReport> = rows.iter().filter(|r| r.status != "pass").collect();
         if !failures.is_empty() {
             md.push_str("\n## Failures\n\n");
             for r in failures {
-                md.push_str(&format!("### `{}`\n\n```\n{}\n```\n\n", r.name, r.message.as_deref().unwrap_or("")));
+                md.push_str(&format!(
+                    "### `{}`\n\n```\n{}\n```\n\n",
+                    r.name,
+                    r.message.as_deref().unwrap_or("")
+                ));
             }
         }
         let _ = std::fs::write(d.join("summary.md"), md);

@@ -43,7 +43,13 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
     let blocks = t_len.div_ceil(Q_BLOCK);
     let out = SendPtr(o.as_mut_ptr());
     (0..hkv * blocks).into_par_iter().for_each_init(
-        || (vec![0.0f32; Q_BLOCK * group * d], vec![0.0f32; Q_BLOCK * group * t_len], vec![0.0f32; Q_BLOCK * group * d]),
+        || {
+            (
+                vec![0.0f32; Q_BLOCK * group * d],
+                vec![0.0f32; Q_BLOCK * group * t_len],
+                vec![0.0f32; Q_BLOCK * group * d],
+            )
+        },
         |(qg, scores, og), task| {
             let out = out;
             let (kh, b) = (task / blocks, task % blocks);
@@ -113,7 +119,11 @@ pub fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, o: &mut 
                 // SAFETY: positions q0..q1 × heads of KV group kh are written by this task
                 // only; the range lies inside `o` ([T, Hq, D]).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), out.0.add((t * hq + kh * group) * d), group * d);
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        out.0.add((t * hq + kh * group) * d),
+                        group * d,
+                    );
                 }
             }
         },
@@ -132,7 +142,14 @@ mod tests {
             for h in 0..hq {
                 let kh = h * hkv / hq;
                 let sc: Vec<f64> = (0..=i)
-                    .map(|j| (0..d).map(|x| q[(i * hq + h) * d + x] as f64 * k[(j * hkv + kh) * d + x] as f64).sum::<f64>() / (d as f64).sqrt())
+                    .map(|j| {
+                        (0..d)
+                            .map(|x| {
+                                q[(i * hq + h) * d + x] as f64 * k[(j * hkv + kh) * d + x] as f64
+                            })
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
@@ -150,9 +167,16 @@ mod tests {
     #[test]
     fn matches_naive_gqa() {
         for t in [1, 9, 128, 300] {
-            let s = AttnShape { tokens: t, q_heads: 6, kv_heads: 2, head_dim: 12 };
+            let s = AttnShape {
+                tokens: t,
+                q_heads: 6,
+                kv_heads: 2,
+                head_dim: 12,
+            };
             let gen = |n: usize, seed: usize| -> Vec<f32> {
-                (0..n).map(|i| (((i + seed) * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect()
+                (0..n)
+                    .map(|i| (((i + seed) * 2654435761usize) % 1000) as f32 / 500.0 - 1.0)
+                    .collect()
             };
             let q = gen(t * 6 * 12, 1);
             let k = gen(t * 2 * 12, 2);

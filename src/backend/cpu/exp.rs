@@ -18,7 +18,9 @@ pub fn exp(x: f32) -> f32 {
     // Taylor/minimax-quality coefficients for e^r, |r| <= 0.35.
     let p = 1.0
         + r * (1.0
-            + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_558 + r * 0.001_388_942_9)))));
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668 + r * (0.008_333_558 + r * 0.001_388_942_9)))));
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     let y = p * scale;
     if x < -87.0 {
@@ -92,7 +94,9 @@ mod tests {
         let m = max(&v);
         assert_eq!(m, 36.0f32 * 0.1);
         let s = exp_sub_sum(&mut v, m);
-        let want: f64 = (0..37).map(|i| ((i as f32 * 0.1) as f64 - m as f64).exp()).sum();
+        let want: f64 = (0..37)
+            .map(|i| ((i as f32 * 0.1) as f64 - m as f64).exp())
+            .sum();
         assert!((s as f64 - want).abs() < 1e-5);
     }
 }

@@ -63,7 +63,11 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
                     .map(|i| {
                         let row = &mut logits[i * vc..(i + 1) * vc];
                         let t = tb[i] as usize;
-                        let target = if (v0..v0 + vc).contains(&t) { row[t - v0] } else { f32::NAN };
+                        let target = if (v0..v0 + vc).contains(&t) {
+                            row[t - v0]
+                        } else {
+                            f32::NAN
+                        };
                         let max = exp::max(row);
                         let sum = exp::exp_sub_sum(row, max);
                         Partial { max, sum, target }
@@ -72,7 +76,10 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
             })
             .collect();
         for i in 0..r {
-            let max = partials.iter().map(|p| p[i].max).fold(f32::NEG_INFINITY, f32::max);
+            let max = partials
+                .iter()
+                .map(|p| p[i].max)
+                .fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f64;
             let mut target = f32::NAN;
             for p in &partials {
@@ -93,14 +100,22 @@ mod tests {
     #[test]
     fn matches_full_log_softmax() {
         let (rows, d, vocab) = (21, 7, 9000);
-        let h: Vec<f32> = (0..rows * d).map(|i| ((i * 31) % 17) as f32 / 4.0 - 2.0).collect();
-        let w: Vec<f32> = (0..vocab * d).map(|i| ((i * 7919) % 23) as f32 / 6.0 - 2.0).collect();
+        let h: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 31) % 17) as f32 / 4.0 - 2.0)
+            .collect();
+        let w: Vec<f32> = (0..vocab * d)
+            .map(|i| ((i * 7919) % 23) as f32 / 6.0 - 2.0)
+            .collect();
         let targets: Vec<u32> = (0..rows).map(|i| ((i * 4513) % vocab) as u32).collect();
         let mut out = vec![0.0; rows];
         logprobs(&h, d, &w, vocab, &targets, &mut out);
         for i in 0..rows {
             let logits: Vec<f64> = (0..vocab)
-                .map(|v| (0..d).map(|x| h[i * d + x] as f64 * w[v * d + x] as f64).sum())
+                .map(|v| {
+                    (0..d)
+                        .map(|x| h[i * d + x] as f64 * w[v * d + x] as f64)
+                        .sum()
+                })
                 .collect();
             let m = logits.iter().cloned().fold(f64::MIN, f64::max);
             let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();

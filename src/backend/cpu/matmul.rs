@@ -20,7 +20,15 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
-pub fn matmul_wt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
+pub fn matmul_wt(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
     assert_eq!(x.len(), m * k, "x shape");
     assert_eq!(w.len(), n * k, "w shape");
     assert_eq!(out.len(), m * n, "out shape");
@@ -31,7 +39,10 @@ pub fn matmul_wt(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [
     let threads = rayon::current_num_threads().max(1);
     let per = (n.div_ceil(threads)).div_ceil(COL_ALIGN) * COL_ALIGN;
     let per = per.max(MIN_COLS).min(n);
-    let blocks: Vec<(usize, usize)> = (0..n).step_by(per).map(|j0| (j0, (j0 + per).min(n))).collect();
+    let blocks: Vec<(usize, usize)> = (0..n)
+        .step_by(per)
+        .map(|j0| (j0, (j0 + per).min(n)))
+        .collect();
     let o = SendPtr(out.as_mut_ptr());
     blocks.par_iter().for_each(|&(j0, j1)| {
         let o = o;
@@ -66,13 +77,20 @@ mod tests {
     #[test]
     fn matches_naive_product() {
         let (m, k, n) = (70, 19, 213);
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 89) as f32 / 40.0 - 1.0).collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729) % 89) as f32 / 40.0 - 1.0)
+            .collect();
         let mut out = vec![0.5f32; m * n];
         matmul_wt(&x, m, k, &w, n, &mut out, true);
         for i in 0..m {
             for j in 0..n {
-                let want: f64 = 0.5 + (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>();
+                let want: f64 = 0.5
+                    + (0..k)
+                        .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                        .sum::<f64>();
                 assert!((out[i * n + j] as f64 - want).abs() < 1e-4);
             }
         }
@@ -81,17 +99,29 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_bits() {
         let (m, k, n) = (37, 301, 1000);
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0).collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0)
+            .collect();
         let run = |t: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap();
             let mut out = vec![0.0f32; m * n];
             pool.install(|| matmul_wt(&x, m, k, &w, n, &mut out, false));
             out
         };
         let one = run(1);
         for t in [2, 3, 5, 8] {
-            assert!(one.iter().zip(run(t)).all(|(a, b)| a.to_bits() == b.to_bits()), "{t} threads");
+            assert!(
+                one.iter()
+                    .zip(run(t))
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{t} threads"
+            );
         }
     }
 }

@@ -6,7 +6,9 @@ use rayon::prelude::*;
 /// The mean of squares is accumulated in f64 (in order), the scaling in f32.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
     let d = weight.len();
-    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, xr)| rms_norm_row(xr, weight, eps, o));
+    out.par_chunks_mut(d)
+        .zip(x.par_chunks(d))
+        .for_each(|(o, xr)| rms_norm_row(xr, weight, eps, o));
 }
 
 pub fn rms_norm_row(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
@@ -31,10 +33,12 @@ pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f64) {
 
 /// `act[t, j] = silu(gu[t, j]) * gu[t, f + j]` for a fused gate/up output `gu[T, 2f]`.
 pub fn swiglu(gu: &[f32], f: usize, act: &mut [f32]) {
-    act.par_chunks_mut(f).zip(gu.par_chunks(2 * f)).for_each(|(a, g)| {
-        let (gate, up) = g.split_at(f);
-        for ((o, &x), &u) in a.iter_mut().zip(gate).zip(up) {
-            *o = x / (1.0 + (-x).exp()) * u;
-        }
-    });
+    act.par_chunks_mut(f)
+        .zip(gu.par_chunks(2 * f))
+        .for_each(|(a, g)| {
+            let (gate, up) = g.split_at(f);
+            for ((o, &x), &u) in a.iter_mut().zip(gate).zip(up) {
+                *o = x / (1.0 + (-x).exp()) * u;
+            }
+        });
 }

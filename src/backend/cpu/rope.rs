@@ -22,7 +22,8 @@ pub fn inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> V
                     } else if wavelen > low_wavelen {
                         f / s.factor
                     } else {
-                        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                        let smooth = (old / wavelen - s.low_freq_factor)
+                            / (s.high_freq_factor - s.low_freq_factor);
                         (1.0 - smooth) * f / s.factor + smooth * f
                     }
                 }
@@ -57,17 +58,19 @@ impl RopeTable {
     /// Rotates `x[T, heads, head_dim]` in place, token `t` at position `t`.
     pub fn apply(&self, x: &mut [f32], heads: usize) {
         let hd = 2 * self.half;
-        x.par_chunks_mut(heads * hd).enumerate().for_each(|(t, row)| {
-            let c = &self.cos[t * self.half..(t + 1) * self.half];
-            let s = &self.sin[t * self.half..(t + 1) * self.half];
-            for v in row.chunks_mut(hd) {
-                let (a, b) = v.split_at_mut(self.half);
-                for j in 0..self.half {
-                    let (x1, x2) = (a[j], b[j]);
-                    a[j] = x1 * c[j] - x2 * s[j];
-                    b[j] = x2 * c[j] + x1 * s[j];
+        x.par_chunks_mut(heads * hd)
+            .enumerate()
+            .for_each(|(t, row)| {
+                let c = &self.cos[t * self.half..(t + 1) * self.half];
+                let s = &self.sin[t * self.half..(t + 1) * self.half];
+                for v in row.chunks_mut(hd) {
+                    let (a, b) = v.split_at_mut(self.half);
+                    for j in 0..self.half {
+                        let (x1, x2) = (a[j], b[j]);
+                        a[j] = x1 * c[j] - x2 * s[j];
+                        b[j] = x2 * c[j] + x1 * s[j];
+                    }
                 }
-            }
-        });
+            });
     }
 }

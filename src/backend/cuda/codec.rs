@@ -17,7 +17,10 @@ pub struct DeviceCodec {
 
 pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<DeviceCodec> {
     if d == 0 || d > plan::MAX_HEAD_DIM || x.len() % d != 0 {
-        bail!("vectors of {d} values: 1..={} and a whole number of them", plan::MAX_HEAD_DIM);
+        bail!(
+            "vectors of {d} values: 1..={} and a whole number of them",
+            plan::MAX_HEAD_DIM
+        );
     }
     let n = x.len() / d;
     let (a, s, bs) = plan::kv_arrays(elem, n, d);
@@ -53,9 +56,17 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
         Elem::Nvfp4 => d.div_ceil(2),
     };
     let payload: Vec<u8> = gpu.read(&data, 0, n * payload_per)?;
-    let scales: Vec<u8> = if matches!(elem, Elem::Int8 | Elem::Fp8 | Elem::Nvfp4) { gpu.read(&scale, 0, 4 * n)? } else { vec![] };
+    let scales: Vec<u8> = if matches!(elem, Elem::Int8 | Elem::Fp8 | Elem::Nvfp4) {
+        gpu.read(&scale, 0, 4 * n)?
+    } else {
+        vec![]
+    };
     let nb = d.div_ceil(16);
-    let bscales: Vec<u8> = if elem == Elem::Nvfp4 { gpu.read(&bscale, 0, n * nb)? } else { vec![] };
+    let bscales: Vec<u8> = if elem == Elem::Nvfp4 {
+        gpu.read(&bscale, 0, n * nb)?
+    } else {
+        vec![]
+    };
     let stored = (0..n)
         .map(|i| {
             let mut v = payload[i * payload_per..(i + 1) * payload_per].to_vec();
@@ -81,6 +92,12 @@ pub fn element_codes(gpu: &Gpu, kind: &str, x: &[f32]) -> Result<Vec<u8>> {
     let n = x.len();
     let xin = gpu.upload(x)?;
     let out = gpu.alloc(n.max(1))?;
-    gpu.launch(entry, (plan::blocks_for(n, 256), 1, 1), 256, 0, &[Arg::Ptr(xin.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)])?;
+    gpu.launch(
+        entry,
+        (plan::blocks_for(n, 256), 1, 1),
+        256,
+        0,
+        &[Arg::Ptr(xin.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)],
+    )?;
     gpu.read(&out, 0, n)
 }

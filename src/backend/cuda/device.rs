@@ -32,7 +32,12 @@ fn cubin_cache() -> &'static CubinCache {
 /// from `NINFER_CUDA_CACHE_DIR`). Each program has its own lock: concurrent first requests
 /// for one program compile it once, different programs compile in parallel.
 pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
-    let slot: Slot = cubin_cache().lock().unwrap().entry((arch.to_string(), p)).or_default().clone();
+    let slot: Slot = cubin_cache()
+        .lock()
+        .unwrap()
+        .entry((arch.to_string(), p))
+        .or_default()
+        .clone();
     let mut slot = slot.lock().unwrap();
     if let Some(c) = slot.as_ref() {
         return Ok(c.clone());
@@ -42,7 +47,11 @@ pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
         None => {
             let t = std::time::Instant::now();
             let c = nvrtc::compile(&p, arch, false).map_err(|e| anyhow!(e))?;
-            tracing::debug!("NVRTC compiled kernels/{} for {arch} in {:.2}s", p.key(), t.elapsed().as_secs_f64());
+            tracing::debug!(
+                "NVRTC compiled kernels/{} for {arch} in {:.2}s",
+                p.key(),
+                t.elapsed().as_secs_f64()
+            );
             nvrtc::store_cached(&p, arch, &c.cubin);
             c.cubin
         }
@@ -56,8 +65,14 @@ pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
 /// needs two large ones).
 pub fn precompile(programs: &[Program], arch: &str) -> Result<()> {
     std::thread::scope(|s| {
-        let handles: Vec<_> = programs.iter().map(|&p| s.spawn(move || cubin(p, arch).map(|_| ()))).collect();
-        handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|_| Err(anyhow!("NVRTC compile thread panicked"))))
+        let handles: Vec<_> = programs
+            .iter()
+            .map(|&p| s.spawn(move || cubin(p, arch).map(|_| ())))
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(anyhow!("NVRTC compile thread panicked")))
+        })
     })
 }
 
@@ -147,7 +162,10 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu> {
         let info = super::probe(ordinal).map_err(|e| anyhow!(e))?;
         let ctx = drv(CudaContext::new(ordinal), "context creation")?;
-        let arch = format!("sm_{}{}", info.compute_capability.0, info.compute_capability.1);
+        let arch = format!(
+            "sm_{}{}",
+            info.compute_capability.0, info.compute_capability.1
+        );
         Ok(Gpu {
             info,
             arch,
@@ -169,7 +187,8 @@ impl Gpu {
         if let Some(f) = self.functions.lock().unwrap().get(entry) {
             return Ok(*f);
         }
-        let p = Program::of(entry).with_context(|| format!("no kernel program defines `{entry}`"))?;
+        let p =
+            Program::of(entry).with_context(|| format!("no kernel program defines `{entry}`"))?;
         let module = {
             let mut mods = self.modules.lock().unwrap();
             match mods.get(&p) {
@@ -178,7 +197,10 @@ impl Gpu {
                     let bin = cubin(p, &self.arch)?;
                     self.bind()?;
                     // SAFETY: a CUBIN image produced by NVRTC for this device's architecture.
-                    let h = drv(unsafe { result::module::load_data(bin.as_ptr() as *const c_void) }, "module load")?;
+                    let h = drv(
+                        unsafe { result::module::load_data(bin.as_ptr() as *const c_void) },
+                        "module load",
+                    )?;
                     mods.insert(p, ModuleHandle(h));
                     h
                 }
@@ -186,8 +208,11 @@ impl Gpu {
         };
         let name = CString::new(entry).expect("entry names are plain");
         // SAFETY: a loaded module.
-        let f = drv(unsafe { result::module::get_function(module, name) }, "get function")
-            .with_context(|| format!("kernel `{entry}`"))?;
+        let f = drv(
+            unsafe { result::module::get_function(module, name) },
+            "get function",
+        )
+        .with_context(|| format!("kernel `{entry}`"))?;
         let f = FunctionHandle(f);
         self.functions.lock().unwrap().insert(entry.to_string(), f);
         Ok(f)
@@ -220,7 +245,12 @@ impl Gpu {
         };
         let cur = self.stats.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.stats.peak.fetch_max(cur, Ordering::Relaxed);
-        Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone(), stats: self.stats.clone() })
+        Ok(DevBuf {
+            ptr,
+            bytes,
+            ctx: self.ctx.clone(),
+            stats: self.stats.clone(),
+        })
     }
 
     pub fn upload<T: Copy>(&self, data: &[T]) -> Result<DevBuf> {
@@ -236,18 +266,27 @@ impl Gpu {
             return Ok(());
         }
         if offset + n > dst.bytes {
-            bail!("device write of {n} bytes at {offset} overruns a {}-byte buffer", dst.bytes);
+            bail!(
+                "device write of {n} bytes at {offset} overruns a {}-byte buffer",
+                dst.bytes
+            );
         }
         self.bind()?;
         // SAFETY: bounds checked above; the host slice outlives the synchronous copy.
-        drv(unsafe { result::memcpy_htod_sync(dst.at(offset), data) }, "copy to device")
+        drv(
+            unsafe { result::memcpy_htod_sync(dst.at(offset), data) },
+            "copy to device",
+        )
     }
 
     /// Reads `n` values of `T` from `src` at byte `offset`, after all queued work.
     pub fn read<T: Copy + Default>(&self, src: &DevBuf, offset: usize, n: usize) -> Result<Vec<T>> {
         let bytes = n * std::mem::size_of::<T>();
         if offset + bytes > src.bytes {
-            bail!("device read of {bytes} bytes at {offset} overruns a {}-byte buffer", src.bytes);
+            bail!(
+                "device read of {bytes} bytes at {offset} overruns a {}-byte buffer",
+                src.bytes
+            );
         }
         let mut out = vec![T::default(); n];
         if n == 0 {
@@ -255,7 +294,10 @@ impl Gpu {
         }
         self.sync()?;
         // SAFETY: bounds checked; `out` holds `n` values.
-        drv(unsafe { result::memcpy_dtoh_sync(&mut out, src.at(offset)) }, "copy to host")?;
+        drv(
+            unsafe { result::memcpy_dtoh_sync(&mut out, src.at(offset)) },
+            "copy to host",
+        )?;
         Ok(out)
     }
 
@@ -269,7 +311,10 @@ impl Gpu {
         }
         self.bind()?;
         // SAFETY: bounds checked.
-        drv(unsafe { result::memset_d8_async(dst.at(offset), value, bytes, STREAM) }, "memset")
+        drv(
+            unsafe { result::memset_d8_async(dst.at(offset), value, bytes, STREAM) },
+            "memset",
+        )
     }
 
     /// Waits for all queued work and reports any asynchronous fault.
@@ -285,7 +330,14 @@ impl Gpu {
     }
 
     /// Launches `entry` on the default stream.
-    pub fn launch(&self, entry: &str, grid: (u32, u32, u32), block: u32, smem: usize, args: &[Arg]) -> Result<()> {
+    pub fn launch(
+        &self,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -307,12 +359,17 @@ impl Gpu {
                 s
             })
             .collect();
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr() as *mut c_void)
+            .collect();
         self.bind()?;
         // SAFETY: the caller passes arguments matching the kernel's signature (checked by
         // the parity tests on a device); the slots outlive the launch call, which copies them.
         drv(
-            unsafe { result::launch_kernel(f.0, grid, (block, 1, 1), smem as u32, STREAM, &mut params) },
+            unsafe {
+                result::launch_kernel(f.0, grid, (block, 1, 1), smem as u32, STREAM, &mut params)
+            },
             "kernel launch",
         )
         .with_context(|| format!("`{entry}` grid {grid:?} block {block} smem {smem}"))?;

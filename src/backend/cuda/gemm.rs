@@ -38,7 +38,10 @@ pub struct Mat {
 
 impl Mat {
     pub fn of(b: &DevBuf, offset_bytes: usize, ld: usize) -> Mat {
-        Mat { ptr: b.at(offset_bytes), ld }
+        Mat {
+            ptr: b.at(offset_bytes),
+            ld,
+        }
     }
 }
 
@@ -58,12 +61,26 @@ impl Blas {
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ (+ y when accumulate)`. `x` and `w` hold GEMM input
     /// elements of the precision; `y` is f32.
-    pub fn gemm(&self, m: usize, n: usize, k: usize, x: Mat, w: Mat, y: Mat, accumulate: bool) -> Result<()> {
+    pub fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: Mat,
+        w: Mat,
+        y: Mat,
+        accumulate: bool,
+    ) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
         if x.ld < k || w.ld < k || y.ld < n {
-            bail!("GEMM strides too small: m {m} n {n} k {k}, ld x {} w {} y {}", x.ld, w.ld, y.ld);
+            bail!(
+                "GEMM strides too small: m {m} n {n} k {k}, ld x {} w {} y {}",
+                x.ld,
+                w.ld,
+                y.ld
+            );
         }
         let int = |v: usize, what: &str| -> Result<i32> {
             i32::try_from(v).map_err(|_| anyhow!("GEMM {what} {v} exceeds cuBLAS's 32-bit sizes"))

@@ -17,11 +17,31 @@ pub struct KernelModule {
 }
 
 pub const MODULES: [KernelModule; 5] = [
-    KernelModule { name: "elementwise", source: include_str!("../../../kernels/elementwise.cu"), per_kv: false },
-    KernelModule { name: "qkv", source: include_str!("../../../kernels/qkv.cu"), per_kv: true },
-    KernelModule { name: "attention", source: include_str!("../../../kernels/attention.cu"), per_kv: true },
-    KernelModule { name: "head", source: include_str!("../../../kernels/head.cu"), per_kv: false },
-    KernelModule { name: "codec", source: include_str!("../../../kernels/codec.cu"), per_kv: false },
+    KernelModule {
+        name: "elementwise",
+        source: include_str!("../../../kernels/elementwise.cu"),
+        per_kv: false,
+    },
+    KernelModule {
+        name: "qkv",
+        source: include_str!("../../../kernels/qkv.cu"),
+        per_kv: true,
+    },
+    KernelModule {
+        name: "attention",
+        source: include_str!("../../../kernels/attention.cu"),
+        per_kv: true,
+    },
+    KernelModule {
+        name: "head",
+        source: include_str!("../../../kernels/head.cu"),
+        per_kv: false,
+    },
+    KernelModule {
+        name: "codec",
+        source: include_str!("../../../kernels/codec.cu"),
+        per_kv: false,
+    },
 ];
 
 /// KV representation names as they appear in entry points (`KvDtype::name`).
@@ -37,7 +57,10 @@ pub struct Program {
 }
 
 fn module(name: &str) -> &'static KernelModule {
-    MODULES.iter().find(|m| m.name == name).unwrap_or_else(|| panic!("unknown kernel module {name}"))
+    MODULES
+        .iter()
+        .find(|m| m.name == name)
+        .unwrap_or_else(|| panic!("unknown kernel module {name}"))
 }
 
 impl Program {
@@ -46,9 +69,15 @@ impl Program {
         let mut v = Vec::new();
         for m in &MODULES {
             if m.per_kv {
-                v.extend(KV_NAMES.iter().map(|k| Program { module: m.name, kv: Some(*k) }));
+                v.extend(KV_NAMES.iter().map(|k| Program {
+                    module: m.name,
+                    kv: Some(*k),
+                }));
             } else {
-                v.push(Program { module: m.name, kv: None });
+                v.push(Program {
+                    module: m.name,
+                    kv: None,
+                });
             }
         }
         v
@@ -69,24 +98,42 @@ impl Program {
             Some(k) => format!("#define KV_ONLY_{k} 1\n"),
             None => String::new(),
         };
-        format!("{define}{COMMON}\n// ---- kernels/{}.cu\n{}", m.name, m.source)
+        format!(
+            "{define}{COMMON}\n// ---- kernels/{}.cu\n{}",
+            m.name, m.source
+        )
     }
 
     /// Every `extern "C"` entry point the program defines.
     pub fn entries(&self) -> Vec<String> {
         match (self.module, self.kv) {
-            ("elementwise", _) => ["embed_gather", "rms_norm", "swiglu", "residual_add", "cast_f32_bf16"]
+            ("elementwise", _) => [
+                "embed_gather",
+                "rms_norm",
+                "swiglu",
+                "residual_add",
+                "cast_f32_bf16",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+            ("qkv", Some(k)) => [2, 4, 8]
                 .iter()
-                .map(|s| s.to_string())
+                .map(|nk| format!("qkv_prep_{k}_nk{nk}"))
                 .collect(),
-            ("qkv", Some(k)) => [2, 4, 8].iter().map(|nk| format!("qkv_prep_{k}_nk{nk}")).collect(),
             ("attention", Some(k)) => {
-                vec![format!("attn_f32_{k}"), format!("attn_mma_{k}_d64"), format!("attn_mma_{k}_d128")]
+                vec![
+                    format!("attn_f32_{k}"),
+                    format!("attn_mma_{k}_d64"),
+                    format!("attn_mma_{k}_d128"),
+                ]
             }
             ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
             ("codec", _) => {
-                let mut v: Vec<String> =
-                    ELEM_NAMES.iter().flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")]).collect();
+                let mut v: Vec<String> = ELEM_NAMES
+                    .iter()
+                    .flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")])
+                    .collect();
                 v.push("e4m3_encode".into());
                 v.push("e2m1_encode".into());
                 v
@@ -97,7 +144,9 @@ impl Program {
 
     /// The program that defines an entry point.
     pub fn of(entry: &str) -> Option<Program> {
-        Program::all().into_iter().find(|p| p.entries().iter().any(|e| e == entry))
+        Program::all()
+            .into_iter()
+            .find(|p| p.entries().iter().any(|e| e == entry))
     }
 }
 
@@ -118,18 +167,48 @@ mod tests {
             assert!(KV_NAMES.contains(&kv.name()));
             for hd in [8, 64, 128, 256] {
                 let q = qkv_entry(kv, hd).unwrap();
-                assert_eq!(Program::of(&q), Some(Program { module: "qkv", kv: Some(kv.name()) }), "{q}");
+                assert_eq!(
+                    Program::of(&q),
+                    Some(Program {
+                        module: "qkv",
+                        kv: Some(kv.name())
+                    }),
+                    "{q}"
+                );
                 for p in [Precision::Bf16, Precision::F32] {
                     let a = AttnKernel::choose(p, hd).entry(kv);
-                    assert_eq!(Program::of(&a), Some(Program { module: "attention", kv: Some(kv.name()) }), "{a}");
+                    assert_eq!(
+                        Program::of(&a),
+                        Some(Program {
+                            module: "attention",
+                            kv: Some(kv.name())
+                        }),
+                        "{a}"
+                    );
                 }
             }
         }
         for e in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
-            assert_eq!(Program::of(&format!("kv_encode_{}", e.name())).unwrap().module, "codec");
-            assert_eq!(Program::of(&format!("kv_decode_{}", e.name())).unwrap().module, "codec");
+            assert_eq!(
+                Program::of(&format!("kv_encode_{}", e.name()))
+                    .unwrap()
+                    .module,
+                "codec"
+            );
+            assert_eq!(
+                Program::of(&format!("kv_decode_{}", e.name()))
+                    .unwrap()
+                    .module,
+                "codec"
+            );
         }
-        for e in ["embed_gather", "rms_norm", "swiglu", "head_reduce", "head_finish"] {
+        for e in [
+            "embed_gather",
+            "rms_norm",
+            "swiglu",
+            "head_reduce",
+            "head_finish",
+        ] {
             assert!(Program::of(e).is_some(), "{e}");
         }
         assert!(Program::of("nope").is_none());
@@ -160,15 +239,36 @@ mod tests {
             let t = p.text();
             assert!(t.contains(COMMON));
             if let Some(k) = p.kv {
-                assert!(t.starts_with(&format!("#define KV_ONLY_{k} 1\n")), "{}", p.key());
+                assert!(
+                    t.starts_with(&format!("#define KV_ONLY_{k} 1\n")),
+                    "{}",
+                    p.key()
+                );
                 // The source guards every variant it instantiates.
-                assert!(module(p.module).source.contains(&format!("defined(KV_ONLY_{k})")), "{}", p.key());
+                assert!(
+                    module(p.module)
+                        .source
+                        .contains(&format!("defined(KV_ONLY_{k})")),
+                    "{}",
+                    p.key()
+                );
             }
         }
         for m in &MODULES {
-            assert!(!m.source.contains("#include"), "{} must not include headers", m.name);
+            assert!(
+                !m.source.contains("#include"),
+                "{} must not include headers",
+                m.name
+            );
         }
         assert!(!COMMON.contains("#include"));
-        assert_eq!(Program { module: "attention", kv: Some("int8") }.key(), "attention[int8]");
+        assert_eq!(
+            Program {
+                module: "attention",
+                kv: Some("int8")
+            }
+            .key(),
+            "attention[int8]"
+        );
     }
 }

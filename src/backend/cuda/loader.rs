@@ -21,7 +21,12 @@ const RTLD_NOW: c_int = 2;
 const RTLD_GLOBAL: c_int = 0x100;
 
 /// Library file name prefixes, in load order (dependencies first).
-const PREFIXES: [&str; 4] = ["libnvrtc-builtins.so", "libnvrtc.so", "libcublasLt.so", "libcublas.so"];
+const PREFIXES: [&str; 4] = [
+    "libnvrtc-builtins.so",
+    "libnvrtc.so",
+    "libcublasLt.so",
+    "libcublas.so",
+];
 
 /// Environment variables naming library directories.
 pub const ENV_DIRS: [&str; 2] = ["NINFER_CUDA_LIB_DIR", "NINFER_NVRTC_LIB_DIR"];
@@ -43,7 +48,8 @@ pub fn env_dirs() -> Vec<PathBuf> {
 
 /// Opens one library by full path; the handle is kept for the life of the process.
 pub fn open_path(path: &Path) -> Result<(), String> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| format!("{}: bad path", path.display()))?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{}: bad path", path.display()))?;
     // SAFETY: dlopen with a valid C string; the handle is intentionally never closed.
     let h = unsafe { dlopen(c.as_ptr(), RTLD_NOW | RTLD_GLOBAL) };
     if h.is_null() {
@@ -65,7 +71,10 @@ pub fn open_path(path: &Path) -> Result<(), String> {
 /// variants (a second build of the same library in NVIDIA's wheels) are skipped.
 pub fn libraries_in(dir: &Path) -> Vec<PathBuf> {
     let mut names: Vec<String> = match std::fs::read_dir(dir) {
-        Ok(rd) => rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect(),
         Err(_) => return Vec::new(),
     };
     names.sort();
@@ -73,7 +82,10 @@ pub fn libraries_in(dir: &Path) -> Vec<PathBuf> {
     for prefix in PREFIXES {
         for n in &names {
             let tail = &n[prefix.len().min(n.len())..];
-            if n.starts_with(prefix) && (tail.is_empty() || tail.starts_with('.')) && !n.contains(".alt.") {
+            if n.starts_with(prefix)
+                && (tail.is_empty() || tail.starts_with('.'))
+                && !n.contains(".alt.")
+            {
                 out.push(dir.join(n));
             }
         }
@@ -165,7 +177,13 @@ mod tests {
             .collect();
         assert_eq!(
             names,
-            ["libnvrtc-builtins.so.13.0", "libnvrtc.so", "libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13"]
+            [
+                "libnvrtc-builtins.so.13.0",
+                "libnvrtc.so",
+                "libnvrtc.so.13",
+                "libcublasLt.so.13",
+                "libcublas.so.13"
+            ]
         );
         assert!(libraries_in(Path::new("/nonexistent/dir")).is_empty());
     }

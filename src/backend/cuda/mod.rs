@@ -60,17 +60,23 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
         return Err(m);
     }
     result::init().map_err(|e| format!("the CUDA driver did not initialize ({e})"))?;
-    let count = result::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e})"))?;
+    let count =
+        result::device::get_count().map_err(|e| format!("cannot count CUDA devices ({e})"))?;
     if count <= 0 {
         return Err("the CUDA driver reports no device".to_string());
     }
     if ordinal >= count as usize {
-        return Err(format!("CUDA device {ordinal} does not exist ({count} present: 0..{})", count - 1));
+        return Err(format!(
+            "CUDA device {ordinal} does not exist ({count} present: 0..{})",
+            count - 1
+        ));
     }
-    let dev = result::device::get(ordinal as i32).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+    let dev =
+        result::device::get(ordinal as i32).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
     let attr = |a: sys::CUdevice_attribute| -> Result<i32, String> {
         // SAFETY: a valid device handle.
-        unsafe { result::device::get_attribute(dev, a) }.map_err(|e| format!("CUDA device {ordinal}: {e}"))
+        unsafe { result::device::get_attribute(dev, a) }
+            .map_err(|e| format!("CUDA device {ordinal}: {e}"))
     };
     use sys::CUdevice_attribute::*;
     let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
@@ -78,7 +84,8 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
     let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let name = result::device::get_name(dev).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
     // SAFETY: a valid device handle.
-    let mem = unsafe { result::device::total_mem(dev) }.map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+    let mem = unsafe { result::device::total_mem(dev) }
+        .map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
     if major < 8 {
         return Err(format!(
             "CUDA device {ordinal} ({name}) is sm_{major}{minor}; the kernels need sm_80 or newer (bf16 tensor cores)"
@@ -151,7 +158,15 @@ pub mod bench {
         for i in 0..warmup + reps {
             gpu.sync()?;
             let t = std::time::Instant::now();
-            blas.gemm(n, n, n, Mat::of(&da, 0, n), Mat::of(&db, 0, n), Mat::of(&dc, 0, n), false)?;
+            blas.gemm(
+                n,
+                n,
+                n,
+                Mat::of(&da, 0, n),
+                Mat::of(&db, 0, n),
+                Mat::of(&dc, 0, n),
+                false,
+            )?;
             gpu.sync()?;
             if i >= warmup {
                 times.push(t.elapsed().as_secs_f64());

@@ -132,7 +132,10 @@ fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {
     match p {
         Precision::F32 => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
         Precision::Bf16 => {
-            let b: Vec<u16> = v.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+            let b: Vec<u16> = v
+                .par_iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
             bytemuck::cast_slice::<u16, u8>(&b).to_vec()
         }
     }
@@ -150,7 +153,11 @@ impl CudaModel {
         let gpu = Gpu::open(ordinal)?;
         let c = a.config.clone();
         if c.head_dim > plan::MAX_HEAD_DIM {
-            bail!("head_dim {} is larger than the CUDA kernels take ({})", c.head_dim, plan::MAX_HEAD_DIM);
+            bail!(
+                "head_dim {} is larger than the CUDA kernels take ({})",
+                c.head_dim,
+                plan::MAX_HEAD_DIM
+            );
         }
         let need = plan::weight_bytes(&c, precision);
         let (free, _) = gpu.mem_info()?;
@@ -171,7 +178,11 @@ impl CudaModel {
             progress(done, total);
         };
         // Matrices: rows of several tensors concatenated, in the precision's element type.
-        let matrix = |names: &[String], rows: usize, cols: usize, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+        let matrix = |names: &[String],
+                      rows: usize,
+                      cols: usize,
+                      tick: &mut dyn FnMut(usize)|
+         -> Result<DevBuf> {
             let buf = gpu.alloc(rows * cols * e)?;
             let mut off = 0;
             for n in names {
@@ -191,7 +202,12 @@ impl CudaModel {
             Ok(b)
         };
         let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let embed = matrix(&["model.embed_tokens.weight".to_string()], c.vocab_size, d, &mut tick)?;
+        let embed = matrix(
+            &["model.embed_tokens.weight".to_string()],
+            c.vocab_size,
+            d,
+            &mut tick,
+        )?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
@@ -226,21 +242,44 @@ impl CudaModel {
             let wo = matrix(&[format!("{p}.self_attn.o_proj.weight")], d, qd, &mut tick)?;
             let mlp_norm = vector(&format!("{p}.post_attention_layernorm.weight"), &mut tick)?;
             let wgu = matrix(
-                &[format!("{p}.mlp.gate_proj.weight"), format!("{p}.mlp.up_proj.weight")],
+                &[
+                    format!("{p}.mlp.gate_proj.weight"),
+                    format!("{p}.mlp.up_proj.weight"),
+                ],
                 2 * f,
                 d,
                 &mut tick,
             )?;
             let wdown = matrix(&[format!("{p}.mlp.down_proj.weight")], d, f, &mut tick)?;
-            layers.push(LayerW { attn_norm, wqkv, bqkv, q_norm, k_norm, wo, mlp_norm, wgu, wdown });
+            layers.push(LayerW {
+                attn_norm,
+                wqkv,
+                bqkv,
+                q_norm,
+                k_norm,
+                wo,
+                mlp_norm,
+                wgu,
+                wdown,
+            });
         }
         let final_norm = vector("model.norm.weight", &mut tick)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(matrix(&["lm_head.weight".to_string()], c.vocab_size, d, &mut tick)?)
+            Some(matrix(
+                &["lm_head.weight".to_string()],
+                c.vocab_size,
+                d,
+                &mut tick,
+            )?)
         };
-        let weights = DevWeights { embed, layers, final_norm, lm_head };
+        let weights = DevWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        };
         let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
         let blas = Blas::new(&gpu, precision)?;
         let inv_freq = inv_freq(c.head_dim, c.rope_theta, c.rope_scaling.as_ref());
@@ -304,10 +343,22 @@ impl CudaModel {
         let kvn = kv.name();
         super::device::precompile(
             &[
-                Program { module: "attention", kv: Some(kvn) },
-                Program { module: "qkv", kv: Some(kvn) },
-                Program { module: "elementwise", kv: None },
-                Program { module: "head", kv: None },
+                Program {
+                    module: "attention",
+                    kv: Some(kvn),
+                },
+                Program {
+                    module: "qkv",
+                    kv: Some(kvn),
+                },
+                Program {
+                    module: "elementwise",
+                    kv: None,
+                },
+                Program {
+                    module: "head",
+                    kv: None,
+                },
             ],
             &self.gpu.arch,
         )?;
@@ -316,13 +367,22 @@ impl CudaModel {
         self.ensure_rope(&mut st, longest)?;
         let plan = st.bufs.as_ref().expect("allocated").plan.clone();
         let lens: Vec<usize> = windows.iter().map(|w| w.len()).collect();
-        for batch in plan::pack_batches(&lens, plan.max_rows, self.max_windows.load(Ordering::Relaxed))? {
-            let wins: Vec<(&[u32], usize)> =
-                windows[batch.clone()].iter().map(|w| (&tokens[w.begin..w.end], w.start - w.begin)).collect();
+        for batch in plan::pack_batches(
+            &lens,
+            plan.max_rows,
+            self.max_windows.load(Ordering::Relaxed),
+        )? {
+            let wins: Vec<(&[u32], usize)> = windows[batch.clone()]
+                .iter()
+                .map(|w| (&tokens[w.begin..w.end], w.start - w.begin))
+                .collect();
             match self.forward_batch(&st, &wins, kv) {
                 Ok(lps) => on_batch(batch.start, lps)?,
                 Err(ScoreError::Window { index, error }) => {
-                    return Err(ScoreError::Window { index: batch.start + index, error });
+                    return Err(ScoreError::Window {
+                        index: batch.start + index,
+                        error,
+                    });
                 }
                 Err(e) => return Err(e),
             }
@@ -342,8 +402,14 @@ impl CudaModel {
         // allocation serves every KV dtype.
         let p = plan::plan_memory(&self.config, KvDtype::F32, self.precision, free, longest)?;
         let c = &self.config;
-        let (d, qd, kvd, f, hd, hkv) =
-            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.head_dim, c.num_kv_heads);
+        let (d, qd, kvd, f, hd, hkv) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+            c.head_dim,
+            c.num_kv_heads,
+        );
         let rows = p.max_rows;
         let e = self.precision.elem_bytes();
         let g = &self.gpu;
@@ -352,7 +418,11 @@ impl CudaModel {
             let (_, s, _) = plan::kv_arrays(Elem::Int8, n, hd);
             let (_, _, bs) = plan::kv_arrays(Elem::Nvfp4, n, hd);
             let (data, _, _) = plan::kv_arrays(Elem::F32, n, hd);
-            Ok(KvBufs { data: g.alloc(data)?, scale: g.alloc(s)?, bscale: g.alloc(bs)? })
+            Ok(KvBufs {
+                data: g.alloc(data)?,
+                scale: g.alloc(s)?,
+                bscale: g.alloc(bs)?,
+            })
         };
         let bufs = Buffers {
             x: g.alloc(rows * d * 4)?,
@@ -388,11 +458,21 @@ impl CudaModel {
         }
         let n = positions.max(1).next_power_of_two();
         let t = RopeTable::new(&self.inv_freq, n);
-        st.rope = Some(Rope { positions: n, cos: self.gpu.upload(&t.cos)?, sin: self.gpu.upload(&t.sin)? });
+        st.rope = Some(Rope {
+            positions: n,
+            cos: self.gpu.upload(&t.cos)?,
+            sin: self.gpu.upload(&t.sin)?,
+        });
         Ok(())
     }
 
-    fn launch_attention(&self, b: &Buffers, kv: KvDtype, tiles: &DevBuf, n_tiles: usize) -> Result<()> {
+    fn launch_attention(
+        &self,
+        b: &Buffers,
+        kv: KvDtype,
+        tiles: &DevBuf,
+        n_tiles: usize,
+    ) -> Result<()> {
         let c = &self.config;
         let k = self.attention_kernel();
         let entry = k.entry(kv);
@@ -447,7 +527,12 @@ impl CudaModel {
 
     /// One forward pass over packed windows `(tokens, first_target)`; returns each window's
     /// target log-probabilities.
-    fn forward_batch(&self, st: &State, wins: &[(&[u32], usize)], kv: KvDtype) -> Result<Vec<Vec<f32>>, ScoreError> {
+    fn forward_batch(
+        &self,
+        st: &State,
+        wins: &[(&[u32], usize)],
+        kv: KvDtype,
+    ) -> Result<Vec<Vec<f32>>, ScoreError> {
         let c = &self.config;
         let (d, qd, kvd, f, hd, hq, hkv) = (
             c.hidden_size,
@@ -472,11 +557,22 @@ impl CudaModel {
         let mut targets: Vec<i32> = Vec::new();
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(wins.len());
         for (wi, &(toks, first)) in wins.iter().enumerate() {
-            assert!(first >= 1 && first <= toks.len(), "first_target out of range");
-            if let Some((p_, &id)) = toks.iter().enumerate().find(|(_, &id)| id as usize >= c.vocab_size) {
+            assert!(
+                first >= 1 && first <= toks.len(),
+                "first_target out of range"
+            );
+            if let Some((p_, &id)) = toks
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= c.vocab_size)
+            {
                 return Err(ScoreError::Window {
                     index: wi,
-                    error: ForwardError::TokenOutOfRange { id, pos: p_, vocab: c.vocab_size },
+                    error: ForwardError::TokenOutOfRange {
+                        id,
+                        pos: p_,
+                        vocab: c.vocab_size,
+                    },
                 });
             }
             let row0 = tokens.len();
@@ -492,8 +588,10 @@ impl CudaModel {
         let m = total;
         let r_total = rows.len();
         let kernel = self.attention_kernel();
-        let tiles: Vec<[i32; 4]> =
-            plan::attention_tiles(&spans, kernel.rows_per_tile()).into_iter().map(|t| t.to_int4()).collect();
+        let tiles: Vec<[i32; 4]> = plan::attention_tiles(&spans, kernel.rows_per_tile())
+            .into_iter()
+            .map(|t| t.to_int4())
+            .collect();
         let g = &self.gpu;
         let ints = g.upload(&[tokens, pos, win, rows, targets].concat())?;
         let (o_tok, o_pos, o_win, o_rows, o_tgt) = (0, 4 * m, 8 * m, 12 * m, 12 * m + 4 * r_total);
@@ -539,7 +637,15 @@ impl CudaModel {
         for (li, l) in w.layers.iter().enumerate() {
             // Attention block.
             norm(b.x.ptr, 0, &l.attn_norm, b.h.ptr, m)?;
-            self.blas.gemm(m, qkv_w, d, Mat::of(&b.h, 0, d), Mat::of(&l.wqkv, 0, d), Mat::of(&b.scratch, 0, qkv_w), false)?;
+            self.blas.gemm(
+                m,
+                qkv_w,
+                d,
+                Mat::of(&b.h, 0, d),
+                Mat::of(&l.wqkv, 0, d),
+                Mat::of(&b.scratch, 0, qkv_w),
+                false,
+            )?;
             g.launch(
                 &qkv_entry,
                 (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
@@ -568,18 +674,48 @@ impl CudaModel {
                 ],
             )?;
             self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
-            self.blas.gemm(m, d, qd, Mat::of(&b.attn, 0, qd), Mat::of(&l.wo, 0, qd), Mat::of(&b.x, 0, d), true)?;
+            self.blas.gemm(
+                m,
+                d,
+                qd,
+                Mat::of(&b.attn, 0, qd),
+                Mat::of(&l.wo, 0, qd),
+                Mat::of(&b.x, 0, d),
+                true,
+            )?;
             // MLP block.
             norm(b.x.ptr, 0, &l.mlp_norm, b.h.ptr, m)?;
-            self.blas.gemm(m, 2 * f, d, Mat::of(&b.h, 0, d), Mat::of(&l.wgu, 0, d), Mat::of(&b.scratch, 0, 2 * f), false)?;
+            self.blas.gemm(
+                m,
+                2 * f,
+                d,
+                Mat::of(&b.h, 0, d),
+                Mat::of(&l.wgu, 0, d),
+                Mat::of(&b.scratch, 0, 2 * f),
+                false,
+            )?;
             g.launch(
                 "swiglu",
                 (plan::blocks_for(m * f, 256), 1, 1),
                 256,
                 0,
-                &[Arg::Ptr(b.scratch.ptr), Arg::Ptr(b.act.ptr), Arg::I32(bf16_out), Arg::I64(m as i64), Arg::I32(f as i32)],
+                &[
+                    Arg::Ptr(b.scratch.ptr),
+                    Arg::Ptr(b.act.ptr),
+                    Arg::I32(bf16_out),
+                    Arg::I64(m as i64),
+                    Arg::I32(f as i32),
+                ],
             )?;
-            self.blas.gemm(m, d, f, Mat::of(&b.act, 0, f), Mat::of(&l.wdown, 0, f), Mat::of(&b.x, 0, d), true)?;
+            self.blas.gemm(
+                m,
+                d,
+                f,
+                Mat::of(&b.act, 0, f),
+                Mat::of(&l.wdown, 0, f),
+                Mat::of(&b.x, 0, d),
+                true,
+            )?;
         }
 
         // Head over the scored rows only: final norm of the gathered rows into `h`, then
@@ -591,7 +727,15 @@ impl CudaModel {
             let rb = hr.min(r_total - r0);
             for v0 in (0..c.vocab_size).step_by(vc_max) {
                 let vc = vc_max.min(c.vocab_size - v0);
-                self.blas.gemm(rb, vc, d, Mat::of(&b.h, r0 * d * e, d), Mat::of(head, v0 * d * e, d), Mat::of(&b.logits, 0, vc), false)?;
+                self.blas.gemm(
+                    rb,
+                    vc,
+                    d,
+                    Mat::of(&b.h, r0 * d * e, d),
+                    Mat::of(head, v0 * d * e, d),
+                    Mat::of(&b.logits, 0, vc),
+                    false,
+                )?;
                 g.launch(
                     "head_reduce",
                     (rb as u32, 1, 1),
@@ -651,7 +795,15 @@ pub fn decode_nonfinite(key: u64, hkv: usize, hd: usize) -> (usize, ForwardError
     let which = if (key >> 39) & 1 == 1 { "value" } else { "key" };
     let flat = (key & ((1u64 << 39) - 1)) as usize;
     let vec = flat / hd;
-    (window, ForwardError::NonFiniteKv { which, layer, pos: vec / hkv, head: vec % hkv })
+    (
+        window,
+        ForwardError::NonFiniteKv {
+            which,
+            layer,
+            pos: vec / hkv,
+            head: vec % hkv,
+        },
+    )
 }
 
 /// Errors of a batch as one line for the engine.
@@ -679,9 +831,25 @@ mod tests {
         let key = (7u64 << 48) | (12u64 << 40) | (1u64 << 39) | flat;
         let (w, e) = decode_nonfinite(key, hkv, hd);
         assert_eq!(w, 7);
-        assert_eq!(e, ForwardError::NonFiniteKv { which: "value", layer: 12, pos: 5, head: 2 });
+        assert_eq!(
+            e,
+            ForwardError::NonFiniteKv {
+                which: "value",
+                layer: 12,
+                pos: 5,
+                head: 2
+            }
+        );
         let (w, e) = decode_nonfinite(flat, hkv, hd);
         assert_eq!(w, 0);
-        assert_eq!(e, ForwardError::NonFiniteKv { which: "key", layer: 0, pos: 5, head: 2 });
+        assert_eq!(
+            e,
+            ForwardError::NonFiniteKv {
+                which: "key",
+                layer: 0,
+                pos: 5,
+                head: 2
+            }
+        );
     }
 }

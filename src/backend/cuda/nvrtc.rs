@@ -48,7 +48,8 @@ pub fn compile(p: &Program, arch: &str, verbose_ptxas: bool) -> Result<Compiled,
     let key = p.key();
     let src = CString::new(p.text()).map_err(|_| format!("{key} holds a NUL byte"))?;
     let name = CString::new(format!("{}.cu", p.module)).expect("plain name");
-    let prog = result::create_program(&src, Some(&name)).map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+    let prog = result::create_program(&src, Some(&name))
+        .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
     struct Guard(sys::nvrtcProgram);
     impl Drop for Guard {
         fn drop(&mut self) {
@@ -63,18 +64,26 @@ pub fn compile(p: &Program, arch: &str, verbose_ptxas: bool) -> Result<Compiled,
     // SAFETY: the program is valid; the log is NUL terminated.
     let log = unsafe { result::get_program_log(g.0) }
         .map(|v| {
-            let bytes: Vec<u8> = v.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            let bytes: Vec<u8> = v
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
             String::from_utf8_lossy(&bytes).into_owned()
         })
         .unwrap_or_default();
     if let Err(e) = compiled {
-        return Err(format!("kernels/{key} does not compile for {arch} ({e:?}):\n{log}"));
+        return Err(format!(
+            "kernels/{key} does not compile for {arch} ({e:?}):\n{log}"
+        ));
     }
     let mut size = 0usize;
     // SAFETY: valid program, out-parameter.
     let r = unsafe { sys::nvrtcGetCUBINSize(g.0, &mut size) };
     if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-        return Err(format!("kernels/{key}: no CUBIN for {arch} ({r:?}); the architecture must be sm_XX"));
+        return Err(format!(
+            "kernels/{key}: no CUBIN for {arch} ({r:?}); the architecture must be sm_XX"
+        ));
     }
     let mut cubin = vec![0u8; size];
     // SAFETY: the buffer holds `size` bytes as NVRTC asked.
@@ -109,7 +118,11 @@ pub fn cache_path_in(dir: &std::path::Path, p: &Program, arch: &str) -> std::pat
     }
     let hash = hex::encode(h.finalize());
     let key = p.key().replace(['[', ']'], "-");
-    dir.join(format!("{arch}-{}-{}.cubin", key.trim_end_matches('-'), &hash[..20]))
+    dir.join(format!(
+        "{arch}-{}-{}.cubin",
+        key.trim_end_matches('-'),
+        &hash[..20]
+    ))
 }
 
 /// A cached CUBIN, if there is one.
@@ -118,7 +131,9 @@ pub fn load_cached(p: &Program, arch: &str) -> Option<Vec<u8>> {
 }
 
 fn load_cached_at(path: &std::path::Path) -> Option<Vec<u8>> {
-    std::fs::read(path).ok().filter(|b| b.starts_with(b"\x7fELF"))
+    std::fs::read(path)
+        .ok()
+        .filter(|b| b.starts_with(b"\x7fELF"))
 }
 
 /// Stores a CUBIN in the cache (atomically; failures only cost a later recompile).
@@ -159,13 +174,21 @@ pub fn parse_ptxas_log(log: &str) -> Vec<KernelResources> {
     let mut out: Vec<KernelResources> = Vec::new();
     let num_before = |s: &str, unit: &str| -> Option<u32> {
         let i = s.find(unit)?;
-        s[..i].trim_end().rsplit(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+        s[..i]
+            .trim_end()
+            .rsplit(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
     };
     for line in log.lines() {
         if let Some(i) = line.find("Compiling entry function '") {
             let rest = &line[i + "Compiling entry function '".len()..];
             let name = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(KernelResources { name, ..Default::default() });
+            out.push(KernelResources {
+                name,
+                ..Default::default()
+            });
             continue;
         }
         let Some(cur) = out.last_mut() else { continue };
@@ -217,12 +240,21 @@ ptxas info    : Used 10 registers, used 0 barriers, 380 bytes cmem[0]\n";
     #[test]
     fn cache_names_change_with_the_program_text() {
         let d = tempfile::tempdir().unwrap();
-        let a = Program { module: "attention", kv: Some("int8") };
-        let b = Program { module: "attention", kv: Some("fp8") };
+        let a = Program {
+            module: "attention",
+            kv: Some("int8"),
+        };
+        let b = Program {
+            module: "attention",
+            kv: Some("fp8"),
+        };
         let pa = cache_path_in(d.path(), &a, "sm_90");
         assert!(pa.starts_with(d.path()));
         let name = pa.file_name().unwrap().to_string_lossy().into_owned();
-        assert!(name.starts_with("sm_90-attention-int8-") && name.ends_with(".cubin"), "{name}");
+        assert!(
+            name.starts_with("sm_90-attention-int8-") && name.ends_with(".cubin"),
+            "{name}"
+        );
         assert_ne!(pa, cache_path_in(d.path(), &b, "sm_90"));
         assert_ne!(pa, cache_path_in(d.path(), &a, "sm_80"));
         assert!(load_cached_at(&pa).is_none());
@@ -236,7 +268,9 @@ ptxas info    : Used 10 registers, used 0 barriers, 380 bytes cmem[0]\n";
     fn options_keep_ieee_arithmetic() {
         let o = options("sm_90", true);
         assert!(o.contains(&"--gpu-architecture=sm_90".to_string()));
-        assert!(o.contains(&"--ftz=false".to_string()) && o.contains(&"--prec-div=true".to_string()));
+        assert!(
+            o.contains(&"--ftz=false".to_string()) && o.contains(&"--prec-div=true".to_string())
+        );
         assert!(!o.iter().any(|s| s.contains("fast-math")));
         assert!(o.contains(&"--ptxas-options=-v".to_string()));
     }

@@ -87,7 +87,11 @@ impl AttnKernel {
     pub fn dynamic_smem(self, head_dim: usize) -> usize {
         match self {
             AttnKernel::Mma { .. } => 0,
-            AttnKernel::F32 => 4 * (ATTN_F32_KEYS * (head_dim + 1) + ATTN_F32_KEYS * head_dim + ATTN_F32_ROWS * head_dim),
+            AttnKernel::F32 => {
+                4 * (ATTN_F32_KEYS * (head_dim + 1)
+                    + ATTN_F32_KEYS * head_dim
+                    + ATTN_F32_ROWS * head_dim)
+            }
         }
     }
 }
@@ -99,7 +103,9 @@ pub fn qkv_entry(kv: KvDtype, head_dim: usize) -> Result<String> {
         1..=64 => 2,
         65..=128 => 4,
         129..=MAX_HEAD_DIM => 8,
-        _ => bail!("head_dim {head_dim} is outside what the CUDA kernels take (1..={MAX_HEAD_DIM})"),
+        _ => {
+            bail!("head_dim {head_dim} is outside what the CUDA kernels take (1..={MAX_HEAD_DIM})")
+        }
     };
     Ok(format!("qkv_prep_{}_nk{nk}", kv.name()))
 }
@@ -143,7 +149,11 @@ pub fn attention_tiles(windows: &[(usize, usize)], per_tile: usize) -> Vec<AttnT
         let mut r = 0;
         while r < len {
             let n = per_tile.min(len - r);
-            tiles.push(AttnTile { q_row: (row0 + r) as u32, rows: n as u32, seq_row: row0 as u32 });
+            tiles.push(AttnTile {
+                q_row: (row0 + r) as u32,
+                rows: n as u32,
+                seq_row: row0 as u32,
+            });
             r += n;
         }
     }
@@ -154,7 +164,11 @@ pub fn attention_tiles(windows: &[(usize, usize)], per_tile: usize) -> Vec<AttnT
 
 /// Groups consecutive windows (by length) into forward passes of at most `max_rows` packed
 /// rows and at most `max_windows` windows. Every window must fit alone.
-pub fn pack_batches(lens: &[usize], max_rows: usize, max_windows: usize) -> Result<Vec<std::ops::Range<usize>>> {
+pub fn pack_batches(
+    lens: &[usize],
+    max_rows: usize,
+    max_windows: usize,
+) -> Result<Vec<std::ops::Range<usize>>> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut rows = 0;
@@ -183,7 +197,11 @@ pub fn kv_arrays(elem: Elem, n: usize, head_dim: usize) -> (usize, usize, usize)
         Elem::F32 => (r(4 * n * head_dim), 0, 0),
         Elem::Bf16 => (r(2 * n * head_dim), 0, 0),
         Elem::Int8 | Elem::Fp8 => (r(n * head_dim), r(4 * n), 0),
-        Elem::Nvfp4 => (r(n * head_dim.div_ceil(2)), r(4 * n), r(n * head_dim.div_ceil(16))),
+        Elem::Nvfp4 => (
+            r(n * head_dim.div_ceil(2)),
+            r(4 * n),
+            r(n * head_dim.div_ceil(16)),
+        ),
     }
 }
 
@@ -228,7 +246,13 @@ pub const RESERVE_BYTES: usize = 1 << 30;
 /// Splits `free` device bytes (measured after the weights are resident) between the head's
 /// logits chunk and the activation buffers. `longest` is the longest window to score; a
 /// batch always holds at least one.
-pub fn plan_memory(c: &ModelConfig, kv: KvDtype, p: Precision, free: usize, longest: usize) -> Result<MemPlan> {
+pub fn plan_memory(
+    c: &ModelConfig,
+    kv: KvDtype,
+    p: Precision,
+    free: usize,
+    longest: usize,
+) -> Result<MemPlan> {
     let per_row = bytes_per_row(c, kv, p);
     let budget = free.saturating_sub(RESERVE_BYTES.min(free / 8));
     // Head: up to an eighth of the budget, at most 2 GiB, at least one row x 1024 entries.
@@ -246,9 +270,18 @@ pub fn plan_memory(c: &ModelConfig, kv: KvDtype, p: Precision, free: usize, long
     }
     let head_rows = max_rows.min(HEAD_ROWS_CAP);
     let chunk = (head_budget / (4 * head_rows)).max(256);
-    let vocab_chunk = if chunk >= vocab { vocab } else { (chunk / 256 * 256).max(256) };
+    let vocab_chunk = if chunk >= vocab {
+        vocab
+    } else {
+        (chunk / 256 * 256).max(256)
+    };
     let planned = max_rows * (per_row + per_head_row) + 4 * head_rows * vocab_chunk;
-    Ok(MemPlan { max_rows, head_rows, vocab_chunk, planned_bytes: planned })
+    Ok(MemPlan {
+        max_rows,
+        head_rows,
+        vocab_chunk,
+        planned_bytes: planned,
+    })
 }
 
 /// Device bytes of the weights in a precision: matrices in the GEMM element type, the
@@ -272,7 +305,13 @@ pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
 /// two: the projections and MLP for every token, causal attention (QK^T and PV over the
 /// keys each query sees, the query itself included) and the output head for scored rows.
 pub fn window_flops(c: &ModelConfig, len: usize, scored: usize) -> f64 {
-    let (d, qd, kvd, f, v) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size, c.vocab_size);
+    let (d, qd, kvd, f, v) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.vocab_size,
+    );
     let t = len as f64;
     let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
     let pairs = t * (t + 1.0) / 2.0; // (query, key) pairs under the causal mask
@@ -286,7 +325,15 @@ mod tests {
     use super::*;
     use crate::model::config::Family;
 
-    fn cfg(layers: usize, d: usize, hq: usize, hkv: usize, hd: usize, f: usize, vocab: usize) -> ModelConfig {
+    fn cfg(
+        layers: usize,
+        d: usize,
+        hq: usize,
+        hkv: usize,
+        hd: usize,
+        f: usize,
+        vocab: usize,
+    ) -> ModelConfig {
         ModelConfig {
             family: Family::Qwen3,
             vocab_size: vocab,
@@ -320,17 +367,34 @@ mod tests {
             let mut seen = vec![0u32; 395];
             for t in &tiles {
                 assert!(t.rows >= 1 && t.rows as usize <= per);
-                let w = wins.iter().find(|w| w.0 as u32 == t.seq_row).expect("tile in a window");
+                let w = wins
+                    .iter()
+                    .find(|w| w.0 as u32 == t.seq_row)
+                    .expect("tile in a window");
                 assert!(t.q_row >= t.seq_row && (t.q_row + t.rows) as usize <= w.0 + w.1);
                 for r in t.q_row..t.q_row + t.rows {
                     seen[r as usize] += 1;
                 }
             }
-            assert!(seen.iter().all(|&s| s == 1), "every row in exactly one tile");
-            assert!(tiles.windows(2).all(|p| p[0].keys() >= p[1].keys()), "longest first");
+            assert!(
+                seen.iter().all(|&s| s == 1),
+                "every row in exactly one tile"
+            );
+            assert!(
+                tiles.windows(2).all(|p| p[0].keys() >= p[1].keys()),
+                "longest first"
+            );
             assert_eq!(tiles[0].keys(), 200);
         }
-        assert_eq!(AttnTile { q_row: 70, rows: 5, seq_row: 64 }.to_int4(), [70, 5, 64, 0]);
+        assert_eq!(
+            AttnTile {
+                q_row: 70,
+                rows: 5,
+                seq_row: 64
+            }
+            .to_int4(),
+            [70, 5, 64, 0]
+        );
     }
 
     #[test]
@@ -357,14 +421,26 @@ mod tests {
 
     #[test]
     fn kernel_choice_follows_precision_and_head_dim() {
-        assert_eq!(AttnKernel::choose(Precision::Bf16, 128), AttnKernel::Mma { head_dim: 128 });
-        assert_eq!(AttnKernel::choose(Precision::Bf16, 64), AttnKernel::Mma { head_dim: 64 });
+        assert_eq!(
+            AttnKernel::choose(Precision::Bf16, 128),
+            AttnKernel::Mma { head_dim: 128 }
+        );
+        assert_eq!(
+            AttnKernel::choose(Precision::Bf16, 64),
+            AttnKernel::Mma { head_dim: 64 }
+        );
         assert_eq!(AttnKernel::choose(Precision::Bf16, 8), AttnKernel::F32);
         assert_eq!(AttnKernel::choose(Precision::Bf16, 80), AttnKernel::F32);
         assert_eq!(AttnKernel::choose(Precision::F32, 128), AttnKernel::F32);
-        assert_eq!(AttnKernel::Mma { head_dim: 64 }.entry(KvDtype::K8v4), "attn_mma_k8v4_d64");
+        assert_eq!(
+            AttnKernel::Mma { head_dim: 64 }.entry(KvDtype::K8v4),
+            "attn_mma_k8v4_d64"
+        );
         assert_eq!(AttnKernel::F32.entry(KvDtype::Nvfp4), "attn_f32_nvfp4");
-        assert_eq!(AttnKernel::F32.dynamic_smem(128), 4 * (32 * 129 + 32 * 128 + 16 * 128));
+        assert_eq!(
+            AttnKernel::F32.dynamic_smem(128),
+            4 * (32 * 129 + 32 * 128 + 16 * 128)
+        );
         assert_eq!(qkv_entry(KvDtype::Bf16, 64).unwrap(), "qkv_prep_bf16_nk2");
         assert_eq!(qkv_entry(KvDtype::Int8, 8).unwrap(), "qkv_prep_int8_nk2");
         assert_eq!(qkv_entry(KvDtype::Fp8, 128).unwrap(), "qkv_prep_fp8_nk4");
@@ -409,7 +485,9 @@ mod tests {
         let p = plan_memory(&c, KvDtype::Nvfp4, Precision::Bf16, 4 << 30, 4096).unwrap();
         assert!(p.max_rows >= 4096 && p.max_rows < 16_384, "{p:?}");
         assert!(p.planned_bytes <= 4 << 30);
-        let e = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, 256 << 20, 4096).unwrap_err().to_string();
+        let e = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, 256 << 20, 4096)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not enough free device memory"), "{e}");
         // A small model with a small vocabulary takes the whole vocabulary in one chunk.
         let small = cfg(2, 16, 4, 2, 8, 32, 1000);
@@ -434,6 +512,9 @@ mod tests {
         for p in [Precision::Bf16, Precision::F32] {
             assert_eq!(Precision::parse(p.name()).unwrap(), p);
         }
-        assert!(Precision::parse("tf32").unwrap_err().to_string().contains("bf16, f32"));
+        assert!(Precision::parse("tf32")
+            .unwrap_err()
+            .to_string()
+            .contains("bf16, f32"));
     }
 }

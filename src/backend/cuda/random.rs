@@ -81,7 +81,8 @@ fn byte_chars() -> Vec<char> {
     let mut out = vec!['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         out[b as usize] = if printable {
             char::from_u32(b).unwrap()
         } else {
@@ -95,8 +96,11 @@ fn byte_chars() -> Vec<char> {
 /// A byte-level BPE tokenizer with the 256 byte tokens and no merges: every UTF-8 byte is
 /// one token, so any text tokenizes inside any vocabulary of 256 or more.
 pub fn byte_tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
     serde_json::json!({
         "version": "1.0",
         "truncation": null,
@@ -123,12 +127,14 @@ fn splitmix(mut z: u64) -> u64 {
 }
 
 fn name_seed(seed: u64, name: &str) -> u64 {
-    name.bytes().fold(splitmix(seed), |h, b| splitmix(h ^ b as u64))
+    name.bytes()
+        .fold(splitmix(seed), |h, b| splitmix(h ^ b as u64))
 }
 
 /// Value `i` of a tensor: uniform on [-a, a) with a = sqrt(3)·std.
 fn uniform(tseed: u64, i: u64, amp: f32) -> f32 {
-    let u = (splitmix(tseed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f32 / (1u64 << 24) as f32;
+    let u = (splitmix(tseed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f32
+        / (1u64 << 24) as f32;
     (2.0 * u - 1.0) * amp
 }
 
@@ -141,15 +147,21 @@ pub fn tensor_bytes(name: &str, shape: &[usize], seed: u64) -> (&'static str, Ve
         let data = vec![v; n];
         return ("F32", bytemuck::cast_slice::<f32, u8>(&data).to_vec());
     }
-    let std = if name == "model.embed_tokens.weight" { 1.0 } else { 1.0 / (shape[1] as f32).sqrt() };
+    let std = if name == "model.embed_tokens.weight" {
+        1.0
+    } else {
+        1.0 / (shape[1] as f32).sqrt()
+    };
     let amp = 3f32.sqrt() * std;
     let mut out = vec![0u16; n];
-    out.par_chunks_mut(1 << 16).enumerate().for_each(|(ci, chunk)| {
-        let base = (ci << 16) as u64;
-        for (j, o) in chunk.iter_mut().enumerate() {
-            *o = half::bf16::from_f32(uniform(tseed, base + j as u64, amp)).to_bits();
-        }
-    });
+    out.par_chunks_mut(1 << 16)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let base = (ci << 16) as u64;
+            for (j, o) in chunk.iter_mut().enumerate() {
+                *o = half::bf16::from_f32(uniform(tseed, base + j as u64, amp)).to_bits();
+            }
+        });
     ("BF16", bytemuck::cast_slice::<u16, u8>(&out).to_vec())
 }
 
@@ -161,11 +173,17 @@ pub struct RandomSpec {
     pub tokenizer_json: Option<String>,
 }
 
-fn header(meta: &BTreeMap<String, String>, entries: &[(String, &'static str, Vec<usize>, usize, usize)]) -> Vec<u8> {
+fn header(
+    meta: &BTreeMap<String, String>,
+    entries: &[(String, &'static str, Vec<usize>, usize, usize)],
+) -> Vec<u8> {
     let mut h = serde_json::Map::new();
     h.insert("__metadata__".into(), serde_json::to_value(meta).unwrap());
     for (name, dtype, shape, a, b) in entries {
-        h.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]}));
+        h.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]}),
+        );
     }
     let mut bytes = serde_json::to_vec(&serde_json::Value::Object(h)).unwrap();
     while bytes.len() % 8 != 0 {
@@ -176,16 +194,31 @@ fn header(meta: &BTreeMap<String, String>, entries: &[(String, &'static str, Vec
 
 /// Writes the artifact to `out` (through a temporary file renamed into place) and returns
 /// its digest. `progress(done, total)` counts tensors.
-pub fn write_random_artifact(spec: &RandomSpec, out: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<String> {
+pub fn write_random_artifact(
+    spec: &RandomSpec,
+    out: &Path,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<String> {
     let c = &spec.config;
     c.validate()?;
-    let tok = spec.tokenizer_json.clone().unwrap_or_else(byte_tokenizer_json);
+    let tok = spec
+        .tokenizer_json
+        .clone()
+        .unwrap_or_else(byte_tokenizer_json);
     let t = crate::tokenizer::Tokenizer::from_json(&tok).context("tokenizer")?;
     if t.vocab_size() > c.vocab_size {
-        bail!("the tokenizer has {} tokens, more than the vocabulary ({})", t.vocab_size(), c.vocab_size);
+        bail!(
+            "the tokenizer has {} tokens, more than the vocabulary ({})",
+            t.vocab_size(),
+            c.vocab_size
+        );
     }
     let provenance = Provenance {
-        packer: format!("ninfer-pack {} random (seed {})", env!("CARGO_PKG_VERSION"), spec.seed),
+        packer: format!(
+            "ninfer-pack {} random (seed {})",
+            env!("CARGO_PKG_VERSION"),
+            spec.seed
+        ),
         source_kind: "random".into(),
         source_files: vec![],
         source_dtypes: BTreeMap::new(),
@@ -207,16 +240,25 @@ pub fn write_random_artifact(spec: &RandomSpec, out: &Path, progress: &mut dyn F
     let mut off = 0usize;
     for (name, shape) in &tensors {
         let n: usize = shape.iter().product();
-        let (dtype, bytes) = if is_vector_tensor(name, shape) { ("F32", 4 * n) } else { ("BF16", 2 * n) };
+        let (dtype, bytes) = if is_vector_tensor(name, shape) {
+            ("F32", 4 * n)
+        } else {
+            ("BF16", 2 * n)
+        };
         entries.push((name.clone(), dtype, shape.clone(), off, off + bytes));
         off += bytes;
     }
     meta.insert("digest".into(), format!("sha256:{}", "0".repeat(64)));
     let placeholder = header(&meta, &entries);
 
-    let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create directory", dir.display()))?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("{}: cannot write", dir.display()))?;
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("{}: cannot write", dir.display()))?;
     {
         let f = tmp.as_file_mut();
         let mut w = std::io::BufWriter::with_capacity(8 << 20, &mut *f);
@@ -241,22 +283,35 @@ pub fn write_random_artifact(spec: &RandomSpec, out: &Path, progress: &mut dyn F
     f.seek(SeekFrom::Start(8))?;
     f.write_all(&real)?;
     f.sync_all().ok();
-    tmp.persist(out).map_err(|e| anyhow::anyhow!("{}: cannot write: {}", out.display(), e.error))?;
+    tmp.persist(out)
+        .map_err(|e| anyhow::anyhow!("{}: cannot write: {}", out.display(), e.error))?;
     Ok(d)
 }
 
 /// `ninfer-pack random`: writes the artifact and says what it wrote on stderr.
-pub fn run_cli(out: &Path, preset_name: &str, layers: Option<usize>, seed: u64, tokenizer: Option<&Path>) -> Result<()> {
+pub fn run_cli(
+    out: &Path,
+    preset_name: &str,
+    layers: Option<usize>,
+    seed: u64,
+    tokenizer: Option<&Path>,
+) -> Result<()> {
     let mut config = preset(preset_name)?;
     if let Some(l) = layers {
         config.num_layers = l;
     }
     let tokenizer_json = match tokenizer {
-        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?),
+        Some(p) => Some(
+            std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,
+        ),
         None => None,
     };
     let t = std::time::Instant::now();
-    let spec = RandomSpec { config, seed, tokenizer_json };
+    let spec = RandomSpec {
+        config,
+        seed,
+        tokenizer_json,
+    };
     let digest = write_random_artifact(&spec, out, &mut |_, _| {})?;
     let c = &spec.config;
     eprintln!(
@@ -292,10 +347,18 @@ mod tests {
     fn presets_are_valid_and_have_the_published_sizes() {
         let q = preset("qwen3-8b").unwrap();
         q.validate().unwrap();
-        assert!((8.1e9..8.3e9).contains(&(q.num_params() as f64)), "{}", q.num_params());
+        assert!(
+            (8.1e9..8.3e9).contains(&(q.num_params() as f64)),
+            "{}",
+            q.num_params()
+        );
         let s = preset("smollm2-135m").unwrap();
         s.validate().unwrap();
-        assert!((134e6..135e6).contains(&(s.num_params() as f64)), "{}", s.num_params());
+        assert!(
+            (134e6..135e6).contains(&(s.num_params() as f64)),
+            "{}",
+            s.num_params()
+        );
         preset("llama3-8b").unwrap().validate().unwrap();
         assert!(preset("gpt5").unwrap_err().to_string().contains("qwen3-8b"));
     }
@@ -314,7 +377,11 @@ mod tests {
     #[test]
     fn artifact_reads_back_verifies_and_is_deterministic() {
         let d = tempfile::tempdir().unwrap();
-        let spec = RandomSpec { config: tiny(), seed: 7, tokenizer_json: None };
+        let spec = RandomSpec {
+            config: tiny(),
+            seed: 7,
+            tokenizer_json: None,
+        };
         let p1 = d.path().join("a.ninfer");
         let p2 = d.path().join("b.ninfer");
         let mut calls = 0;
@@ -332,9 +399,18 @@ mod tests {
         assert!(w.iter().all(|v| v.abs() <= amp * 1.01));
         let mean = w.iter().map(|&v| v as f64).sum::<f64>() / w.len() as f64;
         let var = w.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / w.len() as f64;
-        assert!((var.sqrt() - 1.0 / 48f64.sqrt()).abs() < 0.02, "std {}", var.sqrt());
-        assert!(a.tensor_f32("model.norm.weight").unwrap().iter().all(|&v| v == 1.0));
-        let other = write_random_artifact(&RandomSpec { seed: 8, ..spec }, &p2, &mut |_, _| {}).unwrap();
+        assert!(
+            (var.sqrt() - 1.0 / 48f64.sqrt()).abs() < 0.02,
+            "std {}",
+            var.sqrt()
+        );
+        assert!(a
+            .tensor_f32("model.norm.weight")
+            .unwrap()
+            .iter()
+            .all(|&v| v == 1.0));
+        let other =
+            write_random_artifact(&RandomSpec { seed: 8, ..spec }, &p2, &mut |_, _| {}).unwrap();
         assert_ne!(other, d1);
     }
 
@@ -342,11 +418,28 @@ mod tests {
     fn random_artifact_scores_finitely_on_the_cpu() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("r.ninfer");
-        write_random_artifact(&RandomSpec { config: tiny(), seed: 1, tokenizer_json: None }, &p, &mut |_, _| {}).unwrap();
-        let e = crate::engine::Engine::load(&p, &crate::engine::LoadOptions::default(), &mut |_, _| {}).unwrap();
+        write_random_artifact(
+            &RandomSpec {
+                config: tiny(),
+                seed: 1,
+                tokenizer_json: None,
+            },
+            &p,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let e =
+            crate::engine::Engine::load(&p, &crate::engine::LoadOptions::default(), &mut |_, _| {})
+                .unwrap();
         let ids = e.tokenizer.encode("random weights, real shapes").unwrap();
         let s = e
-            .score(&ids, crate::score::Protocol::new(16, 8).unwrap(), crate::kv::KvDtype::Bf16, false, &mut |_, _| {})
+            .score(
+                &ids,
+                crate::score::Protocol::new(16, 8).unwrap(),
+                crate::kv::KvDtype::Bf16,
+                false,
+                &mut |_, _| {},
+            )
             .unwrap();
         let mean = s.totals.mean_nll();
         assert!(mean.is_finite() && mean > 0.0, "{mean}");
