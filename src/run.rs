@@ -96,9 +96,9 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         threads: cfg.threads,
         verify_digest: cfg.verify_artifact,
     };
-    let mut load_bar = Progress::new("loading weights", 1, log);
+    let mut load_bar = Progress::new("loading weights", 1, "tensors", log);
     let engine = Engine::load(&artifact_path, &opts, &mut |done, total| {
-        let _ = total;
+        load_bar.set_total(total as u64);
         load_bar.update(done as u64);
     })?;
     load_bar.finish();
@@ -226,7 +226,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
 
     // Score.
     let t_score = Instant::now();
-    let mut progress = Progress::new("scoring", total_processed as u64, log);
+    let mut progress = Progress::new("scoring", total_processed as u64, "tokens", log);
     let mut done_before = 0u64;
     let mut stream_reports = Vec::with_capacity(prepared.len());
     for p in &prepared {

@@ -47,6 +47,7 @@ pub struct Progress {
     every: Duration,
     enabled: bool,
     label: String,
+    unit: String,
 }
 
 fn fmt_eta(secs: f64) -> String {
@@ -64,7 +65,7 @@ fn fmt_eta(secs: f64) -> String {
 }
 
 impl Progress {
-    pub fn new(label: &str, total: u64, log: Log) -> Progress {
+    pub fn new(label: &str, total: u64, unit: &str, log: Log) -> Progress {
         let enabled = log.level >= LogLevel::Info;
         let bar = if enabled && std::io::stderr().is_terminal() {
             let b = indicatif::ProgressBar::with_draw_target(
@@ -72,9 +73,9 @@ impl Progress {
                 indicatif::ProgressDrawTarget::stderr(),
             );
             b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{msg} {wide_bar} {pos}/{len} tokens {per_sec} ETA {eta}",
-                )
+                indicatif::ProgressStyle::with_template(&format!(
+                    "{{msg}} {{wide_bar}} {{pos}}/{{len}} {unit} {{per_sec}} ETA {{eta}}"
+                ))
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             b.set_message(label.to_string());
@@ -91,6 +92,17 @@ impl Progress {
             every: Duration::from_secs(10),
             enabled,
             label: label.into(),
+            unit: unit.into(),
+        }
+    }
+
+    /// Sets the total once it is known.
+    pub fn set_total(&mut self, total: u64) {
+        if self.total != total {
+            self.total = total;
+            if let Some(b) = &self.bar {
+                b.set_length(total);
+            }
         }
     }
 
@@ -113,12 +125,13 @@ impl Progress {
             let rate = done as f64 / el.max(1e-9);
             let eta = (self.total.saturating_sub(done)) as f64 / rate;
             eprintln!(
-                "progress: {} {done}/{} tokens ({:.1}%), {:.1} tokens/s, ETA {}",
+                "progress: {} {done}/{} {unit} ({:.1}%), {:.1} {unit}/s, ETA {}",
                 self.label,
                 self.total,
                 100.0 * done as f64 / self.total.max(1) as f64,
                 rate,
-                fmt_eta(eta)
+                fmt_eta(eta),
+                unit = self.unit
             );
         }
     }
