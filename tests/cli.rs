@@ -5,22 +5,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn perplexity(args: &[&str]) -> Output {
-    Command::new(common::bin("ninfer-perplexity"))
-        .args(args)
-        .current_dir(common::repo())
-        .output()
-        .unwrap()
+    common::run_bin("ninfer-perplexity", args)
 }
 
 fn pack(args: &[&str]) -> Output {
-    Command::new(common::bin("ninfer-pack"))
-        .args(args)
-        .current_dir(common::repo())
-        .output()
-        .unwrap()
+    common::run_bin("ninfer-pack", args)
 }
 
 fn stderr(o: &Output) -> String {
@@ -29,35 +21,15 @@ fn stderr(o: &Output) -> String {
 
 /// Asserts a failed run with a single `error:` line containing every `needle`.
 fn assert_error(o: &Output, needles: &[&str]) {
-    let e = stderr(o);
-    assert!(
-        !o.status.success(),
-        "expected failure, got success; stderr: {e}"
-    );
-    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(lines.len(), 1, "exactly one error line expected: {e}");
+    let line = common::error_line(o);
     for n in needles {
-        assert!(lines[0].contains(n), "error line lacks `{n}`: {}", lines[0]);
+        assert!(line.contains(n), "error line lacks `{n}`: {line}");
     }
     assert!(o.stdout.is_empty(), "no table on failure");
 }
 
-/// A tiny qwen3 artifact packed through the CLI.
 fn tiny_artifact(dir: &Path) -> PathBuf {
-    let out = dir.join("tiny.ninfer");
-    let tok = common::cache_file("qwen3-tokenizer.json");
-    let o = pack(&[
-        "hf",
-        "eval/fixtures/tiny-qwen3",
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--weights",
-        "f32",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "pack failed: {}", stderr(&o));
-    out
+    common::tiny_artifact(dir)
 }
 
 fn text_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {

@@ -5,22 +5,14 @@ mod common;
 
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn perplexity(args: &[&str]) -> Output {
-    Command::new(common::bin("ninfer-perplexity"))
-        .args(args)
-        .current_dir(common::repo())
-        .output()
-        .unwrap()
+    common::run_bin("ninfer-perplexity", args)
 }
 
 fn err_line(o: &Output) -> String {
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "expected failure: {e}");
-    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(lines.len(), 1, "{e}");
-    lines[0].to_string()
+    common::error_line(o)
 }
 
 struct Mini {
@@ -145,24 +137,8 @@ fn smollm2_corpus_run_prints_domain_table() {
 
 #[test]
 fn corpus_bad_input() {
-    let tok = common::cache_file("qwen3-tokenizer.json");
     let dir = common::tempdir();
-    let art = dir.path().join("tiny.ninfer");
-    let o = Command::new(common::bin("ninfer-pack"))
-        .args([
-            "hf",
-            "eval/fixtures/tiny-qwen3",
-            "--tokenizer",
-            s(&tok),
-            "--weights",
-            "f32",
-            "-o",
-            s(&art),
-        ])
-        .current_dir(common::repo())
-        .output()
-        .unwrap();
-    assert!(o.status.success());
+    let art = common::tiny_artifact(dir.path());
     let run = |m: &Mini, extra: &[&str]| {
         let out = m.root.join("out");
         let mut a = vec![s(&art), "--corpus", s(&m.manifest), "--output", s(&out)];

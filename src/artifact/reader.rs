@@ -198,19 +198,13 @@ impl Artifact {
             .get(name)
             .with_context(|| format!("{}: tensor `{name}` is missing", self.path.display()))?;
         let bytes = &self.mmap[t.start..t.end];
-        Ok(match t.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            other => bail!(
-                "{}: tensor `{name}` has unsupported dtype {other:?}",
-                self.path.display()
-            ),
+        // Open already checked every dtype against the weight format (F32 or BF16).
+        crate::pack::hf::widen(t.dtype, bytes).ok_or_else(|| {
+            anyhow!(
+                "{}: tensor `{name}` has unsupported dtype {:?}",
+                self.path.display(),
+                t.dtype
+            )
         })
     }
 

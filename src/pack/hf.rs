@@ -172,7 +172,8 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
-fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+/// Little-endian F32/BF16/F16 safetensors bytes widened to f32 (`None` for other dtypes).
+pub(crate) fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     Some(match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)

@@ -51,3 +51,49 @@ pub fn tempdir() -> tempfile::TempDir {
 pub fn exists(p: &Path) -> bool {
     p.exists()
 }
+
+/// Runs one of the crate's binaries from the repository root.
+pub fn run_bin(name: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(bin(name))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+/// The single `error:` line of a failed run (asserts failure and exactly one such line).
+pub fn error_line(o: &std::process::Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "expected failure, got success; stderr: {e}"
+    );
+    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "exactly one error line expected: {e}");
+    lines[0].to_string()
+}
+
+/// The tiny qwen3 fixture packed through `ninfer-pack` into `dir/tiny.ninfer`.
+pub fn tiny_artifact(dir: &Path) -> PathBuf {
+    let out = dir.join("tiny.ninfer");
+    let tok = cache_file("qwen3-tokenizer.json");
+    let o = run_bin(
+        "ninfer-pack",
+        &[
+            "hf",
+            "eval/fixtures/tiny-qwen3",
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--weights",
+            "f32",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "pack failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
