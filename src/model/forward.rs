@@ -163,14 +163,24 @@ impl CpuModel {
             }
             store_kv(&mut k, hkv, hd, kv, li, "key")?;
             store_kv(&mut v, hkv, hd, kv, li, "value")?;
-            causal_attention(&q, &k, &v, &shape, &mut attn);
-            matmul_wt(&attn, t_len, qd, &l.wo, d, &mut x, true);
+            // Every layer needs keys and values for all positions, but after the last
+            // layer only the rows that predict a target are read: there, attention output,
+            // o-projection and MLP run for rows r0.. only (the same bits as for all rows).
+            let r0 = if li + 1 == w.layers.len() {
+                first_target - 1
+            } else {
+                0
+            };
+            let n = t_len - r0;
+            causal_attention(&q, &k, &v, &shape, r0, &mut attn);
+            matmul_wt(&attn[r0 * qd..], n, qd, &l.wo, d, &mut x[r0 * d..], true);
 
             // MLP block.
-            rms_norm(&x, &l.mlp_norm, eps, &mut h);
-            matmul_wt(&h, t_len, d, &l.wgu, 2 * f, &mut gu, false);
-            swiglu(&gu, f, &mut act);
-            matmul_wt(&act, t_len, f, &l.wdown, d, &mut x, true);
+            let (h, gu, act) = (&mut h[..n * d], &mut gu[..n * 2 * f], &mut act[..n * f]);
+            rms_norm(&x[r0 * d..], &l.mlp_norm, eps, h);
+            matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
+            swiglu(gu, f, act);
+            matmul_wt(act, n, f, &l.wdown, d, &mut x[r0 * d..], true);
         }
 
         // Row i predicts token i + 1: rows first_target-1 .. T-1.
@@ -230,6 +240,77 @@ fn store_kv(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::config::Family;
+    use crate::model::weights::LayerWeights;
+
+    /// A small llama-shaped model with deterministic pseudo-random weights.
+    fn synthetic_model() -> CpuModel {
+        let (vocab, d, f, layers, hq, hkv, hd) = (300, 32, 48, 2, 4, 2, 8);
+        let mut seed = 1usize;
+        let mut gen = |n: usize, scale: f32| -> Vec<f32> {
+            seed += 1;
+            (0..n)
+                .map(|i| ((((i + 7 * seed) * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0) * scale)
+                .collect()
+        };
+        let layer = |gen: &mut dyn FnMut(usize, f32) -> Vec<f32>| LayerWeights {
+            attn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+            wqkv: gen((hq * hd + 2 * hkv * hd) * d, 0.3),
+            bqkv: None,
+            q_norm: None,
+            k_norm: None,
+            wo: gen(d * hq * hd, 0.3),
+            mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+            wgu: gen(2 * f * d, 0.3),
+            wdown: gen(d * f, 0.3),
+        };
+        let weights = Weights {
+            embed: gen(vocab * d, 1.0),
+            layers: (0..layers).map(|_| layer(&mut gen)).collect(),
+            final_norm: vec![1.0; d],
+            lm_head: None,
+        };
+        let config = ModelConfig {
+            family: Family::Llama,
+            vocab_size: vocab,
+            hidden_size: d,
+            intermediate_size: f,
+            num_layers: layers,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: hd,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            qk_norm: false,
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+        CpuModel::new(config, weights)
+    }
+
+    #[test]
+    fn scoring_fewer_targets_gives_the_same_bits_for_the_ones_scored() {
+        // The last layer skips the rows that predict no target; whatever the first target,
+        // the log-probabilities it does return must be bit-identical to a full run's.
+        let m = synthetic_model();
+        let tokens: Vec<u32> = (0..700).map(|i| ((i * 7919) % 300) as u32).collect();
+        let all = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap();
+        assert!(all.iter().all(|x| x.is_finite() && *x <= 0.0));
+        for first in [2, 129, 200, 512, 699] {
+            let part = m.window_logprobs(&tokens, first, KvDtype::Bf16).unwrap();
+            assert_eq!(part.len(), tokens.len() - first);
+            assert!(
+                part.iter()
+                    .zip(&all[first - 1..])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "first target {first}"
+            );
+        }
+    }
 
     #[test]
     fn non_finite_kv_is_an_error_naming_layer_position_and_head() {
