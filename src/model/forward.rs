@@ -10,7 +10,10 @@
 //! [`CpuModel`] is built, the model is deliberately perturbed so that the regression
 //! harness can prove it catches drift (`tests/harness_gate.rs`). `rope-shift` rotates the
 //! keys of layer 0 one position too far; `skip-final-norm` feeds the un-normalized residual
-//! stream to the output head. Unset (the normal case), nothing changes.
+//! stream to the output head; `embed-scale=E` multiplies the embeddings by `1 + E`, a
+//! perturbation far below float32 model noise, to measure how sensitive a KV format's score
+//! is to harmless numerical changes (docs/accuracy.md). Unset (the normal case), nothing
+//! changes.
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
 use crate::backend::cpu::head;
@@ -46,22 +49,29 @@ pub struct CpuModel {
 }
 
 /// A deliberate engine perturbation for the harness's drift test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Fault {
     RopeShift,
     SkipFinalNorm,
+    EmbedScale(f32),
 }
 
 impl Fault {
     fn from_env() -> Option<Fault> {
-        match std::env::var("NINFER_TEST_FAULT").ok()?.as_str() {
-            "rope-shift" => Some(Fault::RopeShift),
-            "skip-final-norm" => Some(Fault::SkipFinalNorm),
-            other => {
-                eprintln!("warning: ignoring NINFER_TEST_FAULT=`{other}` (valid: rope-shift, skip-final-norm)");
-                None
-            }
+        let v = std::env::var("NINFER_TEST_FAULT").ok()?;
+        match v.as_str() {
+            "rope-shift" => return Some(Fault::RopeShift),
+            "skip-final-norm" => return Some(Fault::SkipFinalNorm),
+            _ => {}
         }
+        if let Some(e) = v
+            .strip_prefix("embed-scale=")
+            .and_then(|e| e.parse::<f32>().ok())
+        {
+            return Some(Fault::EmbedScale(e));
+        }
+        eprintln!("warning: ignoring NINFER_TEST_FAULT=`{v}` (valid: rope-shift, skip-final-norm, embed-scale=E)");
+        None
     }
 }
 
@@ -111,6 +121,9 @@ impl CpuModel {
                 });
             }
             row.copy_from_slice(&w.embed[id_us * d..(id_us + 1) * d]);
+        }
+        if let Some(Fault::EmbedScale(e)) = self.fault {
+            x.iter_mut().for_each(|v| *v *= 1.0 + e); // test-only perturbation
         }
         let rope = RopeTable::new(&self.inv_freq, t_len);
         let qkv_w = qd + 2 * kvd;
