@@ -40,12 +40,72 @@ pub enum ForwardError {
     },
 }
 
+/// Phases of the forward pass timed when `NINFER_PROFILE=1` (see [`Laps`]).
+const PHASES: [&str; 9] = [
+    "norms",
+    "qkv",
+    "embed/split/rope/kv",
+    "attention",
+    "o-proj",
+    "gate/up",
+    "swiglu",
+    "down",
+    "head",
+];
+
+/// Wall-clock time per phase of one window, printed to stderr when the environment variable
+/// `NINFER_PROFILE` is `1` as the model is built: the profile of the real pipeline, buffers
+/// and all, which `benches/ops.rs` (each op alone) cannot give. Off, it costs one branch per
+/// phase.
+struct Laps {
+    on: bool,
+    last: std::time::Instant,
+    acc: [f64; PHASES.len()],
+}
+
+impl Laps {
+    fn new(on: bool) -> Laps {
+        Laps {
+            on,
+            last: std::time::Instant::now(),
+            acc: [0.0; PHASES.len()],
+        }
+    }
+
+    /// Charges the time since the previous lap to `phase`.
+    fn lap(&mut self, phase: usize) {
+        if self.on {
+            let now = std::time::Instant::now();
+            self.acc[phase] += (now - self.last).as_secs_f64();
+            self.last = now;
+        }
+    }
+
+    fn report(&self, tokens: usize, scored: usize) {
+        if self.on {
+            let total: f64 = self.acc.iter().sum();
+            let parts: Vec<String> = PHASES
+                .iter()
+                .zip(&self.acc)
+                .map(|(n, s)| format!("{n} {:.0} ms", s * 1e3))
+                .collect();
+            eprintln!(
+                "profile: window {tokens} tokens, {scored} scored, {:.0} ms: {}",
+                total * 1e3,
+                parts.join(", ")
+            );
+        }
+    }
+}
+
 pub struct CpuModel {
     pub config: ModelConfig,
     pub weights: Weights,
     inv_freq: Vec<f64>,
     /// Test-only perturbation from `NINFER_TEST_FAULT` (see the module docs); `None` normally.
     fault: Option<Fault>,
+    /// `NINFER_PROFILE=1`: print per-phase times of every window.
+    profile: bool,
 }
 
 /// A deliberate engine perturbation for the harness's drift test.
@@ -87,6 +147,7 @@ impl CpuModel {
             weights,
             inv_freq,
             fault: Fault::from_env(),
+            profile: std::env::var("NINFER_PROFILE").is_ok_and(|v| v == "1"),
         }
     }
 
@@ -100,6 +161,7 @@ impl CpuModel {
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let t_len = tokens.len();
+        let mut laps = Laps::new(self.profile);
         assert!(
             first_target >= 1 && first_target <= t_len,
             "first_target out of range"
@@ -144,8 +206,11 @@ impl CpuModel {
 
         for (li, l) in w.layers.iter().enumerate() {
             // Attention block.
+            laps.lap(2);
             rms_norm(&x, &l.attn_norm, eps, &mut h);
+            laps.lap(0);
             matmul_wt(&h, t_len, d, &l.wqkv, qkv_w, &mut qkv, false);
+            laps.lap(1);
             if let Some(b) = &l.bqkv {
                 qkv.par_chunks_mut(qkv_w)
                     .for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
@@ -185,15 +250,22 @@ impl CpuModel {
                 0
             };
             let n = t_len - r0;
+            laps.lap(2);
             causal_attention(&q, &k, &v, &shape, r0, &mut attn);
+            laps.lap(3);
             matmul_wt(&attn[r0 * qd..], n, qd, &l.wo, d, &mut x[r0 * d..], true);
+            laps.lap(4);
 
             // MLP block.
             let (h, gu, act) = (&mut h[..n * d], &mut gu[..n * 2 * f], &mut act[..n * f]);
             rms_norm(&x[r0 * d..], &l.mlp_norm, eps, h);
+            laps.lap(0);
             matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
+            laps.lap(5);
             swiglu(gu, f, act);
+            laps.lap(6);
             matmul_wt(act, n, f, &l.wdown, d, &mut x[r0 * d..], true);
+            laps.lap(7);
         }
 
         // Row i predicts token i + 1: rows first_target-1 .. T-1.
@@ -216,6 +288,8 @@ impl CpuModel {
             &tokens[first_target..],
             &mut out,
         );
+        laps.lap(8);
+        laps.report(t_len, rows);
         Ok(out)
     }
 }
