@@ -17,6 +17,10 @@ use ninfer_perplexity::kv::KvDtype;
 use rayon::prelude::*;
 use std::time::Instant;
 
+mod common;
+
+use common::arg;
+
 const LAYERS: usize = 30;
 const D: usize = 576;
 const HQ: usize = 9;
@@ -24,15 +28,6 @@ const HKV: usize = 3;
 const HD: usize = 64;
 const F: usize = 1536;
 const VOCAB: usize = 49_152;
-
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_string())
-}
 
 fn filled(n: usize, seed: usize, scale: f32) -> Vec<f32> {
     (0..n)
@@ -53,12 +48,10 @@ fn time(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    let t: usize = arg("--context", "1024").parse().expect("--context");
-    let scored: usize = arg("--scored", &(t / 2).to_string())
-        .parse()
-        .expect("--scored");
-    let threads: usize = arg("--threads", "2").parse().expect("--threads");
-    let kv = KvDtype::parse(&arg("--kv", "bf16")).expect("--kv");
+    let t: usize = arg("--context", 1024);
+    let scored: usize = arg("--scored", t / 2);
+    let threads: usize = arg("--threads", 2);
+    let kv = KvDtype::parse(&arg("--kv", "bf16".to_string())).expect("--kv");
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
@@ -101,7 +94,7 @@ fn main() {
     let mut rows: Vec<(&str, f64, f64)> = Vec::new();
     let per_layer = LAYERS as f64;
     // `--only NAME` times just the ops whose name contains NAME (for profiling one op).
-    let only = arg("--only", "");
+    let only = arg("--only", String::new());
     let want = |name: &str| name.contains(only.as_str());
     if want("rms_norm x2") {
         rows.push((

@@ -14,36 +14,13 @@
 use ninfer_perplexity::backend::cpu::matmul::matmul_wt;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
-use ninfer_perplexity::model::config::ModelConfig;
 use ninfer_perplexity::score::{windows, Protocol};
+mod common;
+
+use common::arg;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// FLOPs of one window of `t` tokens scoring `scored` targets, as this engine computes it.
-fn window_flops(c: &ModelConfig, t: usize, scored: usize) -> f64 {
-    let (d, q, kv, f) = (
-        c.hidden_size as f64,
-        c.q_dim() as f64,
-        c.kv_dim() as f64,
-        c.intermediate_size as f64,
-    );
-    let t = t as f64;
-    let linear = 2.0 * t * (d * (q + 2.0 * kv) + q * d + 3.0 * d * f);
-    // Causal attention: QKᵀ and PV over t(t+1)/2 pairs per query head.
-    let attn = 2.0 * 2.0 * (t * (t + 1.0) / 2.0) * q;
-    let head = 2.0 * scored as f64 * d * c.vocab_size as f64;
-    c.num_layers as f64 * (linear + attn) + head
-}
 
 fn gemm_gflops(threads: usize) -> f64 {
     let n = 2048;
@@ -103,7 +80,7 @@ fn main() {
     let scored: usize = ws.iter().map(|w| w.scored()).sum();
     let flops: f64 = ws
         .iter()
-        .map(|w| window_flops(&engine.artifact.config, w.len(), w.scored()))
+        .map(|w| engine.artifact.config.window_flops(w.len(), w.scored()))
         .sum();
 
     // Warm-up on the first window, then time the whole stream.

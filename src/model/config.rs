@@ -152,4 +152,76 @@ impl ModelConfig {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum()
     }
+
+    /// FLOPs of one window of `len` tokens scoring `scored` targets, counting multiply-adds
+    /// as two: the projections and MLP for every token, causal attention (QK^T and PV over
+    /// the keys each query sees, the query itself included) and the output head for scored
+    /// rows. The work both backends do, and what the benches divide by.
+    pub fn window_flops(&self, len: usize, scored: usize) -> f64 {
+        let (d, qd, kvd, f, v) = (
+            self.hidden_size,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate_size,
+            self.vocab_size,
+        );
+        let t = len as f64;
+        let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
+        let pairs = t * (t + 1.0) / 2.0; // (query, key) pairs under the causal mask
+        let attn = 4.0 * pairs * qd as f64;
+        let layers = self.num_layers as f64;
+        layers * (t * per_token_linear + attn) + 2.0 * scored as f64 * (d * v) as f64
+    }
+
+    /// A config of the given shape with the family's required features (qwen2 bias, qwen3
+    /// q/k norm), an untied head and ordinary constants: for unit tests.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn for_test(
+        family: Family,
+        layers: usize,
+        d: usize,
+        hq: usize,
+        hkv: usize,
+        hd: usize,
+        f: usize,
+        vocab: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            family,
+            vocab_size: vocab,
+            hidden_size: d,
+            intermediate_size: f,
+            num_layers: layers,
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: hd,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: None,
+            max_position_embeddings: 40960,
+            tie_word_embeddings: false,
+            attention_bias: family == Family::Qwen2,
+            qk_norm: family == Family::Qwen3,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_match_a_hand_count() {
+        let c = ModelConfig::for_test(Family::Qwen3, 1, 4, 2, 1, 2, 8, 10);
+        // Linear per token: 2*(4*(4+2*2) + 4*4 + 4*16 + 8*4) = 2*144 = 288.
+        // Attention for 3 tokens: 6 pairs * 4 * (2*2) = 96. Head: 2 * 2 rows * 40 = 160.
+        assert_eq!(c.window_flops(3, 2), 3.0 * 288.0 + 96.0 + 160.0);
+        // Qwen3-8B's shape: 15-20 GFLOP per token at context 4096.
+        let q = ModelConfig::for_test(Family::Qwen3, 36, 4096, 32, 8, 128, 12288, 151_936);
+        let per_token = q.window_flops(4096, 2048) / 4096.0;
+        assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
+    }
 }

@@ -358,23 +358,8 @@ mod tests {
             lm_head: None,
         };
         let config = ModelConfig {
-            family: Family::Llama,
-            vocab_size: vocab,
-            hidden_size: d,
-            intermediate_size: f,
-            num_layers: layers,
-            num_heads: hq,
-            num_kv_heads: hkv,
-            head_dim: hd,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10_000.0,
-            rope_scaling: None,
-            max_position_embeddings: 4096,
             tie_word_embeddings: true,
-            attention_bias: false,
-            qk_norm: false,
-            bos_token_id: None,
-            eos_token_id: None,
+            ..ModelConfig::for_test(Family::Llama, layers, d, hq, hkv, hd, f, vocab)
         };
         CpuModel::new(config, weights)
     }

@@ -301,25 +301,6 @@ pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
         .sum()
 }
 
-/// FLOPs of one window of `len` tokens scoring `scored` targets, counting multiply-adds as
-/// two: the projections and MLP for every token, causal attention (QK^T and PV over the
-/// keys each query sees, the query itself included) and the output head for scored rows.
-pub fn window_flops(c: &ModelConfig, len: usize, scored: usize) -> f64 {
-    let (d, qd, kvd, f, v) = (
-        c.hidden_size,
-        c.q_dim(),
-        c.kv_dim(),
-        c.intermediate_size,
-        c.vocab_size,
-    );
-    let t = len as f64;
-    let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
-    let pairs = t * (t + 1.0) / 2.0; // (query, key) pairs under the causal mask
-    let attn = 4.0 * pairs * (c.num_heads * c.head_dim) as f64;
-    let layers = c.num_layers as f64;
-    layers * (t * per_token_linear + attn) + 2.0 * scored as f64 * (d * v) as f64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -334,25 +315,7 @@ mod tests {
         f: usize,
         vocab: usize,
     ) -> ModelConfig {
-        ModelConfig {
-            family: Family::Qwen3,
-            vocab_size: vocab,
-            hidden_size: d,
-            intermediate_size: f,
-            num_layers: layers,
-            num_heads: hq,
-            num_kv_heads: hkv,
-            head_dim: hd,
-            rms_norm_eps: 1e-6,
-            rope_theta: 1e6,
-            rope_scaling: None,
-            max_position_embeddings: 40960,
-            tie_word_embeddings: false,
-            attention_bias: false,
-            qk_norm: true,
-            bos_token_id: None,
-            eos_token_id: None,
-        }
+        ModelConfig::for_test(Family::Qwen3, layers, d, hq, hkv, hd, f, vocab)
     }
 
     fn qwen3_8b() -> ModelConfig {
@@ -494,17 +457,6 @@ mod tests {
         let p = plan_memory(&small, KvDtype::F32, Precision::F32, 8 << 30, 64).unwrap();
         assert_eq!(p.vocab_chunk, 1000);
         assert_eq!(p.max_rows, MAX_ROWS_CAP);
-    }
-
-    #[test]
-    fn flops_match_a_hand_count() {
-        let c = cfg(1, 4, 2, 1, 2, 8, 10);
-        // Linear per token: 2*(4*(4+2*2) + 4*4 + 4*16 + 8*4) = 2*144 = 288.
-        // Attention for 3 tokens: 6 pairs * 4 * (2*2) = 96. Head: 2 * 2 rows * 40 = 160.
-        assert_eq!(window_flops(&c, 3, 2), 3.0 * 288.0 + 96.0 + 160.0);
-        let q = qwen3_8b();
-        let per_token = window_flops(&q, 4096, 2048) / 4096.0;
-        assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
     }
 
     #[test]
