@@ -1,70 +1,146 @@
 //! A branch-free f32 `exp` for softmax-style loops, and the slice loops built on it.
 //!
-//! libm's `expf` is an opaque call per element; this version is plain arithmetic that the
-//! compiler vectorizes, and being pure arithmetic it gives the same bits on every run and
-//! thread. Range reduction `x = n·ln2 + r` with a two-part ln2, then a degree-6 polynomial
-//! for `e^r` on `[-ln2/2, ln2/2]` and an exponent-bit scale. Relative error is below 3e-7
-//! (about 2.5 ulp, checked against f64 in the tests); inputs below -87 return 0, as a
-//! softmax wants, and inputs above 88 return `e^88`.
+//! libm's `expf` is an opaque call per element; this version is plain arithmetic, so it
+//! vectorizes and gives the same bits on every run and thread. Range reduction
+//! `x = n·ln2 + r` with a two-part ln2, then a degree-6 polynomial for `e^r` on
+//! `[-ln2/2, ln2/2]` and an exponent-bit scale. Relative error is below 3e-7 (about 2.5 ulp,
+//! checked against f64 in the tests); inputs below -87 return 0, as a softmax wants, and
+//! inputs above 88 return `e^88`.
 //!
-//! The slice loops are compiled twice, for baseline x86-64 and for AVX2+FMA, and pick one
-//! at run time (`multiversion`). Rust never contracts `a * b + c` into a fused multiply-add
-//! on its own, so both versions compute exactly the same bits; the wide one is just faster.
+//! Every multiply-add is a fused one (`mul_add`), written out in the scalar code, so the
+//! AVX2+FMA loop (eight lanes, explicit intrinsics) computes exactly the scalar bits and a
+//! test holds the two together. On an x86-64 CPU without FMA the scalar code still gives
+//! those bits, through libm's correctly rounded `fmaf`, only slowly.
 
 use multiversion::multiversion;
 
 /// 1.5 · 2^23: adding it to a float of magnitude below 2^22 rounds it to an integer, which
 /// then sits in the low mantissa bits.
 const ROUND: f32 = 12_582_912.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// Taylor/minimax-quality coefficients for e^r, |r| <= 0.35, highest degree first.
+const POLY: [f32; 7] = [
+    0.001_388_942_9,
+    0.008_333_558,
+    0.041_666_668,
+    0.166_666_67,
+    0.5,
+    1.0,
+    1.0,
+];
+const LO: f32 = -87.0;
+const HI: f32 = 88.0;
 
 #[inline(always)]
+#[allow(clippy::manual_clamp)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let xc = x.clamp(-87.0, 88.0);
-    let shifted = xc * LOG2E + ROUND;
+    // max/min rather than clamp: the same NaN handling as the vector instructions.
+    let xc = x.max(LO).min(HI);
+    let shifted = xc.mul_add(LOG2E, ROUND);
     let n = shifted - ROUND;
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    // Taylor/minimax-quality coefficients for e^r, |r| <= 0.35.
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (0.166_666_67
-                    + r * (0.041_666_668 + r * (0.008_333_558 + r * 0.001_388_942_9)))));
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
+    let mut p = POLY[0];
+    for c in &POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
     // n is an integer in [-126, 127] held in the low mantissa bits of `shifted`; moving it
     // into the exponent field with integer arithmetic keeps the loop vectorizable (a float
     // to int cast would not be).
     let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
     let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
     let y = p * scale;
-    if x < -87.0 {
+    if x < LO {
         0.0
     } else {
         y
     }
 }
 
-/// `x[i] = exp(x[i] - max)` in place; returns the sum (accumulated in order).
-#[multiversion(targets("x86_64+avx2+fma"))]
+/// `x[i] = exp(x[i] - max)` in place; returns the sum, accumulated in eight lanes (element
+/// `i` into lane `i % 8` for the whole multiple-of-eight prefix, in order), the lanes added
+/// as `((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))`, then the tail in order.
 pub fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
-    for v in x.iter_mut() {
-        *v = exp(*v - max);
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { avx2::exp_sub_sum(x, max) };
     }
-    // Eight lanes summed in a fixed order keep the reduction vectorizable and deterministic.
+    exp_sub_sum_scalar(x, max)
+}
+
+/// [`exp_sub_sum`] one element at a time: the specification of the vector loop.
+pub fn exp_sub_sum_scalar(x: &mut [f32], max: f32) -> f32 {
     let mut acc = [0.0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let rem = chunks.remainder();
-    for c in chunks {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
         for i in 0..8 {
+            c[i] = exp(c[i] - max);
             acc[i] += c[i];
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for &v in rem {
-        s += v;
+    for v in chunks.into_remainder() {
+        *v = exp(*v - max);
+        s += *v;
     }
     s
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    /// Eight lanes of [`exp`], operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(LO)), _mm256_set1_ps(HI));
+        let round = _mm256_set1_ps(ROUND);
+        let shifted = _mm256_fmadd_ps(xc, _mm256_set1_ps(LOG2E), round);
+        let n = _mm256_sub_ps(shifted, round);
+        let neg_n = _mm256_xor_ps(n, _mm256_set1_ps(-0.0));
+        let r = _mm256_fmadd_ps(neg_n, _mm256_set1_ps(LN2_HI), xc);
+        let r = _mm256_fmadd_ps(neg_n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let n_bits = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(round));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n_bits, _mm256_set1_epi32(127)));
+        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
+        _mm256_andnot_ps(below, y)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: `c` is exactly eight floats.
+            let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), y);
+            acc = _mm256_add_ps(acc, y);
+        }
+        let mut l = [0.0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), acc);
+        let mut s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+        for v in chunks.into_remainder() {
+            *v = exp(*v - max);
+            s += *v;
+        }
+        s
+    }
 }
 
 /// Maximum of a slice (NEG_INFINITY when empty), vectorizable.
@@ -110,7 +186,7 @@ mod tests {
         // The integer trick in `exp` must build the same power of two as converting n.
         let mut x = -87.0f32;
         while x <= 88.0 {
-            let shifted = x * std::f32::consts::LOG2_E + ROUND;
+            let shifted = x.mul_add(LOG2E, ROUND);
             let n = shifted - ROUND;
             let via_cast = f32::from_bits(((n as i32 + 127) as u32) << 23);
             let via_bits = f32::from_bits(
@@ -122,6 +198,23 @@ mod tests {
             );
             assert_eq!(via_cast.to_bits(), via_bits.to_bits(), "x = {x}");
             x += 0.0137;
+        }
+    }
+
+    #[test]
+    fn vector_loop_matches_the_scalar_bits() {
+        for n in [0, 1, 7, 8, 9, 64, 515] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 2_654_435_761usize) % 20_001) as f32 * 0.01 - 150.0)
+                .collect();
+            let (mut a, mut b) = (x.clone(), x);
+            let sa = exp_sub_sum(&mut a, 3.0);
+            let sb = exp_sub_sum_scalar(&mut b, 3.0);
+            assert_eq!(sa.to_bits(), sb.to_bits(), "n = {n}");
+            assert!(
+                a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "n = {n}"
+            );
         }
     }
 
