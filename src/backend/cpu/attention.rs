@@ -7,8 +7,8 @@
 //! Why not two library GEMMs per key block: Q·Kᵀ has a reduction depth of only `D` (64 on
 //! the models we run), the score tile of a 128-query task spilled out of L2, and every call
 //! repacked the same keys. Here the keys of each KV head are packed once per call into
-//! panels of `NR` keys (`Kᵀ[D, NR]`), values into rows padded to a multiple of `NR`
-//! columns, and a task walks its queries `MR` rows at a time against one key block that
+//! panels of `NR` keys (`Kᵀ[D, NR]`), values into panels of `NR` columns (`V[T, NR]`), and
+//! a task walks its queries `MR` rows at a time against one key block that
 //! stays in L2: scores for `MR × K_BLOCK` land in an L1-sized tile, get their online
 //! softmax step (the flash-attention recurrence: running row maximum and sum of
 //! exponentials, output rescaled when the maximum moves), and are multiplied into the
@@ -21,9 +21,9 @@
 //!
 //! Numerics: each score is `(Σ_d q·k, in order of d, one fused multiply-add per term)·scale`
 //! and each output element accumulates `p·v` over keys in order, again by fused
-//! multiply-add. The inner loops are written once in portable Rust with `mul_add`, compiled
-//! for baseline and for AVX2+FMA (`multiversion`), so every build computes the same bits,
-//! and the block sizes are constants, so no thread count or schedule changes them.
+//! multiply-add. The portable kernels (`mul_add`) are the specification; the AVX2+FMA ones
+//! do the same operations eight lanes at a time and a test holds them to the same bits. The
+//! block sizes are constants, so no thread count or schedule changes a result (tested).
 
 use super::exp;
 use rayon::prelude::*;
@@ -52,6 +52,13 @@ struct SendPtr(*mut f32);
 // SAFETY: tasks write disjoint (query block, KV head group) tiles of the output.
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// Through a method, so closures capture the `Sync` wrapper rather than the raw field.
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// Keys and values of one call, laid out for the micro-kernels.
 struct Packed {
@@ -285,7 +292,6 @@ pub fn causal_attention(
             l: vec![0.0; max_rows],
         },
         |sc, task| {
-            let out = out;
             // Later query blocks first: they have the most keys, and starting with them
             // balances the load (the order does not affect any task's result).
             let task = tasks - 1 - task;
@@ -373,7 +379,7 @@ pub fn causal_attention(
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             og[r * dp..].as_ptr(),
-                            out.0.add((t * hq + kh * group + g) * d),
+                            out.get().add((t * hq + kh * group + g) * d),
                             d,
                         );
                     }

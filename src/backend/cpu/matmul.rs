@@ -19,6 +19,13 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// Through a method, so closures capture the `Sync` wrapper rather than the raw field.
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
 pub fn matmul_wt(
     x: &[f32],
@@ -45,7 +52,6 @@ pub fn matmul_wt(
         .collect();
     let o = SendPtr(out.as_mut_ptr());
     blocks.par_iter().for_each(|&(j0, j1)| {
-        let o = o;
         // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are read as a [k, j1-j0] transpose
         // view; the output view starts at column j0 with row stride n and covers columns
         // j0..j1 only, which no other task touches. All indices are in bounds by the asserts.
@@ -62,7 +68,7 @@ pub fn matmul_wt(
                 1,
                 k as isize,
                 beta,
-                o.0.add(j0),
+                o.get().add(j0),
                 n as isize,
                 1,
             );
