@@ -26,6 +26,7 @@
 //! block sizes are constants, so no thread count or schedule changes a result (tested).
 
 use super::exp;
+use super::SendPtr;
 use rayon::prelude::*;
 
 pub struct AttnShape {
@@ -46,19 +47,6 @@ const MR: usize = 6;
 /// Keys per packed panel, and output columns per P·V tile.
 const NR: usize = 16;
 const _: () = assert!(K_BLOCK % Q_BLOCK == 0 && K_BLOCK % NR == 0);
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint (query block, KV head group) tiles of the output.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// Through a method, so closures capture the `Sync` wrapper rather than the raw field.
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// Keys and values of one call, laid out for the micro-kernels.
 struct Packed {

@@ -6,25 +6,13 @@
 //! same kernel in the same k order wherever the block boundaries fall, so the result does
 //! not depend on the thread count (checked by a test).
 
+use super::SendPtr;
 use rayon::prelude::*;
 
 /// Column blocks are multiples of this (the microkernel's widest panel).
 const COL_ALIGN: usize = 16;
 /// Don't split below this many columns per task.
 const MIN_COLS: usize = 64;
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: tasks write disjoint column blocks of the output through this pointer.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// Through a method, so closures capture the `Sync` wrapper rather than the raw field.
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
 pub fn matmul_wt(

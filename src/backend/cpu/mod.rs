@@ -8,3 +8,19 @@ pub mod head;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
+
+/// An output pointer shared by parallel tasks that each write a disjoint part of it (every
+/// use says which part in its `// SAFETY:` comment).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: the pointer is only written through by tasks that own disjoint ranges, and only
+// while the buffer it came from is borrowed mutably by the caller that spawned them.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// Through a method, so closures capture the `Sync` wrapper rather than the raw field.
+    pub(crate) fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
