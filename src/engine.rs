@@ -185,15 +185,19 @@ impl Engine {
         };
         match &self.model {
             Model::Cpu(model) => {
-                for (wi, w) in ws.iter().enumerate() {
-                    let lps = self
-                        .pool
-                        .install(|| {
-                            model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv)
-                        })
-                        .map_err(|e| window_error(wi, &e))?;
-                    finish(wi, lps)?;
-                }
+                let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
+                let in_flight =
+                    cpu_windows_in_flight(self.threads(), model.window_bytes(longest), ws.len());
+                score_cpu(
+                    model,
+                    &self.pool,
+                    in_flight,
+                    tokens,
+                    &ws,
+                    kv,
+                    &mut finish,
+                    &window_error,
+                )?
             }
             Model::Cuda(model) => score_cuda(model, tokens, &ws, kv, &mut finish, &window_error)?,
         }
@@ -204,6 +208,101 @@ impl Engine {
             windows: out,
         })
     }
+}
+
+/// Working memory the CPU backend may spend on windows in flight at once (the weights
+/// are not counted). SmolLM2 at context 4096 needs about 150 MB per window.
+const CPU_WINDOW_MEMORY: usize = 1 << 30;
+
+/// How many windows the CPU backend scores at once: one per worker thread, as many as
+/// [`CPU_WINDOW_MEMORY`] allows, never more than there are windows, at least one.
+fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) -> usize {
+    let by_memory = CPU_WINDOW_MEMORY / window_bytes.max(1);
+    threads.min(by_memory).min(windows).max(1)
+}
+
+/// Scores CPU windows with up to `in_flight` of them computing at once and hands each to
+/// `finish` in window order, on the calling thread.
+///
+/// Why several windows at once: inside one window every matrix product, attention call and
+/// elementwise pass is a fork-join over the worker threads, a few hundred barriers per
+/// window, and on a shared machine each barrier waits for the slowest thread. A thread that
+/// owns a window never waits for the others; when fewer windows than threads are left, the
+/// idle threads steal the column blocks and attention tasks of the windows still running,
+/// so the tail of a stream still uses every core. Measured on the 2-core development
+/// machine (docs/performance.md): 10-14% less wall time at context 1024 and 4096.
+///
+/// Why the bits do not change: a window's result depends only on its tokens, never on which
+/// thread runs which task (every kernel splits its work at fixed boundaries and reduces in a
+/// fixed order; tests/determinism.rs compares 1, 2 and 3 threads bit for bit).
+///
+/// Errors: windows start in order, so when the next window in order failed every earlier
+/// one succeeded; that first error is returned, no new window starts and the ones already
+/// running finish and are dropped.
+#[allow(clippy::too_many_arguments)]
+fn score_cpu(
+    model: &CpuModel,
+    pool: &rayon::ThreadPool,
+    in_flight: usize,
+    tokens: &[u32],
+    ws: &[crate::score::Window],
+    kv: KvDtype,
+    finish: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
+    window_error: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+) -> Result<()> {
+    use crate::model::forward::ForwardError;
+    use std::collections::BTreeMap;
+    use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+    use std::sync::mpsc;
+
+    let run = |wi: usize| {
+        let w = &ws[wi];
+        model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv)
+    };
+    if in_flight <= 1 {
+        for wi in 0..ws.len() {
+            let lps = pool.install(|| run(wi)).map_err(|e| window_error(wi, &e))?;
+            finish(wi, lps)?;
+        }
+        return Ok(());
+    }
+    type Outcome = std::thread::Result<Result<Vec<f32>, ForwardError>>;
+    let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
+    // The scope's body runs here, on the caller's thread (not a pool worker), so it may
+    // block on the channel; the windows run on the pool. A job is one window, never a loop
+    // over windows, and a new one is spawned only when a result arrives, so at most
+    // `in_flight` windows hold memory at any time.
+    pool.in_place_scope(|scope| {
+        let spawn = |wi: usize| {
+            let (tx, run) = (tx.clone(), &run);
+            scope.spawn(move |_| {
+                let outcome = catch_unwind(AssertUnwindSafe(|| run(wi)));
+                // The receiver is gone only after an error; then nobody needs this result.
+                let _ = tx.send((wi, outcome));
+            });
+        };
+        let mut started = in_flight.min(ws.len());
+        (0..started).for_each(spawn);
+        let mut ready: BTreeMap<usize, Outcome> = BTreeMap::new();
+        let mut next = 0;
+        while next < ws.len() {
+            let (wi, outcome) = rx.recv().expect("a window job ended without a result");
+            ready.insert(wi, outcome);
+            if started < ws.len() {
+                spawn(started);
+                started += 1;
+            }
+            while let Some(outcome) = ready.remove(&next) {
+                let lps = match outcome {
+                    Ok(r) => r.map_err(|e| window_error(next, &e))?,
+                    Err(panic) => resume_unwind(panic),
+                };
+                finish(next, lps)?;
+                next += 1;
+            }
+        }
+        Ok(())
+    })
 }
 
 #[cfg(feature = "cuda")]

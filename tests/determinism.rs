@@ -1,4 +1,6 @@
-//! The CPU path is bit-identical run to run and for any thread count.
+//! The CPU path is bit-identical run to run and for any thread count. With 2 and 3 threads
+//! the engine also scores 2 and 3 windows at once (`score_cpu` in src/engine.rs), so this
+//! covers window-level concurrency as well as the kernels' own splits.
 
 mod common;
 

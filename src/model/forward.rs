@@ -151,6 +151,20 @@ impl CpuModel {
         }
     }
 
+    /// Bytes of working memory one call of [`CpuModel::window_logprobs`] holds at its peak
+    /// for a window of `tokens` tokens (activation buffers, the attention's packed keys and
+    /// values, the RoPE table, the head's input rows), not counting the weights. The engine
+    /// uses it to decide how many windows may be in flight at once.
+    pub fn window_bytes(&self, tokens: usize) -> usize {
+        let c = &self.config;
+        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let qkv_w = qd + 2 * kvd;
+        // x, h, final-norm rows: 3d; qkv; q and attn: 2qd; k, v and their packed copies:
+        // 4kvd; gu and act: 3f; cos and sin: head_dim.
+        let per_token = 3 * d + qkv_w + 2 * qd + 4 * kvd + 3 * f + c.head_dim;
+        tokens * per_token * std::mem::size_of::<f32>()
+    }
+
     /// Log-probabilities of `tokens[first_target..]`, each given all earlier tokens of the
     /// window. `first_target >= 1`.
     pub fn window_logprobs(
