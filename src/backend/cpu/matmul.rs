@@ -5,6 +5,11 @@
 //! never splits the reduction dimension and every output element is accumulated by the
 //! same kernel in the same k order wherever the block boundaries fall, so the result does
 //! not depend on the thread count (checked by a test).
+//!
+//! The bits do depend on `matrixmultiply`'s depth blocking: each output is one fused
+//! multiply-add chain per block of `KC` depth, the blocks added in order. The repository
+//! pins `KC = 768` at compile time (`.cargo/config.toml`, the crate's `constconf` feature),
+//! which keeps SmolLM2's depth-576 products in one pass; a test fails if a build loses it.
 
 use super::SendPtr;
 use rayon::prelude::*;
@@ -88,6 +93,42 @@ mod tests {
                 assert!((out[i * n + j] as f64 - want).abs() < 1e-4);
             }
         }
+    }
+
+    /// `matrixmultiply`'s depth blocking as pinned in `.cargo/config.toml`.
+    const PINNED_KC: usize = 768;
+
+    #[test]
+    fn depth_blocking_is_the_pinned_one() {
+        // With beta = 0 every output is, per depth block of KC, one in-order FMA chain
+        // from zero, and the blocks' chains are added in order. Rebuild that by hand for a
+        // depth of two blocks (shapes that are multiples of the 8 x 8 kernel, so no edge
+        // path); a build with another KC cuts the sums elsewhere and changes the bits.
+        let (m, n, k) = (16, 24, 2 * PINNED_KC);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0)
+            .collect();
+        let mut out = vec![0.0f32; m * n];
+        matmul_wt(&x, m, k, &w, n, &mut out, false);
+        let chain = |i: usize, j: usize, ks: std::ops::Range<usize>| {
+            ks.fold(0.0f32, |acc, t| x[i * k + t].mul_add(w[j * k + t], acc))
+        };
+        let mut differ = 0;
+        for i in 0..m {
+            for j in 0..n {
+                let want = chain(i, j, 0..PINNED_KC) + chain(i, j, PINNED_KC..k);
+                differ += (out[i * n + j].to_bits() != want.to_bits()) as usize;
+            }
+        }
+        assert_eq!(
+            differ,
+            0,
+            "matrixmultiply was not built with MATMUL_SGEMM_KC={PINNED_KC} (see .cargo/config.toml) \
+             or its kernel has no FMA: the CPU path's bits would not match the baselines"
+        );
     }
 
     #[test]
