@@ -230,7 +230,7 @@ fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) ->
 /// owns a window never waits for the others; when fewer windows than threads are left, the
 /// idle threads steal the column blocks and attention tasks of the windows still running,
 /// so the tail of a stream still uses every core. Measured on the 2-core development
-/// machine (docs/performance.md): 10-14% less wall time at context 1024 and 4096.
+/// machine (docs/performance.md): 8-14% less wall time at context 1024 and 4096.
 ///
 /// Why the bits do not change: a window's result depends only on its tokens, never on which
 /// thread runs which task (every kernel splits its work at fixed boundaries and reduces in a
