@@ -210,6 +210,11 @@ impl Engine {
     }
 }
 
+/// Accounts one finished window (index, log-probabilities), in window order.
+type FinishWindow<'a> = dyn FnMut(usize, Vec<f32>) -> Result<()> + 'a;
+/// Names a window in an error that happened while computing it.
+type WindowError<'a> = dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error + 'a;
+
 /// Working memory the CPU backend may spend on windows in flight at once (the weights
 /// are not counted). SmolLM2 at context 4096 needs about 150 MB per window.
 const CPU_WINDOW_MEMORY: usize = 1 << 30;
@@ -247,8 +252,8 @@ fn score_cpu(
     tokens: &[u32],
     ws: &[crate::score::Window],
     kv: KvDtype,
-    finish: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
-    window_error: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+    finish: &mut FinishWindow,
+    window_error: &WindowError,
 ) -> Result<()> {
     use crate::model::forward::ForwardError;
     use std::collections::BTreeMap;
@@ -329,8 +334,8 @@ fn score_cuda(
     tokens: &[u32],
     ws: &[crate::score::Window],
     kv: KvDtype,
-    finish: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
-    window_error: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+    finish: &mut FinishWindow,
+    window_error: &WindowError,
 ) -> Result<()> {
     use crate::backend::cuda::model::ScoreError;
     let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
@@ -354,8 +359,8 @@ fn score_cuda(
     _: &[u32],
     _: &[crate::score::Window],
     _: KvDtype,
-    _: &mut dyn FnMut(usize, Vec<f32>) -> Result<()>,
-    _: &dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error,
+    _: &mut FinishWindow,
+    _: &WindowError,
 ) -> Result<()> {
     let _ = model.config();
     unreachable!("no CUDA model exists without the CUDA backend")
