@@ -80,7 +80,12 @@ fn main() {
     let scored: usize = ws.iter().map(|w| w.scored()).sum();
     let flops: f64 = ws
         .iter()
-        .map(|w| engine.artifact.config.window_flops(w.len(), w.scored()))
+        .map(|w| {
+            engine
+                .artifact
+                .config
+                .window_flops_last_layer_scored_only(w.len(), w.scored())
+        })
         .sum();
 
     // Warm-up on the first window, then time the whole stream.

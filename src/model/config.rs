@@ -156,7 +156,8 @@ impl ModelConfig {
     /// FLOPs of one window of `len` tokens scoring `scored` targets, counting multiply-adds
     /// as two: the projections and MLP for every token, causal attention (QK^T and PV over
     /// the keys each query sees, the query itself included) and the output head for scored
-    /// rows. The work both backends do, and what the benches divide by.
+    /// rows. The work the CUDA backend does and its bench divides by; the CPU backend does
+    /// a little less ([`Self::window_flops_last_layer_scored_only`]).
     pub fn window_flops(&self, len: usize, scored: usize) -> f64 {
         let (d, qd, kvd, f, v) = (
             self.hidden_size,
@@ -171,6 +172,22 @@ impl ModelConfig {
         let attn = 4.0 * pairs * qd as f64;
         let layers = self.num_layers as f64;
         layers * (t * per_token_linear + attn) + 2.0 * scored as f64 * (d * v) as f64
+    }
+
+    /// [`Self::window_flops`] less what the CPU backend skips: after the last layer only
+    /// rows that predict a target are read, so there attention (queries from row
+    /// `len - scored - 1` on), the o-projection and the MLP run for those rows only, while
+    /// the q/k/v projection still runs for every token. The CPU benches divide by this.
+    pub fn window_flops_last_layer_scored_only(&self, len: usize, scored: usize) -> f64 {
+        let (d, qd, f) = (self.hidden_size, self.q_dim(), self.intermediate_size);
+        let full = self.window_flops(len, scored);
+        if self.num_layers == 0 || scored == 0 {
+            return full;
+        }
+        let skipped_rows = len.saturating_sub(scored + 1) as f64;
+        let pairs = |n: f64| n * (n + 1.0) / 2.0;
+        let per_row_tail = 2.0 * (qd * d + 3 * d * f) as f64; // o-projection, gate/up, down
+        full - skipped_rows * per_row_tail - 4.0 * pairs(skipped_rows) * qd as f64
     }
 
     /// A config of the given shape with the family's required features (qwen2 bias, qwen3
@@ -223,5 +240,22 @@ mod tests {
         let q = ModelConfig::for_test(Family::Qwen3, 36, 4096, 32, 8, 128, 12288, 151_936);
         let per_token = q.window_flops(4096, 2048) / 4096.0;
         assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
+    }
+
+    #[test]
+    fn last_layer_savings_match_a_hand_count() {
+        let c = ModelConfig::for_test(Family::Qwen3, 2, 4, 2, 1, 2, 8, 10);
+        // 5 tokens, 2 scored: rows 0 and 1 of the last layer skip o/MLP (2 * (16 + 96) each)
+        // and their attention (pairs 1 + 2 = 3, each 4 * 4 FLOPs).
+        let skipped = 2.0 * 2.0 * (16.0 + 96.0) + 3.0 * 4.0 * 4.0;
+        assert_eq!(
+            c.window_flops_last_layer_scored_only(5, 2),
+            c.window_flops(5, 2) - skipped
+        );
+        // A window that scores every row after the first skips nothing.
+        assert_eq!(
+            c.window_flops_last_layer_scored_only(5, 4),
+            c.window_flops(5, 4)
+        );
     }
 }
