@@ -20,10 +20,13 @@
 //! key its latest row can see (rounded up to a panel).
 //!
 //! Numerics: each score is `(Σ_d q·k, in order of d, one fused multiply-add per term)·scale`
-//! and each output element accumulates `p·v` over keys in order, again by fused
-//! multiply-add. The portable kernels (`mul_add`) are the specification; the AVX2+FMA ones
-//! do the same operations eight lanes at a time and a test holds them to the same bits. The
-//! block sizes are constants, so no thread count or schedule changes a result (tested).
+//! with `scale = log2(e)/√D`, so scores are in log2 units and the softmax uses
+//! [`exp::exp2`], which needs no change of base (the probabilities are the same, about a
+//! quarter of the `exp` work is saved). Each output element accumulates `p·v` over keys in
+//! order, again by fused multiply-add. The portable kernels (`mul_add`) are the
+//! specification; the AVX2+FMA ones do the same operations eight lanes at a time and a test
+//! holds them to the same bits. The block sizes are constants, so no thread count or
+//! schedule changes a result (tested).
 
 use super::exp;
 use super::SendPtr;
@@ -107,18 +110,37 @@ struct Scratch {
 }
 
 /// `s[r, p·NR + c] = scale · Σ_x q[r, x]·kt[p][x][c]` for `MR` query rows (`q[MR, d]`) and
-/// `panels` key panels; `s` has row stride `K_BLOCK`. Dispatches to the AVX2+FMA kernel
-/// when the CPU has it; both compute the same bits.
-fn scores_tile(q: &[f32], kt: &[f32], d: usize, panels: usize, scale: f32, s: &mut [f32]) {
+/// `panels` key panels; `s` has row stride `K_BLOCK`. Returns each row's maximum over the
+/// first `max_panels` panels (the ones every row may see; `NEG_INFINITY` when none), taken
+/// while the tile is still in registers, which saves the softmax a pass. Dispatches to the
+/// AVX2+FMA kernel when the CPU has it; both compute the same bits.
+fn scores_tile(
+    q: &[f32],
+    kt: &[f32],
+    d: usize,
+    panels: usize,
+    max_panels: usize,
+    scale: f32,
+    s: &mut [f32],
+) -> [f32; MR] {
     assert!(q.len() >= MR * d && kt.len() >= panels * d * NR);
-    assert!(panels * NR <= K_BLOCK && s.len() >= MR * K_BLOCK);
+    assert!(panels * NR <= K_BLOCK && s.len() >= MR * K_BLOCK && max_panels <= panels);
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
-        unsafe { avx2::scores_tile(q.as_ptr(), kt.as_ptr(), d, panels, scale, s.as_mut_ptr()) };
-        return;
+        return unsafe {
+            avx2::scores_tile(
+                q.as_ptr(),
+                kt.as_ptr(),
+                d,
+                panels,
+                max_panels,
+                scale,
+                s.as_mut_ptr(),
+            )
+        };
     }
-    portable::scores_tile(q, kt, d, panels, scale, s)
+    portable::scores_tile(q, kt, d, panels, max_panels, scale, s)
 }
 
 /// `o[r, c] += Σ_j p[r, j]·v[j, c]` for `MR` rows, `keys` keys and `NR` columns (`p` with
@@ -140,7 +162,16 @@ fn pv_tile(p: &[f32], v: &[f32], keys: usize, o: &mut [f32], ostride: usize) {
 mod portable {
     use super::{K_BLOCK, MR, NR};
 
-    pub fn scores_tile(q: &[f32], kt: &[f32], d: usize, panels: usize, scale: f32, s: &mut [f32]) {
+    pub fn scores_tile(
+        q: &[f32],
+        kt: &[f32],
+        d: usize,
+        panels: usize,
+        max_panels: usize,
+        scale: f32,
+        s: &mut [f32],
+    ) -> [f32; MR] {
+        let mut mx = [f32::NEG_INFINITY; MR];
         for p in 0..panels {
             let mut acc = [[0.0f32; NR]; MR];
             for x in 0..d {
@@ -154,10 +185,15 @@ mod portable {
             }
             for (r, a) in acc.iter().enumerate() {
                 for c in 0..NR {
-                    s[r * K_BLOCK + p * NR + c] = a[c] * scale;
+                    let v = a[c] * scale;
+                    s[r * K_BLOCK + p * NR + c] = v;
+                    if p < max_panels {
+                        mx[r] = mx[r].max(v);
+                    }
                 }
             }
         }
+        mx
     }
 
     pub fn pv_tile(p: &[f32], v: &[f32], keys: usize, o: &mut [f32], ostride: usize) {
@@ -186,17 +222,19 @@ mod avx2 {
 
     /// # Safety
     /// AVX2 and FMA present; `q[MR·d]`, `kt[panels·d·NR]` readable, `s[MR·K_BLOCK]`
-    /// writable, `panels·NR <= K_BLOCK`.
+    /// writable, `max_panels <= panels`, `panels·NR <= K_BLOCK`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores_tile(
         q: *const f32,
         kt: *const f32,
         d: usize,
         panels: usize,
+        max_panels: usize,
         scale: f32,
         s: *mut f32,
-    ) {
+    ) -> [f32; MR] {
         let sc = _mm256_set1_ps(scale);
+        let mut mx = [_mm256_set1_ps(f32::NEG_INFINITY); MR];
         for p in 0..panels {
             let kp = kt.add(p * d * NR);
             let mut acc = [[_mm256_setzero_ps(); 2]; MR];
@@ -211,10 +249,21 @@ mod avx2 {
             }
             for (r, a) in acc.iter().enumerate() {
                 let dst = s.add(r * K_BLOCK + p * NR);
-                _mm256_storeu_ps(dst, _mm256_mul_ps(a[0], sc));
-                _mm256_storeu_ps(dst.add(8), _mm256_mul_ps(a[1], sc));
+                let (v0, v1) = (_mm256_mul_ps(a[0], sc), _mm256_mul_ps(a[1], sc));
+                _mm256_storeu_ps(dst, v0);
+                _mm256_storeu_ps(dst.add(8), v1);
+                if p < max_panels {
+                    mx[r] = _mm256_max_ps(mx[r], _mm256_max_ps(v0, v1));
+                }
             }
         }
+        let mut out = [f32::NEG_INFINITY; MR];
+        for (o, m) in out.iter_mut().zip(&mx) {
+            let mut l = [0.0f32; 8];
+            _mm256_storeu_ps(l.as_mut_ptr(), *m);
+            *o = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        }
+        out
     }
 
     /// # Safety
@@ -263,7 +312,8 @@ pub fn causal_attention(
         return;
     }
     let group = hq / hkv;
-    let scale = 1.0 / (d as f32).sqrt();
+    // Scores in log2 units: 2^(s·log2 e) = e^s.
+    let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
     let blocks = t_len.div_ceil(Q_BLOCK);
     let first_block = from.min(t_len) / Q_BLOCK;
     let max_rows = (Q_BLOCK * group).div_ceil(MR) * MR;
@@ -311,12 +361,15 @@ pub fn causal_attention(
                     let end = kb1.min(last_pos + 1);
                     let panels = (end - kb0).div_ceil(NR);
                     let cols = panels * NR;
+                    // Panels the micro block's earliest row sees whole (so every row does).
+                    let shared = ((q0 + r0 / group + 1 - kb0) / NR).min(panels);
                     let p = &mut sc.scores[..];
-                    scores_tile(
+                    let tile_max = scores_tile(
                         &sc.qg[r0 * d..(r0 + MR) * d],
                         &kt_head[kb0 * d..(kb0 + cols) * d],
                         d,
                         panels,
+                        shared,
                         scale,
                         p,
                     );
@@ -332,12 +385,14 @@ pub fn causal_attention(
                         let visible = (q0 + r / group + 1 - kb0).min(cols);
                         let (live, masked) = row.split_at_mut(visible);
                         masked.fill(0.0);
-                        let m_new = m[r].max(exp::max(live));
-                        let sum = exp::exp_sub_sum(live, m_new);
+                        // The maximum is exact, so splitting it changes no bit.
+                        let live_max = tile_max[i].max(exp::max(&live[shared * NR..]));
+                        let m_new = m[r].max(live_max);
+                        let sum = exp::exp2_sub_sum(live, m_new);
                         if m[r] == f32::NEG_INFINITY {
                             l[r] = sum;
                         } else {
-                            let alpha = exp::exp(m[r] - m_new);
+                            let alpha = exp::exp2(m[r] - m_new);
                             l[r] = l[r] * alpha + sum;
                             // Multiplying by exactly 1 would change nothing.
                             if alpha != 1.0 {
@@ -499,9 +554,15 @@ mod tests {
             let q = gen(MR * d, 7);
             let kt = gen(panels * d * NR, 8);
             let (mut a, mut b) = (vec![0.0; MR * K_BLOCK], vec![0.0; MR * K_BLOCK]);
-            scores_tile(&q, &kt, d, panels, 0.125, &mut a);
-            portable::scores_tile(&q, &kt, d, panels, 0.125, &mut b);
+            let shared = panels / 2 + 1;
+            let ma = scores_tile(&q, &kt, d, panels, shared, 0.125, &mut a);
+            let mb = portable::scores_tile(&q, &kt, d, panels, shared, 0.125, &mut b);
             assert_eq!(bits(&a), bits(&b), "scores, d {d}");
+            assert_eq!(bits(&ma), bits(&mb), "row maxima, d {d}");
+            for r in 0..MR {
+                let want = exp::max(&a[r * K_BLOCK..r * K_BLOCK + shared * NR]);
+                assert_eq!(ma[r], want, "row {r} maximum, d {d}");
+            }
 
             let keys = panels * NR;
             let v = gen(keys * NR, 9);

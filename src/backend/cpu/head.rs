@@ -13,8 +13,10 @@ use rayon::prelude::*;
 
 /// Vocabulary entries per chunk (fixed: it defines the reduction order).
 const VOCAB_CHUNK: usize = 2048;
-/// Rows per GEMM, bounding the per-task logits buffer (`ROWS × VOCAB_CHUNK` floats).
-const ROWS: usize = 256;
+/// Rows per GEMM, bounding the per-task logits buffer (`ROWS × VOCAB_CHUNK` floats, 8 MiB):
+/// taller blocks pack each vocabulary chunk of the head fewer times (measured: about 5% less
+/// head time than 256 at context 4096).
+const ROWS: usize = 1024;
 
 #[derive(Clone, Copy)]
 struct Partial {
