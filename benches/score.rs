@@ -5,7 +5,8 @@
 //! Needs `bash ci/prepare.sh` (artifact and corpus) and `bash eval/setup-python.sh` (the
 //! peer). Prints processed and scored tokens/s for both, their ratio, the FLOPs this engine
 //! does per processed token, the achieved GFLOP/s against the machine's measured f32 GEMM
-//! rate (a 2048³ matmul through the engine's own GEMM path, and torch's), and peak RSS.
+//! rate (the fastest of five 2048³ products through the engine's own GEMM path, and
+//! torch's, in every round), and peak RSS.
 //!
 //! The two engines run alternately for `--rounds` rounds (ours, peer, ours, peer, ...) and
 //! each keeps its fastest round, as does each GEMM rate: on a shared machine a neighbour's
@@ -32,12 +33,16 @@ fn gemm_gflops(threads: usize) -> f64 {
         .build()
         .unwrap();
     pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
-    let reps = 3;
-    let t0 = Instant::now();
-    for _ in 0..reps {
-        pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
-    }
-    2.0 * (n as f64).powi(3) * reps as f64 / t0.elapsed().as_secs_f64() / 1e9
+    // The fastest of several single products: the machine's rate when a neighbour is not
+    // in the way, which is the fair ceiling to compare against (and the harder one to reach).
+    let best = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            pool.install(|| matmul_wt(&a, n, n, &b, n, &mut c, false));
+            t0.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    2.0 * (n as f64).powi(3) / best / 1e9
 }
 
 fn main() {

@@ -41,11 +41,13 @@ def main():
         a = torch.randn(n, n)
         b = torch.randn(n, n)
         a @ b
-        reps = 5
-        t1 = time.perf_counter()
-        for _ in range(reps):
+        # Fastest of five single products (the same rule as the engine's side).
+        best = float("inf")
+        for _ in range(5):
+            t1 = time.perf_counter()
             a @ b
-        gemm = 2 * n**3 * reps / (time.perf_counter() - t1) / 1e9
+            best = min(best, time.perf_counter() - t1)
+        gemm = 2 * n**3 / best / 1e9
 
     print(
         json.dumps(
