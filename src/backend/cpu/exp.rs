@@ -104,57 +104,57 @@ pub fn exp2(x: f32) -> f32 {
 /// `x[i] = 2^(x[i] - max)` in place; returns the sum, accumulated exactly like
 /// [`exp_sub_sum`]'s.
 pub fn exp2_sub_sum(x: &mut [f32], max: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { avx2::exp2_sub_sum(x, max) };
-    }
-    exp2_sub_sum_scalar(x, max)
+    sub_sum::<true>(x, max)
 }
 
 /// [`exp2_sub_sum`] one element at a time: the specification of the vector loop.
 pub fn exp2_sub_sum_scalar(x: &mut [f32], max: f32) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let mut chunks = x.chunks_exact_mut(8);
-    for c in &mut chunks {
-        for i in 0..8 {
-            c[i] = exp2(c[i] - max);
-            acc[i] += c[i];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for v in chunks.into_remainder() {
-        *v = exp2(*v - max);
-        s += *v;
-    }
-    s
+    sub_sum_scalar::<true>(x, max)
 }
 
 /// `x[i] = exp(x[i] - max)` in place; returns the sum, accumulated in eight lanes (element
 /// `i` into lane `i % 8` for the whole multiple-of-eight prefix, in order), the lanes added
 /// as `((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))`, then the tail in order.
 pub fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { avx2::exp_sub_sum(x, max) };
-    }
-    exp_sub_sum_scalar(x, max)
+    sub_sum::<false>(x, max)
 }
 
 /// [`exp_sub_sum`] one element at a time: the specification of the vector loop.
 pub fn exp_sub_sum_scalar(x: &mut [f32], max: f32) -> f32 {
+    sub_sum_scalar::<false>(x, max)
+}
+
+/// The shared loop of [`exp_sub_sum`] (`BASE2 = false`) and [`exp2_sub_sum`] (`true`).
+fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { avx2::sub_sum::<BASE2>(x, max) };
+    }
+    sub_sum_scalar::<BASE2>(x, max)
+}
+
+#[inline(always)]
+fn exp_or_exp2<const BASE2: bool>(x: f32) -> f32 {
+    if BASE2 {
+        exp2(x)
+    } else {
+        exp(x)
+    }
+}
+
+fn sub_sum_scalar<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut chunks = x.chunks_exact_mut(8);
     for c in &mut chunks {
         for i in 0..8 {
-            c[i] = exp(c[i] - max);
+            c[i] = exp_or_exp2::<BASE2>(c[i] - max);
             acc[i] += c[i];
         }
     }
     let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for v in chunks.into_remainder() {
-        *v = exp(*v - max);
+        *v = exp_or_exp2::<BASE2>(*v - max);
         s += *v;
     }
     s
@@ -214,16 +214,19 @@ mod avx2 {
         _mm256_andnot_ps(below, y)
     }
 
+    /// [`super::sub_sum_scalar`] eight lanes at a time, operation for operation.
+    ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp2_sub_sum(x: &mut [f32], max: f32) -> f32 {
+    pub unsafe fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
         let m = _mm256_set1_ps(max);
         let mut acc = _mm256_setzero_ps();
         let mut chunks = x.chunks_exact_mut(8);
         for c in &mut chunks {
             // SAFETY: `c` is exactly eight floats.
-            let y = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            let d = _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m);
+            let y = if BASE2 { exp2_8(d) } else { exp8(d) };
             _mm256_storeu_ps(c.as_mut_ptr(), y);
             acc = _mm256_add_ps(acc, y);
         }
@@ -231,30 +234,7 @@ mod avx2 {
         _mm256_storeu_ps(l.as_mut_ptr(), acc);
         let mut s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
         for v in chunks.into_remainder() {
-            *v = exp2(*v - max);
-            s += *v;
-        }
-        s
-    }
-
-    /// # Safety
-    /// The CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
-        let m = _mm256_set1_ps(max);
-        let mut acc = _mm256_setzero_ps();
-        let mut chunks = x.chunks_exact_mut(8);
-        for c in &mut chunks {
-            // SAFETY: `c` is exactly eight floats.
-            let y = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
-            _mm256_storeu_ps(c.as_mut_ptr(), y);
-            acc = _mm256_add_ps(acc, y);
-        }
-        let mut l = [0.0f32; 8];
-        _mm256_storeu_ps(l.as_mut_ptr(), acc);
-        let mut s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
-        for v in chunks.into_remainder() {
-            *v = exp(*v - max);
+            *v = exp_or_exp2::<BASE2>(*v - max);
             s += *v;
         }
         s
