@@ -46,7 +46,7 @@ pub struct Engine {
 
 /// The loaded model on its backend.
 enum Model {
-    Cpu(CpuModel),
+    Cpu(Box<CpuModel>),
     // Only constructed when the CUDA backend is built and a device was selected.
     #[allow(dead_code)]
     Cuda(Box<CudaModel>),
@@ -94,7 +94,7 @@ impl Engine {
         let model = match &device {
             Device::Cpu { .. } => {
                 let weights = Weights::load(&artifact, progress)?;
-                Model::Cpu(CpuModel::new(artifact.config.clone(), weights))
+                Model::Cpu(Box::new(CpuModel::new(artifact.config.clone(), weights)))
             }
             Device::Cuda { ordinal, .. } => load_cuda(&artifact, *ordinal, progress)?,
         };

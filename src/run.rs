@@ -314,7 +314,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
             quick: matches!(cfg.input, Input::Corpus { quick: true, .. }),
             max_tokens: cfg.max_tokens,
             device: engine.device.describe(),
-            device_class: engine.device.class().into(),
+            device_class: engine.device.class(),
             threads: engine.threads(),
         },
         artifact: report::ArtifactInfo {

@@ -3,6 +3,7 @@
 //! - SmolLM2-135M (bf16 artifact; head_dim 64: the tensor-core attention in bf16 mode),
 //! - the tiny qwen3 fixture (q/k norm, head_dim 8: the f32 attention kernel),
 //! - a small random-weight qwen3 with head_dim 128 (the d128 tensor-core kernel),
+//!
 //! each on the corpus's four quick streams cut to their first `NINFER_PARITY_TOKENS` tokens
 //! (1024) with context 512 / stride 256. Also: a rerun gives the same bits, one window per
 //! pass gives what packed passes give, and a bad token fails with the CPU's message.

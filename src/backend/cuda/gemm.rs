@@ -61,6 +61,7 @@ impl Blas {
 
     /// `y[m, n] = x[m, k] · w[n, k]ᵀ (+ y when accumulate)`. `x` and `w` hold GEMM input
     /// elements of the precision; `y` is f32.
+    #[allow(clippy::too_many_arguments)] // the BLAS-shaped call: shape, three operands, mode
     pub fn gemm(
         &self,
         m: usize,

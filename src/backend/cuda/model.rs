@@ -123,7 +123,7 @@ pub struct CudaModel {
 /// The precision named by `NINFER_CUDA_PRECISION` (bf16 when unset).
 pub fn precision_from_env() -> Result<Precision> {
     match std::env::var(PRECISION_ENV) {
-        Ok(s) if !s.is_empty() => Precision::parse(&s).with_context(|| format!("{PRECISION_ENV}")),
+        Ok(s) if !s.is_empty() => Precision::parse(&s).with_context(|| PRECISION_ENV.to_string()),
         _ => Ok(Precision::Bf16),
     }
 }

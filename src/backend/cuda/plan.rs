@@ -158,7 +158,7 @@ pub fn attention_tiles(windows: &[(usize, usize)], per_tile: usize) -> Vec<AttnT
         }
     }
     // Stable: equal costs keep their order, so the launch is deterministic.
-    tiles.sort_by(|a, b| b.keys().cmp(&a.keys()));
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.keys()));
     tiles
 }
 
