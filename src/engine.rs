@@ -186,12 +186,15 @@ impl Engine {
         match &self.model {
             Model::Cpu(model) => {
                 let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
-                let in_flight =
-                    cpu_windows_in_flight(self.threads(), model.window_bytes(longest), ws.len());
+                let window_bytes = model.window_bytes(longest);
+                let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
                 score_cpu(
                     model,
                     &self.pool,
-                    in_flight,
+                    CpuSchedule {
+                        in_flight,
+                        window_bytes,
+                    },
                     tokens,
                     &ws,
                     kv,
@@ -226,20 +229,34 @@ fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) ->
     threads.min(by_memory).min(windows).max(1)
 }
 
+/// How [`score_cpu`] may use the pool.
+struct CpuSchedule {
+    /// Windows computing at once ([`cpu_windows_in_flight`]).
+    in_flight: usize,
+    /// Working memory of the longest window ([`CpuModel::window_bytes`]).
+    window_bytes: usize,
+}
+
 /// Scores CPU windows with up to `in_flight` of them computing at once and hands each to
 /// `finish` in window order, on the calling thread.
 ///
 /// Why several windows at once: inside one window every matrix product, attention call and
 /// elementwise pass is a fork-join over the worker threads, a few hundred barriers per
 /// window, and on a shared machine each barrier waits for the slowest thread. A thread that
-/// owns a window never waits for the others; when fewer windows than threads are left, the
-/// idle threads steal the column blocks and attention tasks of the windows still running,
-/// so the tail of a stream still uses every core. Measured on the 2-core development
-/// machine (docs/performance.md): 8-14% less wall time at context 1024 and 4096.
+/// owns a window never waits for the others. Measured on the 2-core development machine
+/// (docs/performance.md): 8-14% less wall time at context 1024 and 4096.
+///
+/// When fewer windows than threads are left (the end of a stream, or a stream of one
+/// window), a running window splits its rows between its own thread and a free one at the
+/// next layer boundary (`CpuModel::window_logprobs_with`), which keeps the pair of threads
+/// working without a barrier per op; a split takes one more window's worth of working
+/// memory, so it happens only within [`CPU_WINDOW_MEMORY`]. Threads still idle after that
+/// steal the running windows' column blocks and attention tasks.
 ///
 /// Why the bits do not change: a window's result depends only on its tokens, never on which
-/// thread runs which task (every kernel splits its work at fixed boundaries and reduces in a
-/// fixed order; tests/determinism.rs compares 1, 2 and 3 threads bit for bit).
+/// thread runs which task or where a window is split (every kernel splits its work at fixed
+/// boundaries and reduces in a fixed order; tests/determinism.rs compares 1, 2, 3 and 16
+/// threads bit for bit).
 ///
 /// Errors: windows start in order, so when the next window in order failed every earlier
 /// one succeeded; that first error is returned, no new window starts and the ones already
@@ -248,7 +265,7 @@ fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) ->
 fn score_cpu(
     model: &CpuModel,
     pool: &rayon::ThreadPool,
-    in_flight: usize,
+    schedule: CpuSchedule,
     tokens: &[u32],
     ws: &[crate::score::Window],
     kv: KvDtype,
@@ -258,45 +275,101 @@ fn score_cpu(
     use crate::model::forward::ForwardError;
     use std::collections::BTreeMap;
     use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     use std::sync::mpsc;
 
-    let run = |wi: usize| {
-        let w = &ws[wi];
-        model.window_logprobs(&tokens[w.begin..w.end], w.start - w.begin, kv)
-    };
+    let threads = pool.current_num_threads();
+    let CpuSchedule {
+        in_flight,
+        window_bytes,
+    } = schedule;
+    let memory_for = |parts: usize| parts.saturating_mul(window_bytes) <= CPU_WINDOW_MEMORY;
     if in_flight <= 1 {
-        for wi in 0..ws.len() {
-            let lps = pool.install(|| run(wi)).map_err(|e| window_error(wi, &e))?;
+        // One window at a time: the other threads are free whenever memory allows a split.
+        let may_split = || threads > 1 && memory_for(2);
+        for (wi, w) in ws.iter().enumerate() {
+            let lps = pool
+                .install(|| {
+                    let (t, first) = (&tokens[w.begin..w.end], w.start - w.begin);
+                    model.window_logprobs_with(t, first, kv, &may_split)
+                })
+                .map_err(|e| window_error(wi, &e))?;
             finish(wi, lps)?;
         }
         return Ok(());
     }
+    // Windows are taken in order from `next_window` by one loop per worker thread (up to
+    // `in_flight` of them), never spawned as jobs: a thread waiting inside a fork-join may
+    // run any queued job, and a queued window picked up there would hold the window below
+    // it on that thread's stack until it finished. `busy` counts threads running a window
+    // or the second part of a split one.
+    let next_window = AtomicUsize::new(0);
+    let busy = AtomicUsize::new(0);
+    // The first window that failed (every window after it is skipped).
+    let stop_at = AtomicUsize::new(usize::MAX);
+    let run = |wi: usize| {
+        let w = &ws[wi];
+        let did_split = AtomicBool::new(false);
+        // Yes when no window is left to start, a thread is free and memory allows: the
+        // free thread is then counted busy until this window ends.
+        let may_split = || {
+            let yes = next_window.load(SeqCst) >= ws.len()
+                && busy
+                    .fetch_update(SeqCst, SeqCst, |b| {
+                        (b < threads && memory_for(b + 1)).then_some(b + 1)
+                    })
+                    .is_ok();
+            did_split.store(yes, SeqCst);
+            yes
+        };
+        let lps =
+            model.window_logprobs_with(&tokens[w.begin..w.end], w.start - w.begin, kv, &may_split);
+        busy.fetch_sub(1 + usize::from(did_split.load(SeqCst)), SeqCst);
+        lps
+    };
     type Outcome = std::thread::Result<Result<Vec<f32>, ForwardError>>;
     let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
+    // Set when this function returns (early, on an error), so that no new window starts.
+    struct StopOnDrop<'a>(&'a AtomicUsize);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(0, SeqCst);
+        }
+    }
     // The scope's body runs here, on the caller's thread (not a pool worker), so it may
-    // block on the channel; the windows run on the pool. A job is one window, never a loop
-    // over windows, and a new one is spawned only when a result arrives, so at most
-    // `in_flight` windows hold memory at any time.
+    // block on the channel; the windows run on the pool's threads.
     pool.in_place_scope(|scope| {
-        let spawn = |wi: usize| {
-            let (tx, run) = (tx.clone(), &run);
-            scope.spawn(move |_| {
+        let _stop = StopOnDrop(&stop_at);
+        let (tx, run, next_window, busy, stop_at) = (&tx, &run, &next_window, &busy, &stop_at);
+        scope.spawn_broadcast(move |_, ctx| {
+            if ctx.index() >= in_flight {
+                return;
+            }
+            let tx = tx.clone();
+            loop {
+                // Taking a window and counting its thread busy happen together, so a
+                // window never mistakes a thread about to start one for a free thread.
+                busy.fetch_add(1, SeqCst);
+                let wi = next_window.fetch_add(1, SeqCst);
+                // A window before the first failed one still runs: the caller reports
+                // errors in window order and needs every earlier result.
+                if wi >= ws.len() || wi > stop_at.load(SeqCst) {
+                    busy.fetch_sub(1, SeqCst);
+                    return;
+                }
                 let outcome = catch_unwind(AssertUnwindSafe(|| run(wi)));
+                if !matches!(outcome, Ok(Ok(_))) {
+                    stop_at.fetch_min(wi, SeqCst);
+                }
                 // The receiver is gone only after an error; then nobody needs this result.
                 let _ = tx.send((wi, outcome));
-            });
-        };
-        let mut started = in_flight.min(ws.len());
-        (0..started).for_each(spawn);
+            }
+        });
         let mut ready: BTreeMap<usize, Outcome> = BTreeMap::new();
         let mut next = 0;
         while next < ws.len() {
             let (wi, outcome) = rx.recv().expect("a window job ended without a result");
             ready.insert(wi, outcome);
-            if started < ws.len() {
-                spawn(started);
-                started += 1;
-            }
             while let Some(outcome) = ready.remove(&next) {
                 let lps = match outcome {
                     Ok(r) => r.map_err(|e| window_error(next, &e))?,

@@ -12,6 +12,10 @@ use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::score::{Protocol, StreamScore};
 
 fn score(threads: usize, kv: KvDtype, tokens: &[u32]) -> StreamScore {
+    score_with(threads, kv, tokens, Protocol::new(96, 40).unwrap())
+}
+
+fn score_with(threads: usize, kv: KvDtype, tokens: &[u32], protocol: Protocol) -> StreamScore {
     let e = Engine::load(
         &common::artifact("smollm2-135m-bf16.ninfer"),
         &LoadOptions {
@@ -21,14 +25,7 @@ fn score(threads: usize, kv: KvDtype, tokens: &[u32]) -> StreamScore {
         &mut |_, _| {},
     )
     .unwrap();
-    e.score(
-        tokens,
-        Protocol::new(96, 40).unwrap(),
-        kv,
-        true,
-        &mut |_, _| {},
-    )
-    .unwrap()
+    e.score(tokens, protocol, kv, true, &mut |_, _| {}).unwrap()
 }
 
 fn bits(s: &StreamScore) -> Vec<u64> {
@@ -46,8 +43,7 @@ fn bits(s: &StreamScore) -> Vec<u64> {
     v
 }
 
-#[test]
-fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
+fn tokens(bytes: usize, take: usize) -> Vec<u32> {
     let text =
         std::fs::read_to_string(common::repo().join("eval/fixtures/tiny_qwen3_logprobs.json"))
             .unwrap();
@@ -59,12 +55,18 @@ fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
     .unwrap();
     let tokens: Vec<u32> = e
         .tokenizer
-        .encode(&text[..4000])
+        .encode(&text[..bytes])
         .unwrap()
         .into_iter()
-        .take(300)
+        .take(take)
         .collect();
-    drop(e);
+    assert_eq!(tokens.len(), take, "fixture text too short");
+    tokens
+}
+
+#[test]
+fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
+    let tokens = tokens(4000, 300);
     for kv in [KvDtype::Bf16, KvDtype::Nvfp4] {
         let one = score(1, kv, &tokens);
         assert!(one.windows.len() >= 5, "needs several windows");
@@ -83,5 +85,28 @@ fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
             "{}: second run",
             kv.name()
         );
+    }
+}
+
+#[test]
+fn windows_split_between_threads_give_the_same_bits() {
+    // Windows of 512 tokens are long enough to be split between two threads (rows of the
+    // window's later layers on a second thread, `Split` in src/model/forward.rs). A stream
+    // of one window with 2 or 3 threads is split before layer 0 every time; in a stream of
+    // five windows the last ones split whenever a thread runs out of windows, at whatever
+    // layer that happens. The bits must match one thread, which never splits.
+    let tokens = tokens(20_000, 1300);
+    let protocol = Protocol::new(512, 256).unwrap();
+    for stream in [&tokens[..512], &tokens[..]] {
+        let one = score_with(1, KvDtype::Int8, stream, protocol);
+        let reference = bits(&one);
+        for threads in [2, 3] {
+            assert_eq!(
+                bits(&score_with(threads, KvDtype::Int8, stream, protocol)),
+                reference,
+                "{} tokens, {threads} threads",
+                stream.len()
+            );
+        }
     }
 }

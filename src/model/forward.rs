@@ -15,7 +15,7 @@
 //! is to harmless numerical changes (docs/accuracy.md). Unset (the normal case), nothing
 //! changes.
 
-use crate::backend::cpu::attention::{causal_attention, AttnShape};
+use crate::backend::cpu::attention::{causal_attention, AttnShape, Q_BLOCK};
 use crate::backend::cpu::head;
 use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
@@ -24,6 +24,8 @@ use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
 use crate::model::weights::Weights;
 use rayon::prelude::*;
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex};
 use thiserror::Error;
 
 /// A numerical failure inside a window (positions are relative to the window).
@@ -81,7 +83,8 @@ impl Laps {
         }
     }
 
-    fn report(&self, tokens: usize, scored: usize) {
+    /// Prints the phases under `label` (what was timed).
+    fn report(&self, label: &str) {
         if self.on {
             let total: f64 = self.acc.iter().sum();
             let parts: Vec<String> = PHASES
@@ -90,7 +93,7 @@ impl Laps {
                 .map(|(n, s)| format!("{n} {:.0} ms", s * 1e3))
                 .collect();
             eprintln!(
-                "profile: window {tokens} tokens, {scored} scored, {:.0} ms: {}",
+                "profile: {label}, {:.0} ms: {}",
                 total * 1e3,
                 parts.join(", ")
             );
@@ -173,6 +176,30 @@ impl CpuModel {
         first_target: usize,
         kv: KvDtype,
     ) -> Result<Vec<f32>, ForwardError> {
+        self.forward(tokens, first_target, kv, Split::Never)
+    }
+
+    /// [`CpuModel::window_logprobs`], with the option of splitting the window's rows between
+    /// two threads: `may_split` is asked at each layer boundary until it says yes (and then
+    /// never again); a yes means a worker thread is free to take the later rows. The result
+    /// has the same bits either way (see [`Split`]).
+    pub fn window_logprobs_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        may_split: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.forward(tokens, first_target, kv, Split::Ask(may_split))
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        split: Split,
+    ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
@@ -180,9 +207,7 @@ impl CpuModel {
             first_target >= 1 && first_target <= t_len,
             "first_target out of range"
         );
-        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let eps = c.rms_norm_eps;
+        let (d, layers) = (c.hidden_size, self.weights.layers.len());
         let w = &self.weights;
 
         // x[T, d]: the residual stream.
@@ -202,84 +227,47 @@ impl CpuModel {
             x.iter_mut().for_each(|v| *v *= 1.0 + e); // test-only perturbation
         }
         let rope = RopeTable::new(&self.inv_freq, t_len);
-        let qkv_w = qd + 2 * kvd;
-        let mut h = vec![0.0f32; t_len * d];
-        let mut qkv = vec![0.0f32; t_len * qkv_w];
-        let mut q = vec![0.0f32; t_len * qd];
-        let mut k = vec![0.0f32; t_len * kvd];
-        let mut v = vec![0.0f32; t_len * kvd];
-        let mut attn = vec![0.0f32; t_len * qd];
-        let mut gu = vec![0.0f32; t_len * 2 * f];
-        let mut act = vec![0.0f32; t_len * f];
-        let shape = AttnShape {
-            tokens: t_len,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: hd,
+        // Test-only fault: layer 0's keys rotated for position t + 1.
+        let shifted = (self.fault == Some(Fault::RopeShift)).then(|| {
+            let t = RopeTable::new(&self.inv_freq, t_len + 1);
+            RopeTable {
+                half: t.half,
+                cos: t.cos[t.half..].to_vec(),
+                sin: t.sin[t.half..].to_vec(),
+            }
+        });
+        let pass = Pass {
+            first_target,
+            kv,
+            rope: &rope,
+            shifted_rope: shifted.as_ref(),
         };
 
-        for (li, l) in w.layers.iter().enumerate() {
-            // Attention block.
-            laps.lap(2);
-            rms_norm(&x, &l.attn_norm, eps, &mut h);
-            laps.lap(0);
-            matmul_wt(&h, t_len, d, &l.wqkv, qkv_w, &mut qkv, false);
-            laps.lap(1);
-            if let Some(b) = &l.bqkv {
-                qkv.par_chunks_mut(qkv_w)
-                    .for_each(|r| r.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+        // The whole window, layer by layer, until (if ever) it is split.
+        let mut cut = None;
+        {
+            let mut bufs = Bufs::new(c, 0, t_len);
+            for li in 0..layers {
+                if let Some(h) = self.split_here(&split, li, t_len, first_target) {
+                    cut = Some((li, h));
+                    break;
+                }
+                self.layer(
+                    li,
+                    0..t_len,
+                    &mut x,
+                    &mut bufs,
+                    &pass,
+                    &Link::Alone,
+                    &mut laps,
+                )
+                .map_err(Stop::into_error)?;
             }
-            // Split qkv[T, q+2kv] into q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D].
-            for t in 0..t_len {
-                let r = &qkv[t * qkv_w..(t + 1) * qkv_w];
-                q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
-                k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
-                v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
-            }
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                rms_norm_inplace(&mut q, qn, eps);
-                rms_norm_inplace(&mut k, kn, eps);
-            }
-            rope.apply(&mut q, hq);
-            if li == 0 && self.fault == Some(Fault::RopeShift) {
-                // Test-only fault: layer 0's keys rotated for position t + 1.
-                let t = RopeTable::new(&self.inv_freq, t_len + 1);
-                let shifted = RopeTable {
-                    half: t.half,
-                    cos: t.cos[t.half..].to_vec(),
-                    sin: t.sin[t.half..].to_vec(),
-                };
-                shifted.apply(&mut k, hkv);
-            } else {
-                rope.apply(&mut k, hkv);
-            }
-            store_kv(&mut k, hkv, hd, kv, li, "key")?;
-            store_kv(&mut v, hkv, hd, kv, li, "value")?;
-            // Every layer needs keys and values for all positions, but after the last
-            // layer only the rows that predict a target are read: there, attention output,
-            // o-projection and MLP run for rows r0.. only (the same bits as for all rows).
-            let r0 = if li + 1 == w.layers.len() {
-                first_target - 1
-            } else {
-                0
-            };
-            let n = t_len - r0;
-            laps.lap(2);
-            causal_attention(&q, &k, &v, &shape, r0, &mut attn);
-            laps.lap(3);
-            matmul_wt(&attn[r0 * qd..], n, qd, &l.wo, d, &mut x[r0 * d..], true);
-            laps.lap(4);
-
-            // MLP block.
-            let (h, gu, act) = (&mut h[..n * d], &mut gu[..n * 2 * f], &mut act[..n * f]);
-            rms_norm(&x[r0 * d..], &l.mlp_norm, eps, h);
-            laps.lap(0);
-            matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
-            laps.lap(5);
-            swiglu(gu, f, act);
-            laps.lap(6);
-            matmul_wt(act, n, f, &l.wdown, d, &mut x[r0 * d..], true);
-            laps.lap(7);
+        }
+        if let Some((from, h)) = cut {
+            laps.report(&format!("window {t_len} tokens, layers 0..{from}"));
+            self.split_layers(from, h, &mut x, &pass)?;
+            laps = Laps::new(self.profile);
         }
 
         // Row i predicts token i + 1: rows first_target-1 .. T-1.
@@ -291,7 +279,7 @@ impl CpuModel {
                 o.copy_from_slice(&x[i * d..(i + 1) * d]); // test-only fault
                 return;
             }
-            rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, eps, o);
+            rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, c.rms_norm_eps, o);
         });
         let mut out = vec![0.0f32; rows];
         head::logprobs(
@@ -303,13 +291,425 @@ impl CpuModel {
             &mut out,
         );
         laps.lap(8);
-        laps.report(t_len, rows);
+        let after_split = if cut.is_some() {
+            " (after the split)"
+        } else {
+            ""
+        };
+        laps.report(&format!(
+            "window {t_len} tokens, {rows} scored{after_split}"
+        ));
         Ok(out)
+    }
+
+    /// Whether to split the window before layer `li`, and where: `Some(h)` gives rows `..h`
+    /// to this thread and rows `h..` to another one.
+    fn split_here(
+        &self,
+        split: &Split,
+        li: usize,
+        t_len: usize,
+        first_target: usize,
+    ) -> Option<usize> {
+        let h = match *split {
+            Split::Never => return None,
+            Split::At { layer, rows } => return (layer == li).then_some(rows),
+            Split::Ask(_) if t_len < MIN_SPLIT_ROWS => return None,
+            Split::Ask(_) => self.split_point(li, t_len, first_target)?,
+        };
+        match split {
+            Split::Ask(ask) if ask() => Some(h),
+            _ => None,
+        }
+    }
+
+    /// The row at which to cut a window split before layer `from`: the multiple of the
+    /// attention's query block that comes closest to giving both parts the same FLOPs per
+    /// layer without the first part's being larger (the second part waits for the first at
+    /// every layer, so the first should finish first; its thread then helps the second
+    /// through work stealing). `None` when the window is too short to cut.
+    fn split_point(&self, from: usize, t_len: usize, first_target: usize) -> Option<usize> {
+        let c = &self.config;
+        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let lin = (2 * (d * (qd + 2 * kvd) + qd * d + 3 * d * f)) as f64; // per row
+        let kv_only = (2 * d * (qd + 2 * kvd)) as f64; // per row skipped after the last layer
+        let att = (4 * c.num_heads * c.head_dim) as f64; // per (row, visible key)
+        let pairs = |a: usize, b: usize| ((b * (b + 1) - a * (a + 1)) / 2) as f64;
+        let layers = self.weights.layers.len();
+        let r0 = first_target - 1;
+        // FLOPs of rows a..b over layers from.. (the last layer only for rows from r0 on).
+        let cost = |a: usize, b: usize| {
+            let full = (layers - from - 1) as f64 * (lin * (b - a) as f64 + att * pairs(a, b));
+            let s = r0.clamp(a, b);
+            full + kv_only * (s - a) as f64 + lin * (b - s) as f64 + att * pairs(s, b)
+        };
+        (Q_BLOCK..t_len)
+            .step_by(Q_BLOCK)
+            .take_while(|&h| cost(0, h) <= cost(h, t_len))
+            .last()
+    }
+
+    /// Layers `from..` of a window split at row `h`: rows `..h` on this thread, rows `h..`
+    /// on whichever worker takes them (or this thread afterwards, when none is free). The
+    /// second part's attention needs the first part's keys and values of the same layer,
+    /// which a [`Handoff`] passes along; the first part needs nothing from the second.
+    fn split_layers(
+        &self,
+        from: usize,
+        h: usize,
+        x: &mut [f32],
+        pass: &Pass,
+    ) -> Result<(), ForwardError> {
+        let c = &self.config;
+        let t_len = x.len() / c.hidden_size;
+        let layers = self.weights.layers.len();
+        let (xa, xb) = x.split_at_mut(h * c.hidden_size);
+        let handoff = Handoff::default();
+        let (a, b) = rayon::join(
+            || {
+                let _close = CloseOnDrop(&handoff);
+                let mut laps = Laps::new(self.profile);
+                let mut bufs = Bufs::new(c, 0, h);
+                let link = Link::Give(&handoff);
+                for li in from..layers {
+                    self.layer(li, 0..h, xa, &mut bufs, pass, &link, &mut laps)?;
+                }
+                laps.report(&format!(
+                    "window {t_len} tokens, rows 0..{h}, layers {from}.."
+                ));
+                Ok(())
+            },
+            || {
+                let mut laps = Laps::new(self.profile);
+                let mut bufs = Bufs::new(c, h, t_len);
+                let link = Link::Take(&handoff);
+                for li in from..layers {
+                    self.layer(li, h..t_len, xb, &mut bufs, pass, &link, &mut laps)?;
+                }
+                laps.report(&format!(
+                    "window {t_len} tokens, rows {h}..{t_len}, layers {from}.."
+                ));
+                Ok(())
+            },
+        );
+        match (a, b) {
+            (Ok(()), Ok(())) => Ok(()),
+            // Both failed: the error the whole window would have met first.
+            (Err(Stop::Failed(ea)), Err(Stop::Failed(eb))) => {
+                Err(if eb.order() < ea.order() { eb } else { ea })
+            }
+            (Err(Stop::Failed(e)), _) | (_, Err(Stop::Failed(e))) => Err(e),
+            // The second part gives up only when the first stopped early, i.e. failed.
+            (_, Err(Stop::Abandoned)) | (Err(Stop::Abandoned), _) => {
+                unreachable!("the second part of a window was abandoned without an error")
+            }
+        }
+    }
+
+    /// One decoder layer for rows `rows` of a window (`x` holds exactly those rows of the
+    /// residual stream). After the last layer only the rows that predict a target are read,
+    /// so there attention output, o-projection and MLP run for rows `first_target - 1..`
+    /// only (every row still contributes its key and value); the same bits as for all rows.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        li: usize,
+        rows: std::ops::Range<usize>,
+        x: &mut [f32],
+        b: &mut Bufs,
+        pass: &Pass,
+        link: &Link,
+        laps: &mut Laps,
+    ) -> Result<(), Stop> {
+        let c = &self.config;
+        let l = &self.weights.layers[li];
+        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let qkv_w = qd + 2 * kvd;
+        let eps = c.rms_norm_eps;
+        let (lo, hi) = (rows.start, rows.end);
+        let m = hi - lo;
+
+        // Attention block.
+        laps.lap(2);
+        rms_norm(x, &l.attn_norm, eps, &mut b.h[..m * d]);
+        laps.lap(0);
+        matmul_wt(&b.h[..m * d], m, d, &l.wqkv, qkv_w, &mut b.qkv, false);
+        laps.lap(1);
+        if let Some(bias) = &l.bqkv {
+            b.qkv
+                .par_chunks_mut(qkv_w)
+                .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+        }
+        // Split qkv[m, q+2kv] into rows lo..hi of q[hi, Hq, D], k[hi, Hkv, D], v[hi, Hkv, D].
+        let (q, k, v) = (
+            &mut b.q[lo * qd..hi * qd],
+            &mut b.k[lo * kvd..hi * kvd],
+            &mut b.v[lo * kvd..hi * kvd],
+        );
+        for (t, r) in b.qkv.chunks(qkv_w).enumerate() {
+            q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
+            k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
+            v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
+        }
+        if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+            rms_norm_inplace(q, qn, eps);
+            rms_norm_inplace(k, kn, eps);
+        }
+        pass.rope.apply_from(q, hq, lo);
+        match pass.shifted_rope {
+            Some(shifted) if li == 0 => shifted.apply_from(k, hkv, lo), // test-only fault
+            _ => pass.rope.apply_from(k, hkv, lo),
+        }
+        store_kv(k, hkv, hd, pass.kv, li, "key", lo).map_err(Stop::Failed)?;
+        store_kv(v, hkv, hd, pass.kv, li, "value", lo).map_err(Stop::Failed)?;
+        match link {
+            Link::Alone => {}
+            Link::Give(to) => to.give(li, &b.k, &b.v),
+            Link::Take(from) => from.take(li, &mut b.k[..lo * kvd], &mut b.v[..lo * kvd])?,
+        }
+        let r0 = if li + 1 == self.weights.layers.len() {
+            (pass.first_target - 1).max(lo)
+        } else {
+            lo
+        };
+        laps.lap(2);
+        if r0 >= hi {
+            return Ok(());
+        }
+        let n = hi - r0;
+        let shape = AttnShape {
+            tokens: hi,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: hd,
+        };
+        causal_attention(&b.q, &b.k, &b.v, &shape, r0, &mut b.attn);
+        laps.lap(3);
+        let x = &mut x[(r0 - lo) * d..];
+        matmul_wt(&b.attn[r0 * qd..], n, qd, &l.wo, d, x, true);
+        laps.lap(4);
+
+        // MLP block.
+        let (h, gu, act) = (
+            &mut b.h[..n * d],
+            &mut b.gu[..n * 2 * f],
+            &mut b.act[..n * f],
+        );
+        rms_norm(x, &l.mlp_norm, eps, h);
+        laps.lap(0);
+        matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
+        laps.lap(5);
+        swiglu(gu, f, act);
+        laps.lap(6);
+        matmul_wt(act, n, f, &l.wdown, d, x, true);
+        laps.lap(7);
+        Ok(())
+    }
+}
+
+/// Windows shorter than this are never split between threads.
+const MIN_SPLIT_ROWS: usize = 4 * Q_BLOCK;
+
+/// Whether a window may be split between two threads, and when.
+///
+/// Why split: when fewer windows than worker threads are left (the end of a stream, or a
+/// text of one window), the alternative is to share every op of a window between threads,
+/// a fork-join per op, which on a busy 2-core machine is 5-15% slower than two windows side
+/// by side (docs/performance.md). Split, rows `..h` run through the remaining layers on one
+/// thread and rows `h..` on another, which waits only for the first part's keys and values
+/// of each layer.
+///
+/// Why the bits do not change: every op computes a row from that row alone (matrix
+/// products, norms, RoPE, the KV representation), except attention, whose row results do
+/// not depend on which query rows are computed with them as long as the query blocks are
+/// the same, and `h` is a multiple of the query block (tested below and in
+/// tests/determinism.rs).
+enum Split<'a> {
+    Never,
+    /// Ask at each layer boundary (the engine: "is a worker thread free?").
+    Ask(&'a (dyn Fn() -> bool + Sync)),
+    /// Split before `layer` at row `rows` (tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    At {
+        layer: usize,
+        rows: usize,
+    },
+}
+
+/// What one layer needs besides its rows.
+struct Pass<'a> {
+    first_target: usize,
+    kv: KvDtype,
+    rope: &'a RopeTable,
+    /// The test-only `rope-shift` fault's table for layer 0's keys.
+    shifted_rope: Option<&'a RopeTable>,
+}
+
+/// Work buffers for rows `lo..hi` of a window.
+struct Bufs {
+    /// h[hi-lo, d]: normed rows.
+    h: Vec<f32>,
+    /// qkv[hi-lo, Hq·D + 2·Hkv·D]
+    qkv: Vec<f32>,
+    /// q[hi, Hq, D]: rows lo.. are this part's (the rest are never read).
+    q: Vec<f32>,
+    /// k[hi, Hkv, D], v[hi, Hkv, D]: rows ..lo come from the first part of a split window.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// attn[hi, Hq, D]: attention output, rows lo.. written.
+    attn: Vec<f32>,
+    /// gu[hi-lo, 2F], act[hi-lo, F]
+    gu: Vec<f32>,
+    act: Vec<f32>,
+}
+
+impl Bufs {
+    fn new(c: &ModelConfig, lo: usize, hi: usize) -> Bufs {
+        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let m = hi - lo;
+        Bufs {
+            h: vec![0.0; m * d],
+            qkv: vec![0.0; m * (qd + 2 * kvd)],
+            q: vec![0.0; hi * qd],
+            k: vec![0.0; hi * kvd],
+            v: vec![0.0; hi * kvd],
+            attn: vec![0.0; hi * qd],
+            gu: vec![0.0; m * 2 * f],
+            act: vec![0.0; m * f],
+        }
+    }
+}
+
+/// How a part of a window shares keys and values with the other part.
+enum Link<'a> {
+    /// The whole window: nothing to share.
+    Alone,
+    /// The first part: gives each layer's keys and values to the second.
+    Give(&'a Handoff),
+    /// The second part: takes rows `..lo` of each layer's keys and values from the first.
+    Take(&'a Handoff),
+}
+
+/// Why a part of a window stopped early.
+enum Stop {
+    Failed(ForwardError),
+    /// The first part stopped before giving a layer the second part needs (it failed).
+    Abandoned,
+}
+
+impl Stop {
+    /// For the whole window, which never waits on anything.
+    fn into_error(self) -> ForwardError {
+        match self {
+            Stop::Failed(e) => e,
+            Stop::Abandoned => unreachable!("a whole window never waits for keys"),
+        }
+    }
+}
+
+impl From<ForwardError> for Stop {
+    fn from(e: ForwardError) -> Stop {
+        Stop::Failed(e)
+    }
+}
+
+impl ForwardError {
+    /// The order in which an unsplit window would meet these errors: by layer, keys before
+    /// values, then by position and head.
+    fn order(&self) -> (usize, usize, usize, usize) {
+        match *self {
+            ForwardError::TokenOutOfRange { pos, .. } => (0, 0, pos, 0),
+            ForwardError::NonFiniteKv {
+                which,
+                layer,
+                pos,
+                head,
+            } => (1 + layer, usize::from(which != "key"), pos, head),
+        }
+    }
+}
+
+/// Keys and values passed from the first part of a split window to the second, one layer
+/// at a time and in layer order. The first part never waits (buffers are reused once taken,
+/// and new ones are made when none is free), so the second part, which may not start until
+/// the first is done when no other thread is free, can never hold it up.
+#[derive(Default)]
+struct Handoff {
+    state: Mutex<HandoffState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct HandoffState {
+    /// (layer, keys, values) given and not yet taken, oldest first.
+    given: VecDeque<(usize, Vec<f32>, Vec<f32>)>,
+    /// Buffers already taken, for reuse.
+    spare: Vec<Vec<f32>>,
+    /// The first part has stopped (done, failed or unwinding): nothing more will come.
+    closed: bool,
+}
+
+impl Handoff {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HandoffState> {
+        // No code panics while holding the lock, so a poisoned state is still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn give(&self, layer: usize, k: &[f32], v: &[f32]) {
+        let (mut kb, mut vb) = {
+            let mut s = self.lock();
+            (
+                s.spare.pop().unwrap_or_default(),
+                s.spare.pop().unwrap_or_default(),
+            )
+        };
+        kb.clear();
+        kb.extend_from_slice(k);
+        vb.clear();
+        vb.extend_from_slice(v);
+        self.lock().given.push_back((layer, kb, vb));
+        self.ready.notify_all();
+    }
+
+    /// Copies the first part's keys and values of `layer` into `k` and `v`, waiting for
+    /// them if needed.
+    fn take(&self, layer: usize, k: &mut [f32], v: &mut [f32]) -> Result<(), Stop> {
+        let mut s = self.lock();
+        let (l, kb, vb) = loop {
+            if let Some(next) = s.given.pop_front() {
+                break next;
+            }
+            if s.closed {
+                return Err(Stop::Abandoned);
+            }
+            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
+        };
+        drop(s);
+        assert_eq!(l, layer, "layers are handed over in order");
+        k.copy_from_slice(&kb[..k.len()]);
+        v.copy_from_slice(&vb[..v.len()]);
+        let mut s = self.lock();
+        s.spare.push(kb);
+        s.spare.push(vb);
+        Ok(())
+    }
+}
+
+/// Closes a [`Handoff`] when the first part ends, however it ends, so that the second
+/// part never waits for a layer that will not come.
+struct CloseOnDrop<'a>(&'a Handoff);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.ready.notify_all();
     }
 }
 
 /// Passes every (token, KV head) vector of `x[T, Hkv, D]` through the KV representation,
-/// refusing non-finite values (a broken model must not be silently quantized).
+/// refusing non-finite values (a broken model must not be silently quantized). `first` is
+/// the window position of the first row, for the error.
 fn store_kv(
     x: &mut [f32],
     hkv: usize,
@@ -317,13 +717,14 @@ fn store_kv(
     kv: KvDtype,
     layer: usize,
     which: &'static str,
+    first: usize,
 ) -> Result<(), ForwardError> {
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
         let vec_idx = i / hd;
         return Err(ForwardError::NonFiniteKv {
             which,
             layer,
-            pos: vec_idx / hkv,
+            pos: first + vec_idx / hkv,
             head: vec_idx % hkv,
         });
     }
@@ -398,12 +799,115 @@ mod tests {
         }
     }
 
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn a_window_split_between_threads_gives_the_same_bits() {
+        // Any layer, any cut at a multiple of the query block, any first target (including
+        // ones that leave the first part without scored rows in the last layer), KV formats
+        // with per-vector scales: the same bits as the whole window.
+        let m = synthetic_model();
+        let tokens: Vec<u32> = (0..700).map(|i| ((i * 7919) % 300) as u32).collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for kv in [KvDtype::Bf16, KvDtype::Int8, KvDtype::Nvfp4] {
+            for first in [1, 300, 690] {
+                let whole = m.window_logprobs(&tokens, first, kv).unwrap();
+                for layer in 0..2 {
+                    for rows in [64, 320, 640] {
+                        let split = Split::At { layer, rows };
+                        let part = pool
+                            .install(|| m.forward(&tokens, first, kv, split))
+                            .unwrap();
+                        assert!(
+                            same_bits(&whole, &part),
+                            "{kv:?}, first target {first}, split before layer {layer} at row {rows}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_engine_hint_is_asked_until_it_says_yes_and_then_never() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let m = synthetic_model();
+        let tokens: Vec<u32> = (0..700).map(|i| ((i * 31) % 300) as u32).collect();
+        let whole = m.window_logprobs(&tokens, 1, KvDtype::Fp8).unwrap();
+        let asked = AtomicUsize::new(0);
+        let yes_on_second = || asked.fetch_add(1, Ordering::SeqCst) == 1;
+        let split = m
+            .window_logprobs_with(&tokens, 1, KvDtype::Fp8, &yes_on_second)
+            .unwrap();
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+        assert!(same_bits(&whole, &split));
+        // Too short to split: never asked.
+        let short = &tokens[..MIN_SPLIT_ROWS - 1];
+        m.window_logprobs_with(short, 1, KvDtype::Fp8, &|| -> bool { unreachable!() })
+            .unwrap();
+    }
+
+    #[test]
+    fn a_split_window_reports_the_error_the_whole_window_would() {
+        // Token 299's embedding is NaN, so its key is non-finite from layer 0 on. Cut at row
+        // 256 before layer 0: a NaN in the first part only (the second part is abandoned),
+        // in the second only, and in both (the earlier position wins, as unsplit).
+        let mut m = synthetic_model();
+        let d = m.config.hidden_size;
+        m.weights.embed[299 * d..300 * d].fill(f32::NAN);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for bad in [vec![100], vec![500], vec![100, 500], vec![500, 600]] {
+            let mut tokens: Vec<u32> = (0..700).map(|i| ((i * 7919) % 299) as u32).collect();
+            bad.iter().for_each(|&p| tokens[p] = 299);
+            let whole = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap_err();
+            assert_eq!(
+                whole,
+                ForwardError::NonFiniteKv {
+                    which: "key",
+                    layer: 0,
+                    pos: bad[0],
+                    head: 0
+                }
+            );
+            let split = Split::At {
+                layer: 0,
+                rows: 256,
+            };
+            let e = pool
+                .install(|| m.forward(&tokens, 1, KvDtype::Bf16, split))
+                .unwrap_err();
+            assert_eq!(e, whole, "NaN at {bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_cut_is_a_whole_query_block_and_puts_more_rows_first() {
+        // Later rows see more keys, so the balanced cut lies past the middle.
+        let m = synthetic_model();
+        for (t_len, from) in [(700, 0), (4096, 1), (4096, 0)] {
+            let h = m.split_point(from, t_len, 1).unwrap();
+            assert!(
+                h % Q_BLOCK == 0 && h > t_len / 2 && h < t_len,
+                "{t_len}: {h}"
+            );
+        }
+        assert_eq!(m.split_point(0, Q_BLOCK, 1), None);
+    }
+
     #[test]
     fn non_finite_kv_is_an_error_naming_layer_position_and_head() {
         // x[T=3, Hkv=2, D=4]: a NaN at position 2, head 1.
         let mut x = vec![0.5f32; 3 * 2 * 4];
         x[(2 * 2 + 1) * 4 + 3] = f32::NAN;
-        let e = store_kv(&mut x, 2, 4, KvDtype::Int8, 7, "key").unwrap_err();
+        let e = store_kv(&mut x, 2, 4, KvDtype::Int8, 7, "key", 0).unwrap_err();
         assert_eq!(
             e,
             ForwardError::NonFiniteKv {
@@ -419,8 +923,8 @@ mod tests {
         );
         let mut y = vec![1.0f32; 8];
         y[0] = f32::INFINITY;
-        assert!(store_kv(&mut y, 1, 8, KvDtype::Nvfp4, 0, "value").is_err());
+        assert!(store_kv(&mut y, 1, 8, KvDtype::Nvfp4, 0, "value", 0).is_err());
         let mut ok = vec![0.25f32; 8];
-        assert!(store_kv(&mut ok, 1, 8, KvDtype::Fp8, 0, "value").is_ok());
+        assert!(store_kv(&mut ok, 1, 8, KvDtype::Fp8, 0, "value", 0).is_ok());
     }
 }

@@ -39,8 +39,8 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// Query positions per task.
-const Q_BLOCK: usize = 64;
+/// Query positions per task (a window split between threads is cut at a multiple of it).
+pub const Q_BLOCK: usize = 64;
 /// Keys per online-softmax step. Part of the numerical definition (it fixes where the
 /// running maximum is updated); a multiple of `Q_BLOCK`, so every row of a task sees at
 /// least one key in every key block the task visits.

@@ -57,10 +57,17 @@ impl RopeTable {
 
     /// Rotates `x[T, heads, head_dim]` in place, token `t` at position `t`.
     pub fn apply(&self, x: &mut [f32], heads: usize) {
+        self.apply_from(x, heads, 0);
+    }
+
+    /// Rotates `x[T, heads, head_dim]` in place, token `t` at position `first + t` (the
+    /// rows of a window from `first` on).
+    pub fn apply_from(&self, x: &mut [f32], heads: usize, first: usize) {
         let hd = 2 * self.half;
         x.par_chunks_mut(heads * hd)
             .enumerate()
             .for_each(|(t, row)| {
+                let t = first + t;
                 let c = &self.cos[t * self.half..(t + 1) * self.half];
                 let s = &self.sin[t * self.half..(t + 1) * self.half];
                 for v in row.chunks_mut(hd) {
