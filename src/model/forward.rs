@@ -6,6 +6,10 @@
 //! them. Only the rows that predict a target go through the final norm and output head,
 //! and the head never holds more than one vocabulary chunk of logits per row block.
 //!
+//! A window may be split between two threads for its remaining layers when the engine has a
+//! thread to spare (rows `..h` and `h..`, the second part taking the first part's keys and
+//! values of each layer); the result has the same bits (see [`Split`]).
+//!
 //! Test-only fault switch: when the environment variable `NINFER_TEST_FAULT` is set as a
 //! [`CpuModel`] is built, the model is deliberately perturbed so that the regression
 //! harness can prove it catches drift (`tests/harness_gate.rs`). `rope-shift` rotates the
