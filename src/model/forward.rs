@@ -8,7 +8,7 @@
 //!
 //! A window may be split between two threads for its remaining layers when the engine has a
 //! thread to spare (rows `..h` and `h..`, the second part taking the first part's keys and
-//! values of each layer); the result has the same bits (see [`Split`]).
+//! values of each layer); the result has the same bits (see `Split`).
 //!
 //! Test-only fault switch: when the environment variable `NINFER_TEST_FAULT` is set as a
 //! [`CpuModel`] is built, the model is deliberately perturbed so that the regression
@@ -186,7 +186,7 @@ impl CpuModel {
     /// [`CpuModel::window_logprobs`], with the option of splitting the window's rows between
     /// two threads: `may_split` is asked at each layer boundary until it says yes (and then
     /// never again); a yes means a worker thread is free to take the later rows. The result
-    /// has the same bits either way (see [`Split`]).
+    /// has the same bits either way (see `Split` in this module).
     pub fn window_logprobs_with(
         &self,
         tokens: &[u32],
