@@ -438,3 +438,104 @@ fn score_cuda(
     let _ = model.config();
     unreachable!("no CUDA model exists without the CUDA backend")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::forward::synthetic_model;
+    use crate::score::{windows, Protocol};
+
+    /// What `score_cpu` handed to `finish` (window index and log-probability bits, in the
+    /// order received) and its error, if any.
+    type Run = (Vec<(usize, Vec<u32>)>, Option<String>);
+
+    fn run(model: &CpuModel, threads: usize, in_flight: usize, tokens: &[u32]) -> Run {
+        // Windows of 300 rows: long enough to be split between threads.
+        let p = Protocol::new(300, 150).unwrap();
+        let ws = windows(tokens.len(), p).unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut got = Vec::new();
+        let r = score_cpu(
+            model,
+            &pool,
+            CpuSchedule {
+                in_flight,
+                window_bytes: model.window_bytes(p.context),
+            },
+            tokens,
+            &ws,
+            KvDtype::Int8,
+            &mut |wi, lps| {
+                got.push((wi, lps.iter().map(|x| x.to_bits()).collect()));
+                Ok(())
+            },
+            &|wi, e| anyhow!("window {wi}: {e}"),
+        );
+        (got, r.err().map(|e| e.to_string()))
+    }
+
+    fn stream() -> Vec<u32> {
+        (0..1500).map(|i| ((i * 7919) % 299) as u32).collect()
+    }
+
+    #[test]
+    fn every_schedule_hands_over_the_same_windows_in_order() {
+        // One window at a time on one thread (never split) is the reference; several
+        // windows at once, splits when threads run out of windows, and more threads than
+        // windows in flight must give the same bits, in window order.
+        let m = synthetic_model();
+        let tokens = stream();
+        let (reference, err) = run(&m, 1, 1, &tokens);
+        assert_eq!(err, None);
+        let n = windows(tokens.len(), Protocol::new(300, 150).unwrap())
+            .unwrap()
+            .len();
+        assert_eq!(
+            reference.iter().map(|r| r.0).collect::<Vec<_>>(),
+            (0..n).collect::<Vec<_>>()
+        );
+        for (threads, in_flight) in [(2, 1), (2, 2), (3, 2), (3, 3), (4, 2)] {
+            assert!(
+                run(&m, threads, in_flight, &tokens) == (reference.clone(), None),
+                "{threads} threads, {in_flight} windows in flight"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_window_is_reported_after_every_earlier_one_and_before_any_later_one() {
+        // Token 299's embedding is NaN: the first window holding position 800 fails at
+        // layer 0 (so do later ones that may already be running); every earlier window is
+        // handed over, in order, and the error names the first failing window.
+        let mut m = synthetic_model();
+        let d = m.config.hidden_size;
+        m.weights.embed[299 * d..300 * d].fill(f32::NAN);
+        let mut tokens = stream();
+        tokens[800] = 299;
+        let ws = windows(tokens.len(), Protocol::new(300, 150).unwrap()).unwrap();
+        let fail = ws
+            .iter()
+            .position(|w| w.begin <= 800 && 800 < w.end)
+            .unwrap();
+        assert!(
+            fail >= 2 && ws[fail + 1].begin <= 800,
+            "the test needs windows around it"
+        );
+        let expected = format!(
+            "window {fail}: non-finite key value at layer 0, window position {}, KV head 0",
+            800 - ws[fail].begin
+        );
+        for (threads, in_flight) in [(1, 1), (2, 1), (2, 2), (3, 3)] {
+            let (got, err) = run(&m, threads, in_flight, &tokens);
+            assert_eq!(
+                got.iter().map(|g| g.0).collect::<Vec<_>>(),
+                (0..fail).collect::<Vec<_>>(),
+                "{threads} threads, {in_flight} in flight"
+            );
+            assert_eq!(err.as_deref(), Some(expected.as_str()));
+        }
+    }
+}
