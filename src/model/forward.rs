@@ -315,15 +315,15 @@ impl CpuModel {
         t_len: usize,
         first_target: usize,
     ) -> Option<usize> {
-        let h = match *split {
-            Split::Never => return None,
-            Split::At { layer, rows } => return (layer == li).then_some(rows),
-            Split::Ask(_) if t_len < MIN_SPLIT_ROWS => return None,
-            Split::Ask(_) => self.split_point(li, t_len, first_target)?,
-        };
-        match split {
-            Split::Ask(ask) if ask() => Some(h),
-            _ => None,
+        match *split {
+            Split::Never => None,
+            Split::At { layer, rows } => (layer == li).then_some(rows),
+            // Asked only when a cut exists: a yes reserves a thread.
+            Split::Ask(ask) if t_len >= MIN_SPLIT_ROWS => {
+                let h = self.split_point(li, t_len, first_target)?;
+                ask().then_some(h)
+            }
+            Split::Ask(_) => None,
         }
     }
 
@@ -369,32 +369,25 @@ impl CpuModel {
         let layers = self.weights.layers.len();
         let (xa, xb) = x.split_at_mut(h * c.hidden_size);
         let handoff = Handoff::default();
+        // One part: rows `rows` of the residual stream (`x`) through layers `from..`.
+        let part = |rows: std::ops::Range<usize>, x: &mut [f32], link: Link| {
+            let mut laps = Laps::new(self.profile);
+            let mut bufs = Bufs::new(c, rows.start, rows.end);
+            for li in from..layers {
+                self.layer(li, rows.clone(), x, &mut bufs, pass, &link, &mut laps)?;
+            }
+            let (lo, hi) = (rows.start, rows.end);
+            laps.report(&format!(
+                "window {t_len} tokens, rows {lo}..{hi}, layers {from}.."
+            ));
+            Ok(())
+        };
         let (a, b) = rayon::join(
             || {
                 let _close = CloseOnDrop(&handoff);
-                let mut laps = Laps::new(self.profile);
-                let mut bufs = Bufs::new(c, 0, h);
-                let link = Link::Give(&handoff);
-                for li in from..layers {
-                    self.layer(li, 0..h, xa, &mut bufs, pass, &link, &mut laps)?;
-                }
-                laps.report(&format!(
-                    "window {t_len} tokens, rows 0..{h}, layers {from}.."
-                ));
-                Ok(())
+                part(0..h, xa, Link::Give(&handoff))
             },
-            || {
-                let mut laps = Laps::new(self.profile);
-                let mut bufs = Bufs::new(c, h, t_len);
-                let link = Link::Take(&handoff);
-                for li in from..layers {
-                    self.layer(li, h..t_len, xb, &mut bufs, pass, &link, &mut laps)?;
-                }
-                laps.report(&format!(
-                    "window {t_len} tokens, rows {h}..{t_len}, layers {from}.."
-                ));
-                Ok(())
-            },
+            || part(h..t_len, xb, Link::Take(&handoff)),
         );
         match (a, b) {
             (Ok(()), Ok(())) => Ok(()),
