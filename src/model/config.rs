@@ -79,14 +79,14 @@ impl ModelConfig {
                 bail!("config field `{name}` must be positive");
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "config: num_heads ({}) is not a multiple of num_kv_heads ({})",
                 self.num_heads,
                 self.num_kv_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("config: head_dim ({}) must be even for RoPE", self.head_dim);
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {

@@ -391,7 +391,7 @@ impl GgmlType {
     /// Bytes taken by `n_elements` values of this type, when supported and whole blocks.
     pub fn byte_size(self, n_elements: u64) -> Option<u64> {
         let (be, bb) = self.block_layout()?;
-        if n_elements % be as u64 != 0 {
+        if !n_elements.is_multiple_of(be as u64) {
             return None;
         }
         (n_elements / be as u64).checked_mul(bb as u64)
@@ -524,7 +524,7 @@ pub fn unpermute_qk(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Resul
     if rows * cols != w.len() {
         bail!("un-permute: {} values for a {rows}×{cols} matrix", w.len());
     }
-    if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
         bail!("un-permute: {rows} rows do not split into {n_head} heads of even size");
     }
     let hd = rows / n_head;
@@ -1068,7 +1068,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
             );
         }
         let (block, _) = t.ggml_type.block_layout().unwrap();
-        if t.dims[0] as usize % block != 0 {
+        if !(t.dims[0] as usize).is_multiple_of(block) {
             bail!(
                 "GGUF {shown}: tensor `{}` rows of {} elements are not whole {} blocks of {block}",
                 t.name,

@@ -16,7 +16,7 @@ pub struct DeviceCodec {
 }
 
 pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<DeviceCodec> {
-    if d == 0 || d > plan::MAX_HEAD_DIM || x.len() % d != 0 {
+    if d == 0 || d > plan::MAX_HEAD_DIM || !x.len().is_multiple_of(d) {
         bail!(
             "vectors of {d} values: 1..={} and a whole number of them",
             plan::MAX_HEAD_DIM

@@ -435,7 +435,7 @@ mod tests {
         assert!(p.max_rows >= 4 * 4096, "{p:?}");
         assert!(p.max_rows <= MAX_ROWS_CAP);
         assert!(p.planned_bytes <= free, "{p:?}");
-        assert!(p.vocab_chunk % 256 == 0 && p.vocab_chunk <= c.vocab_size);
+        assert!(p.vocab_chunk.is_multiple_of(256) && p.vocab_chunk <= c.vocab_size);
         assert!(4 * p.head_rows * p.vocab_chunk <= 2 << 30);
         // Weights: about 16.4 GB in bf16.
         let wb = weight_bytes(&c, Precision::Bf16) as f64;

@@ -186,7 +186,7 @@ fn header(
         );
     }
     let mut bytes = serde_json::to_vec(&serde_json::Value::Object(h)).unwrap();
-    while bytes.len() % 8 != 0 {
+    while !bytes.len().is_multiple_of(8) {
         bytes.push(b' ');
     }
     bytes
