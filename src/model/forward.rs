@@ -21,7 +21,7 @@
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape, Q_BLOCK};
 use crate::backend::cpu::head;
-use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::matmul::{matmul_wt, Picker};
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::KvDtype;
@@ -101,6 +101,7 @@ impl Laps {
                 total * 1e3,
                 parts.join(", ")
             );
+            eprintln!("profile: GEMM runs so far, {}", Picker::summary());
         }
     }
 }
@@ -894,7 +895,7 @@ mod tests {
         for (t_len, from) in [(700, 0), (4096, 1), (4096, 0)] {
             let h = m.split_point(from, t_len, 1).unwrap();
             assert!(
-                h % Q_BLOCK == 0 && h > t_len / 2 && h < t_len,
+                h.is_multiple_of(Q_BLOCK) && h > t_len / 2 && h < t_len,
                 "{t_len}: {h}"
             );
         }

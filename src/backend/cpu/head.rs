@@ -9,6 +9,7 @@
 //! once per task.
 
 use super::exp;
+use super::matmul::{sgemm_block, Gemm};
 use rayon::prelude::*;
 
 /// Vocabulary entries per chunk (fixed: it defines the reduction order).
@@ -47,24 +48,19 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
                 let r = ROWS.min(rows - r0);
                 let hb = &h[r0 * d..(r0 + r) * d];
                 let lg = &mut logits[..r * vc];
-                // SAFETY: `hb` is [r, d]; rows v0..v0+vc of `w` are read as a [d, vc]
-                // transpose view; `lg` is dense [r, vc]. All in bounds.
+                // SAFETY: `hb` is dense [r, d]; rows v0..v0+vc of `w` are dense [vc, d]; `lg`
+                // is dense [r, vc] and owned by this task. All in bounds.
                 unsafe {
-                    matrixmultiply::sgemm(
+                    sgemm_block(
+                        Gemm::configured(),
                         r,
                         d,
                         vc,
-                        1.0,
                         hb.as_ptr(),
-                        d as isize,
-                        1,
                         w.as_ptr().add(v0 * d),
-                        1,
-                        d as isize,
-                        0.0,
                         lg.as_mut_ptr(),
-                        vc as isize,
-                        1,
+                        vc,
+                        false,
                     );
                 }
                 for (i, row) in lg.chunks_mut(vc).enumerate() {

@@ -10,17 +10,76 @@
 //! multiply-add chain per block of `KC` depth, the blocks added in order. The repository
 //! pins `KC = 768` at compile time (`.cargo/config.toml`, the crate's `constconf` feature),
 //! which keeps SmolLM2's depth-576 products in one pass; a test fails if a build loses it.
+//!
+//! Each block runs on one of two GEMMs with the same bits: `matrixmultiply` (an `8 × 8`
+//! permute tile) or [`super::sgemm16`] (a `6 × 16` broadcast tile). Which one is faster
+//! depends on the host's load at the moment (docs/performance.md, round 8), so by default
+//! [`Gemm::Auto`] times both per shape as it goes and mostly runs the faster one. The choice
+//! can change run to run; the results cannot.
 
+use super::sgemm16;
 use super::SendPtr;
 use rayon::prelude::*;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 /// Column blocks are multiples of this (the microkernel's widest panel).
 const COL_ALIGN: usize = 16;
 /// Don't split below this many columns per task.
 const MIN_COLS: usize = 64;
 
+/// Which GEMM computes the column blocks. Every choice gives the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gemm {
+    /// `matrixmultiply::sgemm`.
+    Matrixmultiply,
+    /// [`sgemm16::sgemm_wt`] with the fastest tile this CPU runs.
+    Tile16,
+    /// Per call and shape, whichever of the two has been faster lately (see [`Picker`]).
+    Auto,
+}
+
+impl Gemm {
+    /// Parses `matrixmultiply`, `tile16` or `auto`.
+    pub fn parse(s: &str) -> Option<Gemm> {
+        match s {
+            "matrixmultiply" => Some(Gemm::Matrixmultiply),
+            "tile16" => Some(Gemm::Tile16),
+            "auto" => Some(Gemm::Auto),
+            _ => None,
+        }
+    }
+
+    /// The process-wide default: `NINFER_CPU_GEMM` when set to a valid name (a developer
+    /// switch for A/B timing; results are the same bits whatever it says), else `Auto`.
+    pub fn configured() -> Gemm {
+        static CONFIGURED: OnceLock<Gemm> = OnceLock::new();
+        *CONFIGURED.get_or_init(|| {
+            std::env::var("NINFER_CPU_GEMM")
+                .ok()
+                .and_then(|v| Gemm::parse(v.trim()))
+                .unwrap_or(Gemm::Auto)
+        })
+    }
+}
+
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
 pub fn matmul_wt(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    out: &mut [f32],
+    accumulate: bool,
+) {
+    matmul_wt_with(Gemm::configured(), x, m, k, w, n, out, accumulate)
+}
+
+/// [`matmul_wt`] on a given GEMM.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_wt_with(
+    gemm: Gemm,
     x: &[f32],
     m: usize,
     k: usize,
@@ -35,7 +94,6 @@ pub fn matmul_wt(
     if m == 0 || n == 0 {
         return;
     }
-    let beta = if accumulate { 1.0 } else { 0.0 };
     let threads = rayon::current_num_threads().max(1);
     let per = (n.div_ceil(threads)).div_ceil(COL_ALIGN) * COL_ALIGN;
     let per = per.max(MIN_COLS).min(n);
@@ -45,28 +103,182 @@ pub fn matmul_wt(
         .collect();
     let o = SendPtr(out.as_mut_ptr());
     blocks.par_iter().for_each(|&(j0, j1)| {
-        // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are read as a [k, j1-j0] transpose
-        // view; the output view starts at column j0 with row stride n and covers columns
-        // j0..j1 only, which no other task touches. All indices are in bounds by the asserts.
+        // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are dense [j1-j0, k]; the output
+        // view starts at column j0 with row stride n and covers columns j0..j1 only, which no
+        // other task touches. All indices are in bounds by the asserts.
         unsafe {
-            matrixmultiply::sgemm(
+            sgemm_block(
+                gemm,
                 m,
                 k,
                 j1 - j0,
-                1.0,
                 x.as_ptr(),
-                k as isize,
-                1,
                 w.as_ptr().add(j0 * k),
-                1,
-                k as isize,
-                beta,
                 o.get().add(j0),
-                n as isize,
-                1,
-            );
-        }
+                n,
+                accumulate,
+            )
+        };
     });
+}
+
+/// One single-threaded block `c[m, n] (+)= x[m, k] · w[n, k]ᵀ` on `gemm`, `c` at row
+/// stride `ldc` (the head calls it per vocabulary chunk).
+///
+/// # Safety
+/// `x` is readable for `m · k` floats, `w` for `n · k`; `c` is writable for `m` rows of `n`
+/// at stride `ldc ≥ n` and nothing else accesses them during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm_block(
+    gemm: Gemm,
+    m: usize,
+    k: usize,
+    n: usize,
+    x: *const f32,
+    w: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let run = |g: Gemm| match g {
+        Gemm::Tile16 => sgemm16::sgemm_wt(tile(), m, k, n, x, w, c, ldc, accumulate),
+        _ => matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            x,
+            k as isize,
+            1,
+            w,
+            1,
+            k as isize,
+            if accumulate { 1.0 } else { 0.0 },
+            c,
+            ldc as isize,
+            1,
+        ),
+    };
+    match gemm {
+        Gemm::Auto => {
+            let key = (k, n, m.min(PICK_ROWS));
+            let g = picker().pick(key);
+            let start = Instant::now();
+            run(g);
+            picker().record(key, g, start.elapsed().as_secs_f64() / (m * n * k) as f64);
+        }
+        g => run(g),
+    }
+}
+
+fn tile() -> sgemm16::Tile {
+    static TILE: OnceLock<sgemm16::Tile> = OnceLock::new();
+    *TILE.get_or_init(sgemm16::Tile::detect)
+}
+
+/// Row counts at or above this share one timing record per `(k, n)`; smaller blocks (the
+/// last layer's few rows, short streams) are timed apart.
+const PICK_ROWS: usize = 256;
+
+fn picker() -> &'static Picker {
+    static PICKER: OnceLock<Picker> = OnceLock::new();
+    PICKER.get_or_init(Picker::default)
+}
+
+/// Chooses between the two GEMMs per shape from their recent speed.
+///
+/// Each shape keeps a moving average of seconds per multiply-add for both GEMMs. A shape's
+/// first calls alternate between them; after that it runs the faster one and, every
+/// [`EXPLORE_EVERY`]-th call, the other, so a change in the host's behaviour is noticed
+/// within a few dozen calls. Which GEMM ran never changes a bit of the result, so the choice
+/// may depend on timing, thread interleaving and history.
+#[derive(Default)]
+pub struct Picker {
+    shapes: Mutex<Vec<Record>>,
+}
+
+/// One shape's timings: `[matrixmultiply, tile16]`.
+struct Record {
+    key: (usize, usize, usize),
+    secs_per_fma: [f64; 2],
+    samples: [u32; 2],
+    calls: u64,
+}
+
+/// Every this-many calls of a shape go to the GEMM currently judged slower.
+const EXPLORE_EVERY: u64 = 8;
+/// Weight of a new timing in the moving average.
+const AVERAGE_WEIGHT: f64 = 0.25;
+
+impl Picker {
+    fn pick(&self, key: (usize, usize, usize)) -> Gemm {
+        let mut shapes = self.shapes.lock().unwrap_or_else(|e| e.into_inner());
+        let i = match shapes.iter().position(|r| r.key == key) {
+            Some(i) => i,
+            None => {
+                shapes.push(Record {
+                    key,
+                    secs_per_fma: [0.0; 2],
+                    samples: [0; 2],
+                    calls: 0,
+                });
+                shapes.len() - 1
+            }
+        };
+        let r = &mut shapes[i];
+        r.calls += 1;
+        let slot = if r.samples.iter().any(|&s| s < 2) {
+            (r.calls % 2) as usize
+        } else {
+            let best = (r.secs_per_fma[1] < r.secs_per_fma[0]) as usize;
+            if r.calls.is_multiple_of(EXPLORE_EVERY) {
+                1 - best
+            } else {
+                best
+            }
+        };
+        [Gemm::Matrixmultiply, Gemm::Tile16][slot]
+    }
+
+    fn record(&self, key: (usize, usize, usize), gemm: Gemm, secs_per_fma: f64) {
+        let slot = (gemm == Gemm::Tile16) as usize;
+        let mut shapes = self.shapes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = shapes.iter_mut().find(|r| r.key == key) {
+            r.secs_per_fma[slot] = if r.samples[slot] == 0 {
+                secs_per_fma
+            } else {
+                r.secs_per_fma[slot] + AVERAGE_WEIGHT * (secs_per_fma - r.secs_per_fma[slot])
+            };
+            r.samples[slot] = r.samples[slot].saturating_add(1);
+        }
+    }
+
+    /// One line for profiles: per shape (depth × columns, rows capped at [`PICK_ROWS`]), how
+    /// many calls each GEMM has timed so far and its recent GFLOP/s on one thread.
+    pub fn summary() -> String {
+        let shapes = picker().shapes.lock().unwrap_or_else(|e| e.into_inner());
+        let rate = |s: f64| if s > 0.0 { 2e-9 / s } else { 0.0 };
+        let parts: Vec<String> = shapes
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}x{} ({} rows): matrixmultiply {} at {:.0}, tile16 {} at {:.0}",
+                    r.key.0,
+                    r.key.1,
+                    r.key.2,
+                    r.samples[0],
+                    rate(r.secs_per_fma[0]),
+                    r.samples[1],
+                    rate(r.secs_per_fma[1])
+                )
+            })
+            .collect();
+        if parts.is_empty() {
+            "none timed (NINFER_CPU_GEMM is not auto)".into()
+        } else {
+            parts.join("; ")
+        }
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod head;
 pub mod matmul;
 pub mod norm;
 pub mod rope;
+pub mod sgemm16;
 
 /// An output pointer shared by parallel tasks that each write a disjoint part of it (every
 /// use says which part in its `// SAFETY:` comment).

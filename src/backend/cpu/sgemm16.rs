@@ -1,0 +1,541 @@
+//! A second single-threaded sgemm, `C (+)= X · Wᵀ`, that gives exactly the bits of the
+//! `matrixmultiply` call it can stand in for, with a different register tile.
+//!
+//! Why two: on this project's development host (a shared virtual machine) the fastest GEMM
+//! changes with the host's load. In quiet phases a `6 × 16` broadcast tile (two vector loads
+//! and six broadcasts per twelve FMAs, the shape MKL and OpenBLAS use on AVX2) beats
+//! `matrixmultiply`'s `8 × 8` permute tile by about 10%; in busy phases it loses by as much
+//! (docs/performance.md, rounds 6 and 8). Because both produce the same bits, the caller may
+//! pick either per call by measured speed ([`super::matmul`]) without touching results.
+//!
+//! Numerics (the contract with `matrixmultiply` built with `KC = 768`, checked bit for bit
+//! by the tests): the depth is cut into blocks of [`KC`] starting at zero; per block every
+//! output gets one in-order chain of fused multiply-adds starting from zero; the first
+//! block's chain is stored (or added to the old output when accumulating) and every later
+//! block's chain is added to the output.
+//!
+//! Layout: `x` is `[m, k]` row-major at row stride `k`; `w` is `[n, k]` row-major (one output
+//! column per row, the Hugging Face layout); `c` is `[m, n]` at row stride `ldc`. The weights
+//! are packed per call into panels of [`NR`] columns (one 64-byte line per depth step), the
+//! activations are read in place.
+
+use std::cell::RefCell;
+
+/// Output columns per panel (two AVX2 vectors).
+pub const NR: usize = 16;
+/// Rows per register tile (the AVX2 and portable tiles; the AVX-512 one has twice as many).
+const MR: usize = 6;
+/// The widest tile: rows × columns.
+const MAX_TILE: usize = 12 * 2 * NR;
+/// Rows per cache block: a block's activations for one depth slice stay in L2 while every
+/// weight panel passes over them (round 6 swept 24-288; 48 was best).
+const MC: usize = 48;
+/// Depth block: must equal `matrixmultiply`'s pinned `KC` (see `.cargo/config.toml`).
+pub const KC: usize = 768;
+
+/// One depth step of a panel: `NR` floats, one 64-byte cache line, aligned to it so that the
+/// tile's two vector loads per step never straddle lines.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; NR]);
+const _: () = assert!(std::mem::size_of::<Line>() == NR * std::mem::size_of::<f32>());
+
+thread_local! {
+    /// Per-thread packing buffer, grown on demand and reused (no allocation per call).
+    static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Which register-tile implementation runs (same bits either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tile {
+    /// `mul_add` per term: the specification.
+    Portable,
+    /// AVX2 + FMA intrinsics, `6 × 16`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512F intrinsics, `12 × 32` (two panels at once).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Tile {
+    /// The fastest tile this CPU runs.
+    pub fn detect() -> Tile {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Tile::Avx512;
+            }
+            if avx2::available() {
+                return Tile::Avx2;
+            }
+        }
+        Tile::Portable
+    }
+
+    /// Rows and panels per register tile.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Tile::Avx512 => (12, 2),
+            _ => (MR, 1),
+        }
+    }
+
+    /// Every tile this CPU runs (for tests).
+    pub fn all() -> Vec<Tile> {
+        let mut all = vec![Tile::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                all.push(Tile::Avx2);
+            }
+            if avx512::available() {
+                all.push(Tile::Avx512);
+            }
+        }
+        all
+    }
+}
+
+/// `c[m, n] = (accumulate ? c : 0) + x[m, k] · w[n, k]ᵀ` with `matrixmultiply`'s bits (see
+/// the module comment).
+///
+/// # Safety
+/// `x` is readable for `m` rows of `k` floats at stride `k`; `w` for `n` rows of `k` floats at
+/// stride `k`; `c` is writable for `m` rows of `n` floats at stride `ldc ≥ n`, and nothing
+/// else accesses those floats during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm_wt(
+    tile: Tile,
+    m: usize,
+    k: usize,
+    n: usize,
+    x: *const f32,
+    w: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(c.add(i * ldc), 0, n);
+            }
+        }
+        return;
+    }
+    let panels = n.div_ceil(NR);
+    PACKED.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < panels * k {
+            buf.resize(panels * k, Line([0.0; NR]));
+        }
+        let packed = &mut buf[..panels * k];
+        // packed[p * k + t].0[j] = w[(p·NR + j) · k + t]; columns past n are zero.
+        for p in 0..panels {
+            let panel = &mut packed[p * k..(p + 1) * k];
+            let cols = NR.min(n - p * NR);
+            for j in 0..cols {
+                let row = std::slice::from_raw_parts(w.add((p * NR + j) * k), k);
+                for (line, &v) in panel.iter_mut().zip(row) {
+                    line.0[j] = v;
+                }
+            }
+            for line in panel.iter_mut() {
+                line.0[cols..].fill(0.0);
+            }
+        }
+        blocks(tile, m, k, n, x, packed, c, ldc, accumulate);
+    });
+}
+
+/// The cache blocking over packed weights.
+///
+/// # Safety
+/// As for [`sgemm_wt`]; `packed` holds `n.div_ceil(NR) · k` lines.
+#[allow(clippy::too_many_arguments)]
+unsafe fn blocks(
+    tile: Tile,
+    m: usize,
+    k: usize,
+    n: usize,
+    x: *const f32,
+    packed: &[Line],
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let panels = n.div_ceil(NR);
+    let (mr, pw) = tile.shape();
+    let mut edge = [0.0f32; MAX_TILE];
+    for i0 in (0..m).step_by(MC) {
+        let i1 = (i0 + MC).min(m);
+        for t0 in (0..k).step_by(KC) {
+            let len = KC.min(k - t0);
+            let store = t0 == 0 && !accumulate;
+            for p in (0..panels).step_by(pw) {
+                let np = pw.min(panels - p);
+                let b = packed[p * k + t0..].as_ptr().cast::<f32>();
+                let cols = (np * NR).min(n - p * NR);
+                for i in (i0..i1).step_by(mr) {
+                    let rows = mr.min(i1 - i);
+                    let a = x.add(i * k + t0);
+                    let cp = c.add(i * ldc + p * NR);
+                    if cols == np * NR {
+                        run_tile(tile, rows, np, a, k, b, k * NR, len, cp, ldc, store);
+                    } else {
+                        // A narrow last panel: the full tile goes to a scratch tile (its padding
+                        // columns met zero weights) and only the real columns are combined.
+                        let w = np * NR;
+                        let e = edge.as_mut_ptr();
+                        run_tile(tile, rows, np, a, k, b, k * NR, len, e, w, true);
+                        for r in 0..rows {
+                            for j in 0..cols {
+                                let o = cp.add(r * ldc + j);
+                                let v = edge[r * w + j];
+                                *o = if store { v } else { *o + v };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `chain[r, j]` = in-order FMA chain from zero over `t < len` of `a[r·lda + t] · b[t, j]`;
+/// then `c[r, j] = chain` when `store`, else `c[r, j] + chain`; `rows` rows (at most the
+/// tile's), `np · NR` columns from `np` panels (at most the tile's), panel `q`'s depth step
+/// `t` at `b + q·bstride + t·NR`.
+///
+/// # Safety
+/// `a` holds `rows` rows of `len` at stride `lda`; `b` holds `np` panels of `len · NR` floats
+/// at stride `bstride`, 64-byte aligned; `c` is writable (and, unless `store`, readable) for
+/// `rows` rows of `np · NR` at stride `ldc`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn run_tile(
+    tile: Tile,
+    rows: usize,
+    np: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    bstride: usize,
+    len: usize,
+    c: *mut f32,
+    ldc: usize,
+    store: bool,
+) {
+    macro_rules! dispatch {
+        ($m:ident, $p:literal) => {
+            match rows {
+                6 => $m::tile::<6, $p>(a, lda, b, bstride, len, c, ldc, store),
+                5 => $m::tile::<5, $p>(a, lda, b, bstride, len, c, ldc, store),
+                4 => $m::tile::<4, $p>(a, lda, b, bstride, len, c, ldc, store),
+                3 => $m::tile::<3, $p>(a, lda, b, bstride, len, c, ldc, store),
+                2 => $m::tile::<2, $p>(a, lda, b, bstride, len, c, ldc, store),
+                _ => $m::tile::<1, $p>(a, lda, b, bstride, len, c, ldc, store),
+            }
+        };
+    }
+    macro_rules! dispatch12 {
+        ($m:ident, $p:literal) => {
+            match rows {
+                12 => $m::tile::<12, $p>(a, lda, b, bstride, len, c, ldc, store),
+                11 => $m::tile::<11, $p>(a, lda, b, bstride, len, c, ldc, store),
+                10 => $m::tile::<10, $p>(a, lda, b, bstride, len, c, ldc, store),
+                9 => $m::tile::<9, $p>(a, lda, b, bstride, len, c, ldc, store),
+                8 => $m::tile::<8, $p>(a, lda, b, bstride, len, c, ldc, store),
+                7 => $m::tile::<7, $p>(a, lda, b, bstride, len, c, ldc, store),
+                _ => dispatch!($m, $p),
+            }
+        };
+    }
+    match (tile, np) {
+        (Tile::Portable, _) => {
+            debug_assert!((1..=MR).contains(&rows) && np == 1);
+            dispatch!(portable, 1)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Tile::Avx2, _) => {
+            debug_assert!((1..=MR).contains(&rows) && np == 1);
+            dispatch!(avx2, 1)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Tile::Avx512, 2) => dispatch12!(avx512, 2),
+        #[cfg(target_arch = "x86_64")]
+        (Tile::Avx512, _) => dispatch12!(avx512, 1),
+    }
+}
+
+/// The specification of the register tile.
+mod portable {
+    use super::NR;
+
+    /// # Safety
+    /// As for [`super::run_tile`], with `R` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile<const R: usize, const P: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        _bstride: usize,
+        len: usize,
+        c: *mut f32,
+        ldc: usize,
+        store: bool,
+    ) {
+        for r in 0..R {
+            for j in 0..NR {
+                let mut acc = 0.0f32;
+                for t in 0..len {
+                    acc = (*a.add(r * lda + t)).mul_add(*b.add(t * NR + j), acc);
+                }
+                let o = c.add(r * ldc + j);
+                *o = if store { acc } else { *o + acc };
+            }
+        }
+    }
+}
+
+/// [`portable::tile`] eight lanes at a time (`R × 2` accumulators; twelve of the sixteen
+/// vector registers at `R = 6`).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::NR;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+
+    /// # Safety
+    /// AVX2 and FMA present; otherwise as for [`super::run_tile`], with `R` rows.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile<const R: usize, const P: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        _bstride: usize,
+        len: usize,
+        c: *mut f32,
+        ldc: usize,
+        store: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut bp = b;
+        for t in 0..len {
+            let b0 = _mm256_load_ps(bp);
+            let b1 = _mm256_load_ps(bp.add(8));
+            for (r, v) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*a.add(r * lda + t));
+                v[0] = _mm256_fmadd_ps(av, b0, v[0]);
+                v[1] = _mm256_fmadd_ps(av, b1, v[1]);
+            }
+            bp = bp.add(NR);
+        }
+        for (r, v) in acc.iter().enumerate() {
+            let o = c.add(r * ldc);
+            if store {
+                _mm256_storeu_ps(o, v[0]);
+                _mm256_storeu_ps(o.add(8), v[1]);
+            } else {
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v[0]));
+                _mm256_storeu_ps(o.add(8), _mm256_add_ps(_mm256_loadu_ps(o.add(8)), v[1]));
+            }
+        }
+    }
+}
+
+/// The AVX-512 tile: `R` rows by `P` panels (`R × P` accumulators of sixteen lanes; 24 of
+/// the 32 vector registers at `12 × 2`), two aligned loads and `R` broadcasts per `2R` FMAs.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::NR;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+    }
+
+    /// # Safety
+    /// AVX-512F present; otherwise as for [`super::run_tile`], with `R` rows and `P` panels.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile<const R: usize, const P: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        bstride: usize,
+        len: usize,
+        c: *mut f32,
+        ldc: usize,
+        store: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for t in 0..len {
+            let mut bv = [_mm512_setzero_ps(); P];
+            for (q, v) in bv.iter_mut().enumerate() {
+                *v = _mm512_load_ps(b.add(q * bstride + t * NR));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*a.add(r * lda + t));
+                for (v, &bq) in row.iter_mut().zip(&bv) {
+                    *v = _mm512_fmadd_ps(av, bq, *v);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (q, &v) in row.iter().enumerate() {
+                let o = c.add(r * ldc + q * NR);
+                if store {
+                    _mm512_storeu_ps(o, v);
+                } else {
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gen(len: usize, mul: usize, modulus: usize, div: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * mul) % modulus) as f32 / div - 1.0)
+            .collect()
+    }
+
+    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, c: &mut [f32], acc: bool) {
+        // SAFETY: dense buffers of the stated shapes.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr(),
+                1,
+                k as isize,
+                if acc { 1.0 } else { 0.0 },
+                c.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    }
+
+    /// The contract: the same bits as `matrixmultiply` for every tile, with and without
+    /// accumulation, over shapes that cross every block edge (rows past a cache block and a
+    /// partial register tile, depth over two `KC` blocks and a partial one, a narrow panel).
+    #[test]
+    fn same_bits_as_matrixmultiply() {
+        let shapes = [
+            (1, 1, 1),
+            (5, 7, 3),
+            (MC + MR + 1, 2 * KC + 37, 2 * NR + 5),
+            (64, 576, 96),
+            (13, KC, NR),
+            (50, 1536, 40),
+            (MC + 13, 300, 3 * NR),
+            (25, 64, 4 * NR + 1),
+        ];
+        for (m, k, n) in shapes {
+            let x = gen(m * k, 7919, 1013, 500.0);
+            let w = gen(n * k, 104729, 997, 400.0);
+            let init = gen(m * n, 31, 17, 8.0);
+            for accumulate in [false, true] {
+                let mut want = init.clone();
+                reference(&x, m, k, &w, n, &mut want, accumulate);
+                for tile in Tile::all() {
+                    let mut got = init.clone();
+                    // SAFETY: dense buffers of the stated shapes.
+                    unsafe {
+                        sgemm_wt(
+                            tile,
+                            m,
+                            k,
+                            n,
+                            x.as_ptr(),
+                            w.as_ptr(),
+                            got.as_mut_ptr(),
+                            n,
+                            accumulate,
+                        )
+                    };
+                    let differ = got
+                        .iter()
+                        .zip(&want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(differ, 0, "{tile:?} {m}x{k}x{n} accumulate {accumulate}");
+                }
+            }
+        }
+    }
+
+    /// The portable tile is the specification: one `mul_add` chain per depth block.
+    #[test]
+    fn portable_tile_is_one_chain_per_depth_block() {
+        let (m, k, n) = (7, KC + 9, NR + 3);
+        let x = gen(m * k, 7919, 1013, 500.0);
+        let w = gen(n * k, 104729, 997, 400.0);
+        let mut got = vec![0.0f32; m * n];
+        // SAFETY: dense buffers of the stated shapes.
+        unsafe {
+            sgemm_wt(
+                Tile::Portable,
+                m,
+                k,
+                n,
+                x.as_ptr(),
+                w.as_ptr(),
+                got.as_mut_ptr(),
+                n,
+                false,
+            )
+        };
+        let chain = |i: usize, j: usize, ks: std::ops::Range<usize>| {
+            ks.fold(0.0f32, |acc, t| x[i * k + t].mul_add(w[j * k + t], acc))
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let want = chain(i, j, 0..KC) + chain(i, j, KC..k);
+                assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "({i}, {j})");
+            }
+        }
+    }
+
+    #[test]
+    fn empty_depth_gives_zero_or_keeps_the_output() {
+        let mut out = vec![2.0f32; 6];
+        for (accumulate, want) in [(true, 2.0), (false, 0.0)] {
+            // SAFETY: `out` is 2 x 3; nothing is read from x or w at depth 0.
+            unsafe {
+                sgemm_wt(
+                    Tile::detect(),
+                    2,
+                    0,
+                    3,
+                    [].as_ptr(),
+                    [].as_ptr(),
+                    out.as_mut_ptr(),
+                    3,
+                    accumulate,
+                )
+            };
+            assert_eq!(out, vec![want; 6]);
+        }
+    }
+}
