@@ -49,7 +49,7 @@ const K_BLOCK: usize = 512;
 const MR: usize = 6;
 /// Keys per packed panel, and output columns per P·V tile.
 const NR: usize = 16;
-const _: () = assert!(K_BLOCK % Q_BLOCK == 0 && K_BLOCK % NR == 0);
+const _: () = assert!(K_BLOCK.is_multiple_of(Q_BLOCK) && K_BLOCK.is_multiple_of(NR));
 
 /// Keys and values of one call, laid out for the micro-kernels.
 struct Packed {
@@ -126,6 +126,21 @@ fn scores_tile(
     assert!(q.len() >= MR * d && kt.len() >= panels * d * NR);
     assert!(panels * NR <= K_BLOCK && s.len() >= MR * K_BLOCK && max_panels <= panels);
     #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the CPU has AVX-512F; the asserts above bound every access.
+        return unsafe {
+            avx512::scores_tile(
+                q.as_ptr(),
+                kt.as_ptr(),
+                d,
+                panels,
+                max_panels,
+                scale,
+                s.as_mut_ptr(),
+            )
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
         return unsafe {
@@ -150,12 +165,58 @@ fn pv_tile(p: &[f32], v: &[f32], keys: usize, o: &mut [f32], ostride: usize) {
     assert!(keys <= K_BLOCK && p.len() >= MR * K_BLOCK && v.len() >= keys * NR);
     assert!(o.len() >= (MR - 1) * ostride + NR);
     #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the CPU has AVX-512F; the asserts above bound every access.
+        unsafe { avx512::pv_tile::<1>(p.as_ptr(), v.as_ptr(), 0, keys, o.as_mut_ptr(), ostride) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
         unsafe { avx2::pv_tile(p.as_ptr(), v.as_ptr(), keys, o.as_mut_ptr(), ostride) };
         return;
     }
     portable::pv_tile(p, v, keys, o, ostride)
+}
+
+/// [`pv_tile`] for the value panels `c·NR..` of every `c < tiles`: panel `c` is
+/// `v[c·vstride + j·NR ..]` for key `j`, and its output columns start at `o[c·NR]`. The
+/// AVX-512 kernel takes two panels per pass (twelve accumulators instead of six); each
+/// output element is the same chain either way.
+fn pv_tiles(
+    p: &[f32],
+    v: &[f32],
+    vstride: usize,
+    tiles: usize,
+    keys: usize,
+    o: &mut [f32],
+    ostride: usize,
+) {
+    let mut c = 0;
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        assert!(keys <= K_BLOCK && p.len() >= MR * K_BLOCK);
+        assert!(tiles == 0 || v.len() >= (tiles - 1) * vstride + keys * NR);
+        assert!(tiles == 0 || o.len() >= (MR - 1) * ostride + tiles * NR);
+        while c + 2 <= tiles {
+            // SAFETY: the CPU has AVX-512F; panels c and c + 1 and their output columns are
+            // in bounds by the asserts above.
+            unsafe {
+                avx512::pv_tile::<2>(
+                    p.as_ptr(),
+                    v.as_ptr().add(c * vstride),
+                    vstride,
+                    keys,
+                    o.as_mut_ptr().add(c * NR),
+                    ostride,
+                )
+            };
+            c += 2;
+        }
+    }
+    for c in c..tiles {
+        pv_tile(p, &v[c * vstride..], keys, &mut o[c * NR..], ostride);
+    }
 }
 
 /// The specification of both micro-kernels: one fused multiply-add per term, in order.
@@ -292,6 +353,127 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 twins of [`avx2`]: sixteen lanes per register, two key (or value) panels per
+/// pass so that twelve independent accumulators hide the FMA latency. Same operations per
+/// element, so the same bits (tested against the portable kernels).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{K_BLOCK, MR, NR};
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+    }
+
+    /// # Safety
+    /// As for [`super::avx2::scores_tile`], with AVX-512F present.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_tile(
+        q: *const f32,
+        kt: *const f32,
+        d: usize,
+        panels: usize,
+        max_panels: usize,
+        scale: f32,
+        s: *mut f32,
+    ) -> [f32; MR] {
+        let mut mx = [_mm512_set1_ps(f32::NEG_INFINITY); MR];
+        let mut p = 0;
+        while p < panels {
+            if p + 2 <= panels {
+                pair::<2>(q, kt, d, p, max_panels, scale, s, &mut mx);
+                p += 2;
+            } else {
+                pair::<1>(q, kt, d, p, max_panels, scale, s, &mut mx);
+                p += 1;
+            }
+        }
+        let mut out = [f32::NEG_INFINITY; MR];
+        for (o, m) in out.iter_mut().zip(&mx) {
+            *o = _mm512_reduce_max_ps(*m);
+        }
+        out
+    }
+
+    /// Panels `p0..p0 + P` of [`scores_tile`].
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pair<const P: usize>(
+        q: *const f32,
+        kt: *const f32,
+        d: usize,
+        p0: usize,
+        max_panels: usize,
+        scale: f32,
+        s: *mut f32,
+        mx: &mut [__m512; MR],
+    ) {
+        let sc = _mm512_set1_ps(scale);
+        let mut acc = [[_mm512_setzero_ps(); P]; MR];
+        for x in 0..d {
+            let mut b = [_mm512_setzero_ps(); P];
+            for (i, bv) in b.iter_mut().enumerate() {
+                *bv = _mm512_loadu_ps(kt.add(((p0 + i) * d + x) * NR));
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = _mm512_set1_ps(*q.add(r * d + x));
+                for (av, &bv) in a.iter_mut().zip(&b) {
+                    *av = _mm512_fmadd_ps(qv, bv, *av);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, &av) in a.iter().enumerate() {
+                let v = _mm512_mul_ps(av, sc);
+                _mm512_storeu_ps(s.add(r * K_BLOCK + (p0 + i) * NR), v);
+                if p0 + i < max_panels {
+                    mx[r] = _mm512_max_ps(mx[r], v);
+                }
+            }
+        }
+    }
+
+    /// `P` value panels at once: panel `i` at `v + i·vstride`, its output columns at
+    /// `o + i·NR`; otherwise as for [`super::avx2::pv_tile`].
+    ///
+    /// # Safety
+    /// AVX-512F present; `p[MR·K_BLOCK]` and each panel's `keys·NR` floats readable, `o`
+    /// writable for `MR` rows of `P·NR` at stride `ostride`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pv_tile<const P: usize>(
+        p: *const f32,
+        v: *const f32,
+        vstride: usize,
+        keys: usize,
+        o: *mut f32,
+        ostride: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); P]; MR];
+        for (r, a) in acc.iter_mut().enumerate() {
+            for (i, av) in a.iter_mut().enumerate() {
+                *av = _mm512_loadu_ps(o.add(r * ostride + i * NR));
+            }
+        }
+        for j in 0..keys {
+            let mut b = [_mm512_setzero_ps(); P];
+            for (i, bv) in b.iter_mut().enumerate() {
+                *bv = _mm512_loadu_ps(v.add(i * vstride + j * NR));
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let pv = _mm512_set1_ps(*p.add(r * K_BLOCK + j));
+                for (av, &bv) in a.iter_mut().zip(&b) {
+                    *av = _mm512_fmadd_ps(pv, bv, *av);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, &av) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(r * ostride + i * NR), av);
+            }
+        }
+    }
+}
+
 /// Attention outputs for query positions `from..T` (and for the rest of the query block
 /// that holds `from`); rows of `o` before that block are left untouched. `from = 0` computes
 /// every row. A row's bits do not depend on `from`.
@@ -403,11 +585,8 @@ pub fn causal_attention(
                         }
                         m[r] = m_new;
                     }
-                    for c in 0..v_tiles {
-                        let panel = &v_head[c * t_pad * NR..(c + 1) * t_pad * NR];
-                        let v = &panel[kb0 * NR..(kb0 + cols) * NR];
-                        pv_tile(p, v, cols, &mut og_mb[c * NR..], dp);
-                    }
+                    let v = &v_head[kb0 * NR..(v_tiles - 1) * t_pad * NR + (kb0 + cols) * NR];
+                    pv_tiles(p, v, t_pad * NR, v_tiles, cols, og_mb, dp);
                 }
             }
             for (r, row) in og[..rows * dp].chunks_mut(dp).enumerate() {
@@ -545,32 +724,87 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_kernels_match_the_portable_bits() {
-        if !avx2::available() {
-            eprintln!("no AVX2+FMA here: nothing to compare");
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        type Scores =
+            unsafe fn(*const f32, *const f32, usize, usize, usize, f32, *mut f32) -> [f32; MR];
+        let mut scorers: Vec<(&str, Scores)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::available() {
+                scorers.push(("avx2", avx2::scores_tile));
+            }
+            if avx512::available() {
+                scorers.push(("avx512", avx512::scores_tile));
+            }
+        }
+        if scorers.is_empty() {
+            eprintln!("no AVX2+FMA or AVX-512 here: nothing to compare");
             return;
         }
-        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-        for (d, panels) in [(64, 32), (12, 3), (128, 1)] {
+        for (d, panels) in [(64, 32), (12, 3), (128, 1), (64, 5)] {
             let q = gen(MR * d, 7);
             let kt = gen(panels * d * NR, 8);
-            let (mut a, mut b) = (vec![0.0; MR * K_BLOCK], vec![0.0; MR * K_BLOCK]);
             let shared = panels / 2 + 1;
-            let ma = scores_tile(&q, &kt, d, panels, shared, 0.125, &mut a);
+            let mut b = vec![0.0; MR * K_BLOCK];
             let mb = portable::scores_tile(&q, &kt, d, panels, shared, 0.125, &mut b);
-            assert_eq!(bits(&a), bits(&b), "scores, d {d}");
-            assert_eq!(bits(&ma), bits(&mb), "row maxima, d {d}");
-            for r in 0..MR {
-                let want = exp::max(&a[r * K_BLOCK..r * K_BLOCK + shared * NR]);
-                assert_eq!(ma[r], want, "row {r} maximum, d {d}");
+            for &(name, f) in &scorers {
+                let mut a = vec![0.0; MR * K_BLOCK];
+                // SAFETY: the CPU has the kernel's features; buffers are sized as it needs.
+                let ma = unsafe {
+                    f(
+                        q.as_ptr(),
+                        kt.as_ptr(),
+                        d,
+                        panels,
+                        shared,
+                        0.125,
+                        a.as_mut_ptr(),
+                    )
+                };
+                assert_eq!(bits(&a), bits(&b), "{name} scores, d {d}");
+                assert_eq!(bits(&ma), bits(&mb), "{name} row maxima, d {d}");
+                for r in 0..MR {
+                    let want = exp::max(&a[r * K_BLOCK..r * K_BLOCK + shared * NR]);
+                    assert_eq!(ma[r], want, "{name} row {r} maximum, d {d}");
+                }
             }
 
+            // P·V over three value panels (a pair and a single one on AVX-512), through the
+            // dispatching entry point, against the portable kernel panel by panel.
             let keys = panels * NR;
-            let v = gen(keys * NR, 9);
-            let ostride = 3 * NR;
+            let tiles = 3;
+            let vstride = keys * NR + 5;
+            let v = gen((tiles - 1) * vstride + keys * NR, 9);
+            let ostride = 4 * NR;
             let (mut oa, mut ob) = (gen(MR * ostride, 10), gen(MR * ostride, 10));
-            pv_tile(&a, &v, keys, &mut oa[NR..], ostride);
-            portable::pv_tile(&a, &v, keys, &mut ob[NR..], ostride);
+            pv_tiles(&b, &v, vstride, tiles, keys, &mut oa[NR / 2..], ostride);
+            for c in 0..tiles {
+                portable::pv_tile(
+                    &b,
+                    &v[c * vstride..],
+                    keys,
+                    &mut ob[NR / 2 + c * NR..],
+                    ostride,
+                );
+            }
             assert_eq!(bits(&oa), bits(&ob), "P·V, {keys} keys");
+            #[cfg(target_arch = "x86_64")]
+            if avx2::available() {
+                let mut oc = gen(MR * ostride, 10);
+                for c in 0..tiles {
+                    // SAFETY: AVX2 present; panel c and its output columns are in bounds.
+                    unsafe {
+                        avx2::pv_tile(
+                            b.as_ptr(),
+                            v[c * vstride..].as_ptr(),
+                            keys,
+                            oc[NR / 2 + c * NR..].as_mut_ptr(),
+                            ostride,
+                        )
+                    };
+                }
+                assert_eq!(bits(&oc), bits(&ob), "avx2 P·V, {keys} keys");
+            }
         }
     }
 }
