@@ -56,7 +56,7 @@ pub struct Args {
     pub max_tokens: Option<usize>,
 
     /// Directory for report.json; must be absent or empty
-    /// (default: profiles/perplexity/<run-id>/).
+    /// (default: profiles/perplexity/RUN_ID/, RUN_ID = start time, artifact digest, KV dtype).
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
 

@@ -189,7 +189,7 @@ fn picker() -> &'static Picker {
 ///
 /// Each shape keeps a moving average of seconds per multiply-add for both GEMMs. A shape's
 /// first calls alternate between them; after that it runs the faster one and, every
-/// [`EXPLORE_EVERY`]-th call, the other, so a change in the host's behaviour is noticed
+/// `EXPLORE_EVERY`-th (8th) call, the other, so a change in the host's behaviour is noticed
 /// within a few dozen calls. Which GEMM ran never changes a bit of the result, so the choice
 /// may depend on timing, thread interleaving and history.
 #[derive(Default)]
@@ -253,7 +253,7 @@ impl Picker {
         }
     }
 
-    /// One line for profiles: per shape (depth × columns, rows capped at [`PICK_ROWS`]), how
+    /// One line for profiles: per shape (depth × columns, rows capped at `PICK_ROWS`, 256), how
     /// many calls each GEMM has timed so far and its recent GFLOP/s on one thread.
     pub fn summary() -> String {
         let shapes = picker().shapes.lock().unwrap_or_else(|e| e.into_inner());
