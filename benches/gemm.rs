@@ -1,6 +1,6 @@
 //! The two GEMMs behind the CPU linear layers, side by side on SmolLM2's shapes: the peer
-//! `matrixmultiply` (`8 × 8` permute tile), this crate's `6 × 16` broadcast tile
-//! (`sgemm16`), and `auto`, which picks between them per call by measured speed. All three
+//! `matrixmultiply` (with its AVX-512 or AVX2 kernel), this crate's broadcast tiles
+//! (`sgemm16`: `12 × 32` on AVX-512, `6 × 16` on AVX2), and `auto`, which picks between them per call by measured speed. All three
 //! give the same bits; the question is only speed, which on a shared host changes with its
 //! load, so the three run interleaved, round after round, and every round is printed.
 //!

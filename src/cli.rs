@@ -110,6 +110,7 @@ impl Args {
         let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
         let device =
             DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
         if let Some(m) = self.max_tokens {
             if m < 2 {
                 bail!("--max-tokens must be at least 2 (got {m})");

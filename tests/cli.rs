@@ -265,6 +265,27 @@ fn bad_text_and_flags() {
 }
 
 #[test]
+fn a_bad_gemm_switch_is_refused() {
+    let tmp = common::tempdir();
+    let art = tiny_artifact(tmp.path());
+    let ok = text_file(tmp.path(), "ok.txt", b"hello world hello world");
+    let out = tmp.path().join("out");
+    let o = std::process::Command::new(common::bin("ninfer-perplexity"))
+        .args([s(&art), "--text", s(&ok), "--output", s(&out)])
+        .env("NINFER_CPU_GEMM", "mkl")
+        .output()
+        .unwrap();
+    assert_error(
+        &o,
+        &[
+            "NINFER_CPU_GEMM=\"mkl\"",
+            "expected matrixmultiply, tile16 or auto",
+        ],
+    );
+    assert!(!out.exists(), "no report may be written on failure");
+}
+
+#[test]
 fn pack_errors_name_the_input() {
     let tmp = common::tempdir();
     let o = pack(&["hf", s(tmp.path()), "-o", s(&tmp.path().join("x.ninfer"))]);

@@ -50,16 +50,26 @@ impl Gemm {
         }
     }
 
-    /// The process-wide default: `NINFER_CPU_GEMM` when set to a valid name (a developer
-    /// switch for A/B timing; results are the same bits whatever it says), else `Auto`.
+    /// `NINFER_CPU_GEMM` (a developer switch for A/B timing; every choice gives the same
+    /// bits): `Ok(None)` when unset, an error naming the value when it is not one of the names.
+    /// The CLI checks it up front, so a typo fails the run instead of timing the wrong GEMM.
+    pub fn from_env() -> Result<Option<Gemm>, String> {
+        match std::env::var("NINFER_CPU_GEMM") {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => Err(format!(
+                "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
+            )),
+            Ok(v) => Gemm::parse(v.trim()).map(Some).ok_or_else(|| {
+                format!("NINFER_CPU_GEMM={v:?}: expected matrixmultiply, tile16 or auto")
+            }),
+        }
+    }
+
+    /// The process-wide default: [`Gemm::from_env`] when it names one, else `Auto` (library
+    /// users that skip the CLI's check get `Auto` for a bad value).
     pub fn configured() -> Gemm {
         static CONFIGURED: OnceLock<Gemm> = OnceLock::new();
-        *CONFIGURED.get_or_init(|| {
-            std::env::var("NINFER_CPU_GEMM")
-                .ok()
-                .and_then(|v| Gemm::parse(v.trim()))
-                .unwrap_or(Gemm::Auto)
-        })
+        *CONFIGURED.get_or_init(|| Gemm::from_env().ok().flatten().unwrap_or(Gemm::Auto))
     }
 }
 
@@ -165,7 +175,9 @@ pub unsafe fn sgemm_block(
             let g = picker().pick(key);
             let start = Instant::now();
             run(g);
-            picker().record(key, g, start.elapsed().as_secs_f64() / (m * n * k) as f64);
+            if m * n * k > 0 {
+                picker().record(key, g, start.elapsed().as_secs_f64() / (m * n * k) as f64);
+            }
         }
         g => run(g),
     }

@@ -232,44 +232,21 @@ unsafe fn run_tile(
     store: bool,
 ) {
     macro_rules! dispatch {
-        ($m:ident, $p:literal) => {
+        ($m:ident, $p:literal, $($r:literal)+) => {
             match rows {
-                6 => $m::tile::<6, $p>(a, lda, b, bstride, len, c, ldc, store),
-                5 => $m::tile::<5, $p>(a, lda, b, bstride, len, c, ldc, store),
-                4 => $m::tile::<4, $p>(a, lda, b, bstride, len, c, ldc, store),
-                3 => $m::tile::<3, $p>(a, lda, b, bstride, len, c, ldc, store),
-                2 => $m::tile::<2, $p>(a, lda, b, bstride, len, c, ldc, store),
-                _ => $m::tile::<1, $p>(a, lda, b, bstride, len, c, ldc, store),
-            }
-        };
-    }
-    macro_rules! dispatch12 {
-        ($m:ident, $p:literal) => {
-            match rows {
-                12 => $m::tile::<12, $p>(a, lda, b, bstride, len, c, ldc, store),
-                11 => $m::tile::<11, $p>(a, lda, b, bstride, len, c, ldc, store),
-                10 => $m::tile::<10, $p>(a, lda, b, bstride, len, c, ldc, store),
-                9 => $m::tile::<9, $p>(a, lda, b, bstride, len, c, ldc, store),
-                8 => $m::tile::<8, $p>(a, lda, b, bstride, len, c, ldc, store),
-                7 => $m::tile::<7, $p>(a, lda, b, bstride, len, c, ldc, store),
-                _ => dispatch!($m, $p),
+                $($r => $m::tile::<$r, $p>(a, lda, b, bstride, len, c, ldc, store),)+
+                _ => unreachable!("{rows} rows for a {tile:?} tile"),
             }
         };
     }
     match (tile, np) {
-        (Tile::Portable, _) => {
-            debug_assert!((1..=MR).contains(&rows) && np == 1);
-            dispatch!(portable, 1)
-        }
+        (Tile::Portable, _) => dispatch!(portable, 1, 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx2, _) => {
-            debug_assert!((1..=MR).contains(&rows) && np == 1);
-            dispatch!(avx2, 1)
-        }
+        (Tile::Avx2, _) => dispatch!(avx2, 1, 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx512, 2) => dispatch12!(avx512, 2),
+        (Tile::Avx512, 2) => dispatch!(avx512, 2, 1 2 3 4 5 6 7 8 9 10 11 12),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx512, _) => dispatch12!(avx512, 1),
+        (Tile::Avx512, _) => dispatch!(avx512, 1, 1 2 3 4 5 6 7 8 9 10 11 12),
     }
 }
 
@@ -278,23 +255,24 @@ mod portable {
     use super::NR;
 
     /// # Safety
-    /// As for [`super::run_tile`], with `R` rows.
+    /// As for [`super::run_tile`], with `R` rows and `P` panels.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile<const R: usize, const P: usize>(
         a: *const f32,
         lda: usize,
         b: *const f32,
-        _bstride: usize,
+        bstride: usize,
         len: usize,
         c: *mut f32,
         ldc: usize,
         store: bool,
     ) {
         for r in 0..R {
-            for j in 0..NR {
+            for j in 0..P * NR {
+                let bj = b.add((j / NR) * bstride + j % NR);
                 let mut acc = 0.0f32;
                 for t in 0..len {
-                    acc = (*a.add(r * lda + t)).mul_add(*b.add(t * NR + j), acc);
+                    acc = (*a.add(r * lda + t)).mul_add(*bj.add(t * NR), acc);
                 }
                 let o = c.add(r * ldc + j);
                 *o = if store { acc } else { *o + acc };
@@ -315,39 +293,45 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2 and FMA present; otherwise as for [`super::run_tile`], with `R` rows.
+    /// AVX2 and FMA present; otherwise as for [`super::run_tile`], with `R` rows and `P`
+    /// panels.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile<const R: usize, const P: usize>(
         a: *const f32,
         lda: usize,
         b: *const f32,
-        _bstride: usize,
+        bstride: usize,
         len: usize,
         c: *mut f32,
         ldc: usize,
         store: bool,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        let mut bp = b;
+        let mut acc = [[[_mm256_setzero_ps(); 2]; P]; R];
         for t in 0..len {
-            let b0 = _mm256_load_ps(bp);
-            let b1 = _mm256_load_ps(bp.add(8));
-            for (r, v) in acc.iter_mut().enumerate() {
-                let av = _mm256_broadcast_ss(&*a.add(r * lda + t));
-                v[0] = _mm256_fmadd_ps(av, b0, v[0]);
-                v[1] = _mm256_fmadd_ps(av, b1, v[1]);
+            let mut bv = [[_mm256_setzero_ps(); 2]; P];
+            for (q, v) in bv.iter_mut().enumerate() {
+                let bp = b.add(q * bstride + t * NR);
+                *v = [_mm256_load_ps(bp), _mm256_load_ps(bp.add(8))];
             }
-            bp = bp.add(NR);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*a.add(r * lda + t));
+                for (v, bq) in row.iter_mut().zip(&bv) {
+                    v[0] = _mm256_fmadd_ps(av, bq[0], v[0]);
+                    v[1] = _mm256_fmadd_ps(av, bq[1], v[1]);
+                }
+            }
         }
-        for (r, v) in acc.iter().enumerate() {
-            let o = c.add(r * ldc);
-            if store {
-                _mm256_storeu_ps(o, v[0]);
-                _mm256_storeu_ps(o.add(8), v[1]);
-            } else {
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v[0]));
-                _mm256_storeu_ps(o.add(8), _mm256_add_ps(_mm256_loadu_ps(o.add(8)), v[1]));
+        for (r, row) in acc.iter().enumerate() {
+            for (q, v) in row.iter().enumerate() {
+                let o = c.add(r * ldc + q * NR);
+                if store {
+                    _mm256_storeu_ps(o, v[0]);
+                    _mm256_storeu_ps(o.add(8), v[1]);
+                } else {
+                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v[0]));
+                    _mm256_storeu_ps(o.add(8), _mm256_add_ps(_mm256_loadu_ps(o.add(8)), v[1]));
+                }
             }
         }
     }
