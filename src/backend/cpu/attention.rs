@@ -8,11 +8,11 @@
 //! the models we run), the score tile of a 128-query task spilled out of L2, and every call
 //! repacked the same keys. Here the keys of each KV head are packed once per call into
 //! panels of `NR` keys (`Kᵀ[D, NR]`), values into panels of `NR` columns (`V[T, NR]`), and
-//! a task walks its queries `MR` rows at a time against one key block that
-//! stays in L2: scores for `MR × K_BLOCK` land in an L1-sized tile, get their online
+//! a task walks its queries `MB` rows at a time against one key block that
+//! stays in L2: scores for `MB × K_BLOCK` land in an L1-sized tile, get their online
 //! softmax step (the flash-attention recurrence: running row maximum and sum of
 //! exponentials, output rescaled when the maximum moves), and are multiplied into the
-//! `MR × D` output rows at once.
+//! `MB × D` output rows at once.
 //!
 //! Tasks are (KV head, block of `Q_BLOCK` positions); a task gathers the queries of every
 //! head sharing that KV head into `Qg[(t, g), D]`, so keys are read once for the group. Key
@@ -45,8 +45,13 @@ pub const Q_BLOCK: usize = 64;
 /// running maximum is updated); a multiple of `Q_BLOCK`, so every row of a task sees at
 /// least one key in every key block the task visits.
 const K_BLOCK: usize = 512;
-/// Query rows per micro-kernel call (registers: MR × NR/8 accumulators).
+/// Query rows per micro block: one score tile `MB × ≤K_BLOCK`, one online-softmax step, one
+/// P·V pass. The AVX-512 tiles take all twelve rows at once (each key panel read from L2 once
+/// per twelve rows); the AVX2 and portable ones take them as two tiles of [`MR`].
+const MB: usize = 12;
+/// Query rows per AVX2 / portable register tile (registers: MR × NR/8 accumulators).
 const MR: usize = 6;
+const _: () = assert!(MB.is_multiple_of(MR));
 /// Keys per packed panel, and output columns per P·V tile.
 const NR: usize = 16;
 const _: () = assert!(K_BLOCK.is_multiple_of(Q_BLOCK) && K_BLOCK.is_multiple_of(NR));
@@ -98,23 +103,50 @@ impl Packed {
 
 /// Per-task scratch, reused across the tasks a worker runs.
 struct Scratch {
-    /// Qg[rows rounded up to MR, D]; padding rows are zero.
+    /// Qg[rows rounded up to MB, D]; padding rows are zero.
     qg: Vec<f32>,
-    /// S / P[MR, K_BLOCK]
+    /// S / P[MB, K_BLOCK]
     scores: Vec<f32>,
-    /// O[rows rounded up to MR, Dp], unnormalized
+    /// O[rows rounded up to MB, Dp], unnormalized
     og: Vec<f32>,
     /// running row maximum and sum of exponentials, [rows]
     m: Vec<f32>,
     l: Vec<f32>,
 }
 
-/// `s[r, p·NR + c] = scale · Σ_x q[r, x]·kt[p][x][c]` for `MR` query rows (`q[MR, d]`) and
-/// `panels` key panels; `s` has row stride `K_BLOCK`. Returns each row's maximum over the
-/// first `max_panels` panels (the ones every row may see; `NEG_INFINITY` when none), taken
-/// while the tile is still in registers, which saves the softmax a pass. Dispatches to the
-/// AVX2+FMA kernel when the CPU has it; both compute the same bits.
-fn scores_tile(
+/// Which kernels run (the same bits on each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Isa::Avx512;
+            }
+            if avx2::available() {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// `s[r, p·NR + c] = scale · Σ_x q[r, x]·kt[p][x][c]` for the `MB` query rows of a micro
+/// block (`q[MB, d]`) and `panels` key panels; `s` has row stride `K_BLOCK`. Returns each
+/// row's maximum over the first `max_panels` panels (the ones every row may see;
+/// `NEG_INFINITY` when none), taken while the tile is still in registers, which saves the
+/// softmax a pass.
+#[allow(clippy::too_many_arguments)]
+fn scores_block(
+    isa: Isa,
     q: &[f32],
     kt: &[f32],
     d: usize,
@@ -122,68 +154,57 @@ fn scores_tile(
     max_panels: usize,
     scale: f32,
     s: &mut [f32],
-) -> [f32; MR] {
-    assert!(q.len() >= MR * d && kt.len() >= panels * d * NR);
-    assert!(panels * NR <= K_BLOCK && s.len() >= MR * K_BLOCK && max_panels <= panels);
-    #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the CPU has AVX-512F; the asserts above bound every access.
-        return unsafe {
-            avx512::scores_tile(
-                q.as_ptr(),
-                kt.as_ptr(),
-                d,
-                panels,
-                max_panels,
-                scale,
-                s.as_mut_ptr(),
-            )
+) -> [f32; MB] {
+    assert!(q.len() >= MB * d && kt.len() >= panels * d * NR);
+    assert!(panels * NR <= K_BLOCK && s.len() >= MB * K_BLOCK && max_panels <= panels);
+    let mut out = [f32::NEG_INFINITY; MB];
+    for h in 0..MB / MR {
+        let (qh, sh) = (&q[h * MR * d..], &mut s[h * MR * K_BLOCK..]);
+        let mx = match isa {
+            Isa::Portable => portable::scores_tile(qh, kt, d, panels, max_panels, scale, sh),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`, or a test that checked); the
+            // asserts above bound every access of this half.
+            Isa::Avx2 => unsafe {
+                avx2::scores_tile(
+                    qh.as_ptr(),
+                    kt.as_ptr(),
+                    d,
+                    panels,
+                    max_panels,
+                    scale,
+                    sh.as_mut_ptr(),
+                )
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                // SAFETY: the CPU has AVX-512F (as above); the asserts bound every access.
+                return unsafe {
+                    avx512::scores_tile(
+                        q.as_ptr(),
+                        kt.as_ptr(),
+                        d,
+                        panels,
+                        max_panels,
+                        scale,
+                        s.as_mut_ptr(),
+                    )
+                };
+            }
         };
+        out[h * MR..(h + 1) * MR].copy_from_slice(&mx);
     }
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
-        return unsafe {
-            avx2::scores_tile(
-                q.as_ptr(),
-                kt.as_ptr(),
-                d,
-                panels,
-                max_panels,
-                scale,
-                s.as_mut_ptr(),
-            )
-        };
-    }
-    portable::scores_tile(q, kt, d, panels, max_panels, scale, s)
+    out
 }
 
-/// `o[r, c] += Σ_j p[r, j]·v[j, c]` for `MR` rows, `keys` keys and `NR` columns (`p` with
-/// row stride `K_BLOCK`, one value panel `v[keys, NR]`, `o` with row stride `ostride`),
-/// accumulated in key order. Dispatches like [`scores_tile`].
-fn pv_tile(p: &[f32], v: &[f32], keys: usize, o: &mut [f32], ostride: usize) {
-    assert!(keys <= K_BLOCK && p.len() >= MR * K_BLOCK && v.len() >= keys * NR);
-    assert!(o.len() >= (MR - 1) * ostride + NR);
-    #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the CPU has AVX-512F; the asserts above bound every access.
-        unsafe { avx512::pv_tile::<1>(p.as_ptr(), v.as_ptr(), 0, keys, o.as_mut_ptr(), ostride) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
-        unsafe { avx2::pv_tile(p.as_ptr(), v.as_ptr(), keys, o.as_mut_ptr(), ostride) };
-        return;
-    }
-    portable::pv_tile(p, v, keys, o, ostride)
-}
-
-/// [`pv_tile`] for the value panels `c·NR..` of every `c < tiles`: panel `c` is
-/// `v[c·vstride + j·NR ..]` for key `j`, and its output columns start at `o[c·NR]`. The
-/// AVX-512 kernel takes two panels per pass (twelve accumulators instead of six); each
-/// output element is the same chain either way.
-fn pv_tiles(
+/// `o[r, c] += Σ_j p[r, j]·v[j, c]` for the `MB` rows of a micro block, `keys` keys and the
+/// value panels `c < tiles` (`p` with row stride `K_BLOCK`; panel `c` is `v[c·vstride +
+/// j·NR ..]` for key `j`, its output columns start at `o[c·NR]`, `o` with row stride
+/// `ostride`), accumulated in key order. The AVX-512 kernel takes two panels per pass
+/// (24 accumulators); each output element is the same chain on every kernel.
+#[allow(clippy::too_many_arguments)]
+fn pv_block(
+    isa: Isa,
     p: &[f32],
     v: &[f32],
     vstride: usize,
@@ -192,30 +213,43 @@ fn pv_tiles(
     o: &mut [f32],
     ostride: usize,
 ) {
-    let mut c = 0;
+    if tiles == 0 {
+        return;
+    }
+    assert!(keys <= K_BLOCK && p.len() >= MB * K_BLOCK);
+    assert!(v.len() >= (tiles - 1) * vstride + keys * NR);
+    assert!(o.len() >= (MB - 1) * ostride + tiles * NR);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        assert!(keys <= K_BLOCK && p.len() >= MR * K_BLOCK);
-        assert!(tiles == 0 || v.len() >= (tiles - 1) * vstride + keys * NR);
-        assert!(tiles == 0 || o.len() >= (MR - 1) * ostride + tiles * NR);
-        while c + 2 <= tiles {
-            // SAFETY: the CPU has AVX-512F; panels c and c + 1 and their output columns are
-            // in bounds by the asserts above.
+    if isa == Isa::Avx512 {
+        let mut c = 0;
+        while c < tiles {
+            let (vc, oc) = (v[c * vstride..].as_ptr(), o[c * NR..].as_mut_ptr());
+            // SAFETY: the CPU has AVX-512F; panels c (and c + 1) and their output columns
+            // are in bounds by the asserts above.
             unsafe {
-                avx512::pv_tile::<2>(
-                    p.as_ptr(),
-                    v.as_ptr().add(c * vstride),
-                    vstride,
-                    keys,
-                    o.as_mut_ptr().add(c * NR),
-                    ostride,
-                )
-            };
+                if c + 2 <= tiles {
+                    avx512::pv_tile::<2>(p.as_ptr(), vc, vstride, keys, oc, ostride);
+                } else {
+                    avx512::pv_tile::<1>(p.as_ptr(), vc, vstride, keys, oc, ostride);
+                }
+            }
             c += 2;
         }
+        return;
     }
-    for c in c..tiles {
-        pv_tile(p, &v[c * vstride..], keys, &mut o[c * NR..], ostride);
+    for h in 0..MB / MR {
+        let ph = &p[h * MR * K_BLOCK..];
+        for c in 0..tiles {
+            let (vc, oc) = (&v[c * vstride..], &mut o[h * MR * ostride + c * NR..]);
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX2 and FMA; the asserts above bound every access.
+                Isa::Avx2 => unsafe {
+                    avx2::pv_tile(ph.as_ptr(), vc.as_ptr(), keys, oc.as_mut_ptr(), ostride)
+                },
+                _ => portable::pv_tile(ph, vc, keys, oc, ostride),
+            }
+        }
     }
 }
 
@@ -353,12 +387,13 @@ mod avx2 {
     }
 }
 
-/// The AVX-512 twins of [`avx2`]: sixteen lanes per register, two key (or value) panels per
-/// pass so that twelve independent accumulators hide the FMA latency. Same operations per
+/// The AVX-512 twins of [`avx2`]: sixteen lanes per register, all `MB` rows of a micro block
+/// and two key (or value) panels per pass (24 accumulators), so each panel is loaded once per
+/// twelve rows. Same operations per
 /// element, so the same bits (tested against the portable kernels).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{K_BLOCK, MR, NR};
+    use super::{K_BLOCK, MB, NR};
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -366,7 +401,7 @@ mod avx512 {
     }
 
     /// # Safety
-    /// As for [`super::avx2::scores_tile`], with AVX-512F present.
+    /// As for [`super::avx2::scores_tile`] with `MB` rows instead of `MR`, with AVX-512F present.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn scores_tile(
         q: *const f32,
@@ -376,8 +411,8 @@ mod avx512 {
         max_panels: usize,
         scale: f32,
         s: *mut f32,
-    ) -> [f32; MR] {
-        let mut mx = [_mm512_set1_ps(f32::NEG_INFINITY); MR];
+    ) -> [f32; MB] {
+        let mut mx = [_mm512_set1_ps(f32::NEG_INFINITY); MB];
         let mut p = 0;
         while p < panels {
             if p + 2 <= panels {
@@ -388,7 +423,7 @@ mod avx512 {
                 p += 1;
             }
         }
-        let mut out = [f32::NEG_INFINITY; MR];
+        let mut out = [f32::NEG_INFINITY; MB];
         for (o, m) in out.iter_mut().zip(&mx) {
             *o = _mm512_reduce_max_ps(*m);
         }
@@ -406,10 +441,10 @@ mod avx512 {
         max_panels: usize,
         scale: f32,
         s: *mut f32,
-        mx: &mut [__m512; MR],
+        mx: &mut [__m512; MB],
     ) {
         let sc = _mm512_set1_ps(scale);
-        let mut acc = [[_mm512_setzero_ps(); P]; MR];
+        let mut acc = [[_mm512_setzero_ps(); P]; MB];
         for x in 0..d {
             let mut b = [_mm512_setzero_ps(); P];
             for (i, bv) in b.iter_mut().enumerate() {
@@ -437,8 +472,8 @@ mod avx512 {
     /// `o + i·NR`; otherwise as for [`super::avx2::pv_tile`].
     ///
     /// # Safety
-    /// AVX-512F present; `p[MR·K_BLOCK]` and each panel's `keys·NR` floats readable, `o`
-    /// writable for `MR` rows of `P·NR` at stride `ostride`.
+    /// AVX-512F present; `p[MB·K_BLOCK]` and each panel's `keys·NR` floats readable, `o`
+    /// writable for `MB` rows of `P·NR` at stride `ostride`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn pv_tile<const P: usize>(
         p: *const f32,
@@ -448,7 +483,7 @@ mod avx512 {
         o: *mut f32,
         ostride: usize,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); P]; MR];
+        let mut acc = [[_mm512_setzero_ps(); P]; MB];
         for (r, a) in acc.iter_mut().enumerate() {
             for (i, av) in a.iter_mut().enumerate() {
                 *av = _mm512_loadu_ps(o.add(r * ostride + i * NR));
@@ -498,7 +533,8 @@ pub fn causal_attention(
     let scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
     let blocks = t_len.div_ceil(Q_BLOCK);
     let first_block = from.min(t_len) / Q_BLOCK;
-    let max_rows = (Q_BLOCK * group).div_ceil(MR) * MR;
+    let isa = Isa::detect();
+    let max_rows = (Q_BLOCK * group).div_ceil(MB) * MB;
     let packed = Packed::new(k, v, s);
     let (t_pad, dp) = (packed.t_pad, packed.dp);
     let out = SendPtr(o.as_mut_ptr());
@@ -506,7 +542,7 @@ pub fn causal_attention(
     (0..tasks).into_par_iter().for_each_init(
         || Scratch {
             qg: vec![0.0; max_rows * d],
-            scores: vec![0.0; MR * K_BLOCK],
+            scores: vec![0.0; MB * K_BLOCK],
             og: vec![0.0; max_rows * dp],
             m: vec![0.0; max_rows],
             l: vec![0.0; max_rows],
@@ -519,7 +555,7 @@ pub fn causal_attention(
             let q0 = b * Q_BLOCK;
             let q1 = (q0 + Q_BLOCK).min(t_len);
             let rows = (q1 - q0) * group;
-            let rows_pad = rows.div_ceil(MR) * MR;
+            let rows_pad = rows.div_ceil(MB) * MB;
             // Qg[(t, g)] = q[q0 + t, kh·group + g]: for each position the group's heads are
             // already adjacent in `q`, so this is one contiguous copy per position.
             for t in q0..q1 {
@@ -537,17 +573,18 @@ pub fn causal_attention(
             let v_tiles = dp / NR;
             for kb0 in (0..q1).step_by(K_BLOCK) {
                 let kb1 = (kb0 + K_BLOCK).min(q1);
-                for r0 in (0..rows).step_by(MR) {
+                for r0 in (0..rows).step_by(MB) {
                     // Keys visible to this micro block's latest row, whole panels.
-                    let last_pos = q0 + ((r0 + MR).min(rows) - 1) / group;
+                    let last_pos = q0 + ((r0 + MB).min(rows) - 1) / group;
                     let end = kb1.min(last_pos + 1);
                     let panels = (end - kb0).div_ceil(NR);
                     let cols = panels * NR;
                     // Panels the micro block's earliest row sees whole (so every row does).
                     let shared = ((q0 + r0 / group + 1 - kb0) / NR).min(panels);
                     let p = &mut sc.scores[..];
-                    let tile_max = scores_tile(
-                        &sc.qg[r0 * d..(r0 + MR) * d],
+                    let tile_max = scores_block(
+                        isa,
+                        &sc.qg[r0 * d..(r0 + MB) * d],
                         &kt_head[kb0 * d..(kb0 + cols) * d],
                         d,
                         panels,
@@ -555,8 +592,8 @@ pub fn causal_attention(
                         scale,
                         p,
                     );
-                    let og_mb = &mut og[r0 * dp..(r0 + MR) * dp];
-                    for i in 0..MR {
+                    let og_mb = &mut og[r0 * dp..(r0 + MB) * dp];
+                    for i in 0..MB {
                         let row = &mut p[i * K_BLOCK..i * K_BLOCK + cols];
                         let r = r0 + i;
                         if r >= rows {
@@ -586,7 +623,7 @@ pub fn causal_attention(
                         m[r] = m_new;
                     }
                     let v = &v_head[kb0 * NR..(v_tiles - 1) * t_pad * NR + (kb0 + cols) * NR];
-                    pv_tiles(p, v, t_pad * NR, v_tiles, cols, og_mb, dp);
+                    pv_block(isa, p, v, t_pad * NR, v_tiles, cols, og_mb, dp);
                 }
             }
             for (r, row) in og[..rows * dp].chunks_mut(dp).enumerate() {
@@ -725,85 +762,63 @@ mod tests {
     #[test]
     fn vector_kernels_match_the_portable_bits() {
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-        type Scores =
-            unsafe fn(*const f32, *const f32, usize, usize, usize, f32, *mut f32) -> [f32; MR];
-        let mut scorers: Vec<(&str, Scores)> = Vec::new();
+        let mut isas = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             if avx2::available() {
-                scorers.push(("avx2", avx2::scores_tile));
+                isas.push(Isa::Avx2);
             }
             if avx512::available() {
-                scorers.push(("avx512", avx512::scores_tile));
+                isas.push(Isa::Avx512);
             }
         }
-        if scorers.is_empty() {
+        if isas.is_empty() {
             eprintln!("no AVX2+FMA or AVX-512 here: nothing to compare");
             return;
         }
         for (d, panels) in [(64, 32), (12, 3), (128, 1), (64, 5)] {
-            let q = gen(MR * d, 7);
+            let q = gen(MB * d, 7);
             let kt = gen(panels * d * NR, 8);
             let shared = panels / 2 + 1;
-            let mut b = vec![0.0; MR * K_BLOCK];
-            let mb = portable::scores_tile(&q, &kt, d, panels, shared, 0.125, &mut b);
-            for &(name, f) in &scorers {
-                let mut a = vec![0.0; MR * K_BLOCK];
-                // SAFETY: the CPU has the kernel's features; buffers are sized as it needs.
-                let ma = unsafe {
-                    f(
-                        q.as_ptr(),
-                        kt.as_ptr(),
-                        d,
-                        panels,
-                        shared,
-                        0.125,
-                        a.as_mut_ptr(),
-                    )
-                };
-                assert_eq!(bits(&a), bits(&b), "{name} scores, d {d}");
-                assert_eq!(bits(&ma), bits(&mb), "{name} row maxima, d {d}");
-                for r in 0..MR {
-                    let want = exp::max(&a[r * K_BLOCK..r * K_BLOCK + shared * NR]);
-                    assert_eq!(ma[r], want, "{name} row {r} maximum, d {d}");
-                }
-            }
-
-            // P·V over three value panels (a pair and a single one on AVX-512), through the
-            // dispatching entry point, against the portable kernel panel by panel.
+            let mut b = vec![0.0; MB * K_BLOCK];
+            let mb = scores_block(Isa::Portable, &q, &kt, d, panels, shared, 0.125, &mut b);
+            // P·V over three value panels (a pair and a single one on AVX-512), with the
+            // output columns offset inside a wider row.
             let keys = panels * NR;
-            let tiles = 3;
-            let vstride = keys * NR + 5;
+            let (tiles, vstride, ostride) = (3, keys * NR + 5, 4 * NR);
             let v = gen((tiles - 1) * vstride + keys * NR, 9);
-            let ostride = 4 * NR;
-            let (mut oa, mut ob) = (gen(MR * ostride, 10), gen(MR * ostride, 10));
-            pv_tiles(&b, &v, vstride, tiles, keys, &mut oa[NR / 2..], ostride);
-            for c in 0..tiles {
-                portable::pv_tile(
+            let mut ob = gen(MB * ostride, 10);
+            pv_block(
+                Isa::Portable,
+                &b,
+                &v,
+                vstride,
+                tiles,
+                keys,
+                &mut ob[NR / 2..],
+                ostride,
+            );
+            for &isa in &isas {
+                let mut a = vec![0.0; MB * K_BLOCK];
+                let ma = scores_block(isa, &q, &kt, d, panels, shared, 0.125, &mut a);
+                assert_eq!(bits(&a), bits(&b), "{isa:?} scores, d {d}");
+                assert_eq!(bits(&ma), bits(&mb), "{isa:?} row maxima, d {d}");
+                for r in 0..MB {
+                    let want = exp::max(&a[r * K_BLOCK..r * K_BLOCK + shared * NR]);
+                    assert_eq!(ma[r], want, "{isa:?} row {r} maximum, d {d}");
+                }
+                let mut oa = gen(MB * ostride, 10);
+                pv_block(
+                    isa,
                     &b,
-                    &v[c * vstride..],
+                    &v,
+                    vstride,
+                    tiles,
                     keys,
-                    &mut ob[NR / 2 + c * NR..],
+                    &mut oa[NR / 2..],
                     ostride,
                 );
-            }
-            assert_eq!(bits(&oa), bits(&ob), "P·V, {keys} keys");
-            #[cfg(target_arch = "x86_64")]
-            if avx2::available() {
-                let mut oc = gen(MR * ostride, 10);
-                for c in 0..tiles {
-                    // SAFETY: AVX2 present; panel c and its output columns are in bounds.
-                    unsafe {
-                        avx2::pv_tile(
-                            b.as_ptr(),
-                            v[c * vstride..].as_ptr(),
-                            keys,
-                            oc[NR / 2 + c * NR..].as_mut_ptr(),
-                            ostride,
-                        )
-                    };
-                }
-                assert_eq!(bits(&oc), bits(&ob), "avx2 P·V, {keys} keys");
+                assert_eq!(bits(&oa), bits(&ob), "{isa:?} P·V, {keys} keys");
             }
         }
     }
