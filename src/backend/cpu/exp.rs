@@ -127,9 +127,15 @@ pub fn exp_sub_sum_scalar(x: &mut [f32], max: f32) -> f32 {
 /// The shared loop of [`exp_sub_sum`] (`BASE2 = false`) and [`exp2_sub_sum`] (`true`).
 fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if avx2::available() {
-        // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { avx2::sub_sum::<BASE2>(x, max) };
+    {
+        if avx512::available() {
+            // SAFETY: the CPU has AVX-512F, AVX2 and FMA.
+            return unsafe { avx512::sub_sum::<BASE2>(x, max) };
+        }
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { avx2::sub_sum::<BASE2>(x, max) };
+        }
     }
     sub_sum_scalar::<BASE2>(x, max)
 }
@@ -220,8 +226,18 @@ mod avx2 {
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
+        sub_sum_from::<BASE2>(x, max, _mm256_setzero_ps())
+    }
+
+    /// [`sub_sum`] with the eight lane sums starting at `acc` (the AVX-512 loop hands over
+    /// its running sums and the elements it left).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn sub_sum_from<const BASE2: bool>(x: &mut [f32], max: f32, acc: __m256) -> f32 {
         let m = _mm256_set1_ps(max);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = acc;
         let mut chunks = x.chunks_exact_mut(8);
         for c in &mut chunks {
             // SAFETY: `c` is exactly eight floats.
@@ -238,6 +254,91 @@ mod avx2 {
             s += *v;
         }
         s
+    }
+}
+
+/// Sixteen lanes of [`exp`] and [`exp2`], operation for operation, and the slice loop. The sum
+/// keeps the eight-lane order of the specification: each 16-wide result is added to the
+/// eight running sums as its low half, then its high half, which is what two eight-wide
+/// steps do.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx512f") && super::avx2::available()
+    }
+
+    /// Zero where `x < lo`, else `y` (the AVX2 code's `andnot` with a compare mask).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn zero_below(x: __m512, lo: f32, y: __m512) -> __m512 {
+        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(lo));
+        _mm512_maskz_mov_ps(!below, y)
+    }
+
+    /// Sixteen lanes of [`exp`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LO)), _mm512_set1_ps(HI));
+        let round = _mm512_set1_ps(ROUND);
+        let shifted = _mm512_fmadd_ps(xc, _mm512_set1_ps(LOG2E), round);
+        let n = _mm512_sub_ps(shifted, round);
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let neg_n = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(n), sign));
+        let r = _mm512_fmadd_ps(neg_n, _mm512_set1_ps(LN2_HI), xc);
+        let r = _mm512_fmadd_ps(neg_n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        let n_bits = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(round));
+        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(n_bits, _mm512_set1_epi32(127)));
+        zero_below(x, LO, _mm512_mul_ps(p, _mm512_castsi512_ps(scale)))
+    }
+
+    /// Sixteen lanes of [`exp2`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp2_16(x: __m512) -> __m512 {
+        let xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(LO2)), _mm512_set1_ps(HI2));
+        let round = _mm512_set1_ps(ROUND);
+        let shifted = _mm512_add_ps(xc, round);
+        let n = _mm512_sub_ps(shifted, round);
+        let r = _mm512_sub_ps(xc, n);
+        let mut p = _mm512_set1_ps(POLY2[0]);
+        for c in &POLY2[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        let bits = _mm512_add_epi32(
+            _mm512_castps_si512(shifted),
+            _mm512_set1_epi32(EXP2_BIAS as i32),
+        );
+        let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits));
+        zero_below(x, LO2, _mm512_mul_ps(p, scale))
+    }
+
+    /// [`super::sub_sum_scalar`] sixteen lanes at a time, the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            // SAFETY: `c` is exactly sixteen floats.
+            let d = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), m);
+            let y = if BASE2 { exp2_16(d) } else { exp16(d) };
+            _mm512_storeu_ps(c.as_mut_ptr(), y);
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y)));
+            acc = _mm256_add_ps(acc, _mm512_castps512_ps256(y));
+            acc = _mm256_add_ps(acc, high);
+        }
+        super::avx2::sub_sum_from::<BASE2>(chunks.into_remainder(), max, acc)
     }
 }
 
@@ -302,15 +403,40 @@ mod tests {
     #[test]
     fn vector_loops_match_the_scalar_bits() {
         type SubSum = fn(&mut [f32], f32) -> f32;
-        let pairs: [(&str, SubSum, SubSum); 2] = [
+        // The dispatching loops (AVX-512 where the CPU has it), and the AVX2 loops directly.
+        #[allow(unused_mut)]
+        let mut pairs: Vec<(&str, SubSum, SubSum)> = vec![
             ("exp", exp_sub_sum, exp_sub_sum_scalar),
             ("exp2", exp2_sub_sum, exp2_sub_sum_scalar),
         ];
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY (both closures): the CPU has AVX2 and FMA.
+            pairs.push((
+                "exp avx2",
+                |x, m| unsafe { avx2::sub_sum::<false>(x, m) },
+                exp_sub_sum_scalar,
+            ));
+            pairs.push((
+                "exp2 avx2",
+                |x, m| unsafe { avx2::sub_sum::<true>(x, m) },
+                exp2_sub_sum_scalar,
+            ));
+        }
         for (name, vector, scalar) in pairs {
-            for n in [0, 1, 7, 8, 9, 64, 515] {
-                // Inputs from -200 to 100: below both underflow limits, above both clamps.
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 64, 515, 2048] {
+                // Inputs from -200 to 100: below both underflow limits, above both clamps; and,
+                // for n >= 64, a softmax-like row in [-12, 3] whose sum depends on the order
+                // of every addition (a reordered sum or an unfused multiply-add shows).
                 let x: Vec<f32> = (0..n)
-                    .map(|i| ((i * 2_654_435_761usize) % 30_001) as f32 * 0.01 - 200.0)
+                    .map(|i| {
+                        let u = ((i * 2_654_435_761usize) % 30_001) as f32;
+                        if n >= 64 {
+                            u * 0.0005 - 12.0
+                        } else {
+                            u * 0.01 - 200.0
+                        }
+                    })
                     .collect();
                 let (mut a, mut b) = (x.clone(), x);
                 let sa = vector(&mut a, 3.0);
