@@ -29,6 +29,7 @@
 //! schedule changes a result (tested).
 
 use super::exp;
+use super::isa::Isa;
 use super::SendPtr;
 use rayon::prelude::*;
 
@@ -112,31 +113,6 @@ struct Scratch {
     /// running row maximum and sum of exponentials, [rows]
     m: Vec<f32>,
     l: Vec<f32>,
-}
-
-/// Which kernels run (the same bits on each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx512::available() {
-                return Isa::Avx512;
-            }
-            if avx2::available() {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    }
 }
 
 /// `s[r, p·NR + c] = scale · Σ_x q[r, x]·kt[p][x][c]` for the `MB` query rows of a micro
@@ -311,10 +287,6 @@ mod avx2 {
     use super::{K_BLOCK, MR, NR};
     use std::arch::x86_64::*;
 
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-
     /// # Safety
     /// AVX2 and FMA present; `q[MR·d]`, `kt[panels·d·NR]` readable, `s[MR·K_BLOCK]`
     /// writable, `max_panels <= panels`, `panels·NR <= K_BLOCK`.
@@ -395,10 +367,6 @@ mod avx2 {
 mod avx512 {
     use super::{K_BLOCK, MB, NR};
     use std::arch::x86_64::*;
-
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx512f")
-    }
 
     /// # Safety
     /// As for [`super::avx2::scores_tile`] with `MB` rows instead of `MR`, with AVX-512F present.
@@ -762,16 +730,10 @@ mod tests {
     #[test]
     fn vector_kernels_match_the_portable_bits() {
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-        let mut isas = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx2::available() {
-                isas.push(Isa::Avx2);
-            }
-            if avx512::available() {
-                isas.push(Isa::Avx512);
-            }
-        }
+        let isas: Vec<Isa> = Isa::all()
+            .into_iter()
+            .filter(|&i| i != Isa::Portable)
+            .collect();
         if isas.is_empty() {
             eprintln!("no AVX2+FMA or AVX-512 here: nothing to compare");
             return;

@@ -12,6 +12,7 @@
 //! test holds the two together. On an x86-64 CPU without FMA the scalar code still gives
 //! those bits, through libm's correctly rounded `fmaf`, only slowly.
 
+use super::isa::Isa;
 use multiversion::multiversion;
 
 /// 1.5 · 2^23: adding it to a float of magnitude below 2^22 rounds it to an integer, which
@@ -128,11 +129,11 @@ pub fn exp_sub_sum_scalar(x: &mut [f32], max: f32) -> f32 {
 fn sub_sum<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if avx512::available() {
+        if Isa::has_avx512() {
             // SAFETY: the CPU has AVX-512F, AVX2 and FMA.
             return unsafe { avx512::sub_sum::<BASE2>(x, max) };
         }
-        if avx2::available() {
+        if Isa::has_avx2() {
             // SAFETY: the CPU has AVX2 and FMA.
             return unsafe { avx2::sub_sum::<BASE2>(x, max) };
         }
@@ -170,10 +171,6 @@ fn sub_sum_scalar<const BASE2: bool>(x: &mut [f32], max: f32) -> f32 {
 mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
-
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
 
     /// Eight lanes of [`exp`], operation for operation.
     #[inline]
@@ -265,10 +262,6 @@ mod avx2 {
 mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
-
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx512f") && super::avx2::available()
-    }
 
     /// Zero where `x < lo`, else `y` (the AVX2 code's `andnot` with a compare mask).
     #[inline]
@@ -410,7 +403,7 @@ mod tests {
             ("exp2", exp2_sub_sum, exp2_sub_sum_scalar),
         ];
         #[cfg(target_arch = "x86_64")]
-        if avx2::available() {
+        if Isa::has_avx2() {
             // SAFETY (both closures): the CPU has AVX2 and FMA.
             pairs.push((
                 "exp avx2",

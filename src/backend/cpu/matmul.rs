@@ -17,6 +17,7 @@
 //! [`Gemm::Auto`] times both per shape as it goes and mostly runs the faster one. The choice
 //! can change run to run; the results cannot.
 
+use super::isa::Isa;
 use super::sgemm16;
 use super::SendPtr;
 use rayon::prelude::*;
@@ -151,7 +152,7 @@ pub unsafe fn sgemm_block(
     accumulate: bool,
 ) {
     let run = |g: Gemm| match g {
-        Gemm::Tile16 => sgemm16::sgemm_wt(tile(), m, k, n, x, w, c, ldc, accumulate),
+        Gemm::Tile16 => sgemm16::sgemm_wt(Isa::detect(), m, k, n, x, w, c, ldc, accumulate),
         _ => matrixmultiply::sgemm(
             m,
             k,
@@ -181,11 +182,6 @@ pub unsafe fn sgemm_block(
         }
         g => run(g),
     }
-}
-
-fn tile() -> sgemm16::Tile {
-    static TILE: OnceLock<sgemm16::Tile> = OnceLock::new();
-    *TILE.get_or_init(sgemm16::Tile::detect)
 }
 
 /// Row counts at or above this share one timing record per `(k, n)`; smaller blocks (the

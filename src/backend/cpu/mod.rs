@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod exp;
 pub mod head;
+pub mod isa;
 pub mod matmul;
 pub mod norm;
 pub mod rope;

@@ -19,6 +19,7 @@
 //! are packed per call into panels of [`NR`] columns (one 64-byte line per depth step), the
 //! activations are read in place.
 
+use super::isa::Isa;
 use std::cell::RefCell;
 
 /// Output columns per panel (two AVX2 vectors).
@@ -52,56 +53,13 @@ thread_local! {
     static PACKED: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Which register-tile implementation runs (same bits either way).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tile {
-    /// `mul_add` per term: the specification.
-    Portable,
-    /// AVX2 + FMA intrinsics, `6 × 16`.
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    /// AVX-512F intrinsics, `12 × 32` (two panels at once).
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Tile {
-    /// The fastest tile this CPU runs.
-    pub fn detect() -> Tile {
+/// Rows and panels per register tile on each instruction set: `6 × 16` (one panel) on AVX2
+/// and portable code, `12 × 32` (two panels) on AVX-512.
+fn tile_shape(isa: Isa) -> (usize, usize) {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        {
-            if avx512::available() {
-                return Tile::Avx512;
-            }
-            if avx2::available() {
-                return Tile::Avx2;
-            }
-        }
-        Tile::Portable
-    }
-
-    /// Rows and panels per register tile.
-    fn shape(self) -> (usize, usize) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Tile::Avx512 => (12, 2),
-            _ => (MR, 1),
-        }
-    }
-
-    /// Every tile this CPU runs (for tests).
-    pub fn all() -> Vec<Tile> {
-        let mut all = vec![Tile::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx2::available() {
-                all.push(Tile::Avx2);
-            }
-            if avx512::available() {
-                all.push(Tile::Avx512);
-            }
-        }
-        all
+        Isa::Avx512 => (12, 2),
+        _ => (MR, 1),
     }
 }
 
@@ -114,7 +72,7 @@ impl Tile {
 /// else accesses those floats during the call.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm_wt(
-    tile: Tile,
+    tile: Isa,
     m: usize,
     k: usize,
     n: usize,
@@ -166,7 +124,7 @@ pub unsafe fn sgemm_wt(
 /// As for [`sgemm_wt`]; `packed` holds `n.div_ceil(NR) · k` lines.
 #[allow(clippy::too_many_arguments)]
 unsafe fn blocks(
-    tile: Tile,
+    tile: Isa,
     m: usize,
     k: usize,
     n: usize,
@@ -177,7 +135,7 @@ unsafe fn blocks(
     accumulate: bool,
 ) {
     let panels = n.div_ceil(NR);
-    let (mr, pw) = tile.shape();
+    let (mr, pw) = tile_shape(tile);
     let mut edge = [0.0f32; MAX_TILE];
     for p0 in (0..panels).step_by(NC / NR) {
         let p1 = (p0 + NC / NR).min(panels);
@@ -230,7 +188,7 @@ unsafe fn blocks(
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn run_tile(
-    tile: Tile,
+    tile: Isa,
     rows: usize,
     np: usize,
     a: *const f32,
@@ -251,13 +209,13 @@ unsafe fn run_tile(
         };
     }
     match (tile, np) {
-        (Tile::Portable, _) => dispatch!(portable, 1, 1 2 3 4 5 6),
+        (Isa::Portable, _) => dispatch!(portable, 1, 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx2, _) => dispatch!(avx2, 1, 1 2 3 4 5 6),
+        (Isa::Avx2, _) => dispatch!(avx2, 1, 1 2 3 4 5 6),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx512, 2) => dispatch!(avx512, 2, 1 2 3 4 5 6 7 8 9 10 11 12),
+        (Isa::Avx512, 2) => dispatch!(avx512, 2, 1 2 3 4 5 6 7 8 9 10 11 12),
         #[cfg(target_arch = "x86_64")]
-        (Tile::Avx512, _) => dispatch!(avx512, 1, 1 2 3 4 5 6 7 8 9 10 11 12),
+        (Isa::Avx512, _) => dispatch!(avx512, 1, 1 2 3 4 5 6 7 8 9 10 11 12),
     }
 }
 
@@ -298,10 +256,6 @@ mod portable {
 mod avx2 {
     use super::NR;
     use std::arch::x86_64::*;
-
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
 
     /// # Safety
     /// AVX2 and FMA present; otherwise as for [`super::run_tile`], with `R` rows and `P`
@@ -354,10 +308,6 @@ mod avx2 {
 mod avx512 {
     use super::NR;
     use std::arch::x86_64::*;
-
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx512f")
-    }
 
     /// # Safety
     /// AVX-512F present; otherwise as for [`super::run_tile`], with `R` rows and `P` panels.
@@ -455,7 +405,7 @@ mod tests {
             for accumulate in [false, true] {
                 let mut want = init.clone();
                 reference(&x, m, k, &w, n, &mut want, accumulate);
-                for tile in Tile::all() {
+                for tile in Isa::all() {
                     let mut got = init.clone();
                     // SAFETY: dense buffers of the stated shapes.
                     unsafe {
@@ -492,7 +442,7 @@ mod tests {
         // SAFETY: dense buffers of the stated shapes.
         unsafe {
             sgemm_wt(
-                Tile::Portable,
+                Isa::Portable,
                 m,
                 k,
                 n,
@@ -521,7 +471,7 @@ mod tests {
             // SAFETY: `out` is 2 x 3; nothing is read from x or w at depth 0.
             unsafe {
                 sgemm_wt(
-                    Tile::detect(),
+                    Isa::detect(),
                     2,
                     0,
                     3,
