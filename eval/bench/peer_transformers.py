@@ -1,9 +1,12 @@
 """Benchmark peer: transformers float32 scoring exactly the windows the Rust bench scores.
 
-Usage: eval/.venv/bin/python eval/bench/peer_transformers.py WORK.json
+Usage: eval/.venv/bin/python eval/bench/peer_transformers.py WORK.json [--gemm-only]
 WORK.json: {"gguf": path, "threads": int, "tokens": [...], "windows": [[begin, start, end], ...]}
-Prints one JSON line: seconds, processed/scored token counts, nll_sum, GEMM GFLOP/s measured
-by torch on a 2048^3 float32 matmul with the same thread count.
+Prints one JSON line: seconds, processed/scored token counts, nll_sum, and torch's float32
+GEMM rate (fastest of five 2048^3 products, same thread count) measured just before the
+scoring starts (`gemm_before_gflops`) and just after it ends (`gemm_gflops`). The bench uses
+them as the machine's GEMM rate around its own neighbouring runs. `--gemm-only` skips the
+model and prints only `gemm_gflops`.
 """
 import json
 import os
@@ -11,12 +14,32 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+
+
+def gemm_gflops():
+    """Fastest of five single 2048^3 float32 products (the same rule as the engine's side)."""
+    n = 2048
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t1 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t1)
+    return 2 * n**3 / best / 1e9
 
 
 def main():
     work = json.load(open(sys.argv[1]))
     torch.set_num_threads(work["threads"])
+    if "--gemm-only" in sys.argv[2:]:
+        with torch.inference_mode():
+            print(json.dumps({"gemm_gflops": gemm_gflops()}))
+        return
+
+    from transformers import AutoModelForCausalLM
+
     gguf = work["gguf"]
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
@@ -33,21 +56,11 @@ def main():
 
     with torch.inference_mode():
         score(*windows[0])  # warm-up
+        gemm_before = gemm_gflops()
         t0 = time.perf_counter()
         nll = sum(score(*w) for w in windows)
         secs = time.perf_counter() - t0
-
-        n = 2048
-        a = torch.randn(n, n)
-        b = torch.randn(n, n)
-        a @ b
-        # Fastest of five single products (the same rule as the engine's side).
-        best = float("inf")
-        for _ in range(5):
-            t1 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t1)
-        gemm = 2 * n**3 / best / 1e9
+        gemm_after = gemm_gflops()
 
     print(
         json.dumps(
@@ -57,7 +70,8 @@ def main():
                 "processed_tokens": sum(e - b for b, s, e in windows),
                 "scored_tokens": sum(e - s for b, s, e in windows),
                 "nll_sum": nll,
-                "gemm_gflops": gemm,
+                "gemm_before_gflops": gemm_before,
+                "gemm_gflops": gemm_after,
             }
         )
     )
