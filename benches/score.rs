@@ -12,7 +12,8 @@
 //! alternating gives both sides the same chances.
 //!
 //! The GEMM rate is the fastest of five 2048³ products, through the engine's own GEMM path
-//! just before and just after each of our rounds, and through torch just before our round
+//! just before (from round 2: see the peak RSS note in `main`) and just after each of our
+//! rounds, and through torch just before our round
 //! (a GEMM-only peer call, or the previous peer run as it finished) and just after it (the
 //! next peer run before it starts scoring). Two fractions are printed: the best round's rate
 //! against the highest GEMM rate seen anywhere in the run (strict: a reference that caught a
@@ -55,19 +56,30 @@ fn gemm_gflops(threads: usize) -> f64 {
 }
 
 /// One round's timings and the GEMM rates measured around our run of it:
-/// `[engine path before, engine path after, torch before, torch after]` in GFLOP/s.
+/// `[engine path before, engine path after, torch before, torch after]` in GFLOP/s (NaN:
+/// not measured, the engine path before round 1).
 struct Round {
     ours_s: f64,
     peer_s: f64,
     gemm: [f64; 4],
 }
 
-/// The middle value (the mean of the two middle ones for an even count).
+/// The middle value of the measured ones (NaN marks one not taken; the mean of the two
+/// middle ones for an even count).
 fn median(xs: &[f64]) -> f64 {
-    let mut v = xs.to_vec();
+    let mut v: Vec<f64> = xs.iter().copied().filter(|x| !x.is_nan()).collect();
     v.sort_by(f64::total_cmp);
     let n = v.len();
     (v[(n - 1) / 2] + v[n / 2]) / 2.0
+}
+
+/// A GEMM rate for the table, `-` when not measured.
+fn rate(x: f64) -> String {
+    if x.is_nan() {
+        "-".into()
+    } else {
+        format!("{x:.1}")
+    }
 }
 
 fn main() {
@@ -159,17 +171,24 @@ fn main() {
     let mut torch_before = run_peer(&["--gemm-only"])["gemm_gflops"].as_f64().unwrap();
     let mut per_round: Vec<Round> = Vec::new();
     for round in 1..=rounds {
-        let engine_before = gemm_gflops(threads);
+        // Not before round 1: the reference's three 16 MiB buffers, freed just before the
+        // engine's first run, would change how the allocator serves the engine and so the
+        // peak RSS reported for it (the next rounds come after that reading).
+        let engine_before = if round == 1 {
+            f64::NAN
+        } else {
+            gemm_gflops(threads)
+        };
         let t0 = Instant::now();
         let score = engine
             .score(&tokens, p, KvDtype::Bf16, false, &mut |_, _| {})
             .unwrap();
         let s = t0.elapsed().as_secs_f64();
-        let engine_after = gemm_gflops(threads);
         if round == 1 {
             // High-water mark of the process so far: model load plus scoring.
             rss = ninfer_perplexity::report::peak_rss_bytes().unwrap_or(0);
         }
+        let engine_after = gemm_gflops(threads);
         eprintln!("round {round}: ours {s:.2} s");
         ours_s = ours_s.min(s);
         ours = Some(score);
@@ -257,13 +276,13 @@ fn main() {
         vs_highest.push(achieved / highest);
         vs_median.push(achieved / median(&r.gemm));
         println!(
-            "| {} | {:.2} | {achieved:.1} | {:.1} / {:.1}, {:.1} / {:.1} | {:.0}% | {:.0}% | {:.2} |",
+            "| {} | {:.2} | {achieved:.1} | {} / {}, {} / {} | {:.0}% | {:.0}% | {:.2} |",
             i + 1,
             r.ours_s,
-            r.gemm[0],
-            r.gemm[1],
-            r.gemm[2],
-            r.gemm[3],
+            rate(r.gemm[0]),
+            rate(r.gemm[1]),
+            rate(r.gemm[2]),
+            rate(r.gemm[3]),
             100.0 * vs_highest[i],
             100.0 * vs_median[i],
             r.peer_s
