@@ -69,7 +69,8 @@ fn tile_shape(isa: Isa) -> (usize, usize) {
 /// # Safety
 /// `x` is readable for `m` rows of `k` floats at stride `k`; `w` for `n` rows of `k` floats at
 /// stride `k`; `c` is writable for `m` rows of `n` floats at stride `ldc ≥ n`, and nothing
-/// else accesses those floats during the call.
+/// else accesses those floats during the call. `tile` is a level this CPU runs (one of
+/// [`Isa::all`]; [`Isa::detect`] is the fastest).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm_wt(
     tile: Isa,
