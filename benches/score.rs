@@ -18,8 +18,8 @@
 //! next peer run before it starts scoring). Two fractions are printed: the best round's rate
 //! against the highest GEMM rate seen anywhere in the run (strict: a reference that caught a
 //! fast minute of the host counts against a run that did not), and each round's rate against
-//! the four rates measured around it (the same minutes of the host), both their highest and
-//! their median (each of the four is already a best of five, and on a shared host one of
+//! the rates measured around it (four, three for round 1; the same minutes of the host), both
+//! their highest and their median (each is already a best of five, and on a shared host one of
 //! them often catches a moment that the fifteen seconds between them did not have).
 
 use ninfer_perplexity::backend::cpu::matmul::matmul_wt;
@@ -289,7 +289,7 @@ fn main() {
         );
     }
     println!(
-        "achieved / GEMM rate around the same round: against the highest of the four, median round {:.0}% (lowest {:.0}%); against their median, median round {:.0}% (lowest {:.0}%)",
+        "achieved / GEMM rates around the same round: against their highest, median round {:.0}% (lowest {:.0}%); against their median, median round {:.0}% (lowest {:.0}%)",
         100.0 * median(&vs_highest),
         100.0 * vs_highest.iter().copied().fold(f64::INFINITY, f64::min),
         100.0 * median(&vs_median),
