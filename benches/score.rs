@@ -209,12 +209,6 @@ fn main() {
         });
         torch_before = pj["gemm_gflops"].as_f64().unwrap();
     }
-    // Every GEMM rate seen in the run, including the peer's last one.
-    let all_gemm = per_round
-        .iter()
-        .flat_map(|r| r.gemm)
-        .chain([torch_before])
-        .fold(0.0f64, f64::max);
     let engine_gemm = per_round
         .iter()
         .flat_map(|r| [r.gemm[0], r.gemm[1]])
@@ -224,6 +218,8 @@ fn main() {
         .flat_map(|r| [r.gemm[2], r.gemm[3]])
         .chain([torch_before])
         .fold(0.0f64, f64::max);
+    // Every GEMM rate seen in the run, including the peer's last one.
+    let all_gemm = engine_gemm.max(torch_gemm);
     let _ = std::fs::remove_file(&work_path);
     let ours = ours.unwrap();
 
