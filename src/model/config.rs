@@ -174,6 +174,17 @@ impl ModelConfig {
         layers * (t * per_token_linear + attn) + 2.0 * scored as f64 * (d * v) as f64
     }
 
+    /// FLOPs of the model's forward pass over a window of `len` tokens, the way a model
+    /// forward is usually counted: every layer for every token, causal attention, and the
+    /// output head for every position (what transformers computes when asked for logits). It
+    /// does not depend on how many positions are scored, so two engines that score the same
+    /// windows are credited with the same work, and one that skips work (logits nobody reads)
+    /// shows it as a higher rate. The CPU speed target is stated in this count; the benches
+    /// also print the work actually done ([`Self::window_flops_last_layer_scored_only`]).
+    pub fn forward_flops(&self, len: usize) -> f64 {
+        self.window_flops(len, len)
+    }
+
     /// [`Self::window_flops`] less what the CPU backend skips: after the last layer only
     /// rows that predict a target are read, so there attention (queries from row
     /// `len - scored - 1` on), the o-projection and the MLP run for those rows only, while
@@ -240,6 +251,19 @@ mod tests {
         let q = ModelConfig::for_test(Family::Qwen3, 36, 4096, 32, 8, 128, 12288, 151_936);
         let per_token = q.window_flops(4096, 2048) / 4096.0;
         assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
+    }
+
+    #[test]
+    fn forward_pass_counts_the_head_for_every_position() {
+        let c = ModelConfig::for_test(Family::Qwen3, 1, 4, 2, 1, 2, 8, 10);
+        // As in the hand count above, with the head (2 * 40 per row) on all 3 rows.
+        assert_eq!(c.forward_flops(3), 3.0 * 288.0 + 96.0 + 3.0 * 80.0);
+        // SmolLM2-135M at context 1024: 212.3 MFLOP of projections and MLP, 56.6 of head and
+        // 35.4 of causal attention per token (the 0.30 GFLOP the CPU speed target assumes).
+        let mut s = ModelConfig::for_test(Family::Llama, 30, 576, 9, 3, 64, 1536, 49_152);
+        s.tie_word_embeddings = true;
+        let per_token = s.forward_flops(1024) / 1024.0;
+        assert!((per_token / 1e6 - 304.4).abs() < 0.1, "{per_token:e}");
     }
 
     #[test]
