@@ -276,10 +276,10 @@ fn main() {
         100.0 * fraction,
         100.0 * done_rate / all_gemm,
     );
+    let peer_rate = fwd_flops / peer_s / 1e9;
     println!(
-        "peer: forward pass at {:.1} GFLOP/s = {:.0}%",
-        fwd_flops / peer_s / 1e9,
-        100.0 * fwd_flops / peer_s / 1e9 / all_gemm,
+        "peer: forward pass at {peer_rate:.1} GFLOP/s = {:.0}%",
+        100.0 * peer_rate / all_gemm,
     );
     println!();
     println!("| round | ours s | forward-pass GFLOP/s | GEMM around it: engine before / after, torch before / after | fraction of their highest | of their median | work done, of their highest | peer s |");
