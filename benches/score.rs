@@ -7,11 +7,11 @@
 //! token, the rate in GFLOP/s against the machine's measured f32 GEMM rate, peak RSS, and
 //! whether each of the speed targets (docs/performance.md) is met.
 //!
-//! FLOPs are counted two ways. The forward pass (`ModelConfig::forward_flops`: every layer
+//! FLOPs are counted two ways. The forward pass (`Work::ForwardPass`: every layer
 //! and the output head for every processed token, causal attention) is what a model forward
 //! costs and what the targets are stated in: both engines are credited with the same work
 //! for the same windows, so the logits this engine does not compute show up as speed. The
-//! work this engine actually does (`window_flops_last_layer_scored_only`) is printed beside
+//! work this engine actually does (`Work::CpuScoring`) is printed beside
 //! it, as the measure of how well its kernels use the machine.
 //!
 //! The two engines run alternately for `--rounds` rounds (ours, peer, ours, peer, ...) and
@@ -32,6 +32,7 @@
 use ninfer_perplexity::backend::cpu::matmul::matmul_wt;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::model::flops::{window_flops, Work};
 use ninfer_perplexity::score::{windows, Protocol};
 mod common;
 
@@ -133,9 +134,12 @@ fn main() {
     // layer and the head for every processed token): the target is stated in the latter.
     let flops: f64 = ws
         .iter()
-        .map(|w| config.window_flops_last_layer_scored_only(w.len(), w.scored()))
+        .map(|w| window_flops(config, Work::CpuScoring, w.len(), w.scored()))
         .sum();
-    let fwd_flops: f64 = ws.iter().map(|w| config.forward_flops(w.len())).sum();
+    let fwd_flops: f64 = ws
+        .iter()
+        .map(|w| window_flops(config, Work::ForwardPass, w.len(), w.scored()))
+        .sum();
 
     // Warm-up on the first window, then time the whole stream.
     engine
@@ -150,7 +154,7 @@ fn main() {
     let rounds = arg("--rounds", 2).max(1);
     let work = serde_json::json!({
         "gguf": gguf, "threads": threads, "tokens": tokens,
-        "windows": ws.iter().map(|w| [w.begin, w.start, w.end]).collect::<Vec<_>>(),
+        "windows": ws.iter().map(|w| [w.begin, w.first_target, w.end]).collect::<Vec<_>>(),
     });
     let work_path = std::env::temp_dir().join(format!("ninfer-bench-{}.json", std::process::id()));
     std::fs::write(&work_path, work.to_string()).unwrap();

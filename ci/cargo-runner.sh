@@ -3,8 +3,8 @@
 #
 # `cargo test --release -- --kv-dtype fp8` hands the arguments after `--` to every test
 # executable. The regression harness (tests/harness.rs) understands --kv-dtype, --artifact,
-# --device and --tier; the standard libtest executables (unit and integration tests) would
-# reject them as unknown options. This runner removes those four flags, with their values,
+# --device, --tier and --precision; the standard libtest executables (unit and integration tests) would
+# reject them as unknown options. This runner removes those flags, with their values,
 # for every test executable except the harness, so one command runs the unit tests plus the
 # selected harness trials. Anything that is not a test executable runs untouched.
 exe="$1"
@@ -23,8 +23,8 @@ case "$exe" in
         continue
       fi
       case "$a" in
-        --kv-dtype | --artifact | --device | --tier) skip=1 ;;
-        --kv-dtype=* | --artifact=* | --device=* | --tier=*) ;;
+        --kv-dtype | --artifact | --device | --tier | --precision) skip=1 ;;
+        --kv-dtype=* | --artifact=* | --device=* | --tier=* | --precision=*) ;;
         *) args+=("$a") ;;
       esac
     done

@@ -3,7 +3,7 @@
 //! Validation happens before anything is loaded, so a bad flag costs nothing and never
 //! leaves output behind.
 
-use crate::backend::DeviceRequest;
+use crate::backend::{DeviceRequest, Precision};
 use crate::kv::KvDtype;
 use crate::score::Protocol;
 use crate::ui::LogLevel;
@@ -64,6 +64,11 @@ pub struct Args {
     #[arg(long, default_value = "auto")]
     pub device: String,
 
+    /// Arithmetic of the forward pass: bf16 or f32. CUDA defaults to bf16; the CPU computes
+    /// in f32 only. Recorded in report.json.
+    #[arg(long, value_name = "P")]
+    pub precision: Option<String>,
+
     /// CPU worker threads (default: one per core). Results do not depend on it.
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -99,6 +104,8 @@ pub struct RunConfig {
     pub max_tokens: Option<usize>,
     pub output: Option<PathBuf>,
     pub device: DeviceRequest,
+    /// `None`: the device's default.
+    pub precision: Option<Precision>,
     pub threads: usize,
     pub verify_artifact: bool,
     pub log_level: LogLevel,
@@ -110,6 +117,15 @@ impl Args {
         let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
         let device =
             DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        let precision = self
+            .precision
+            .as_deref()
+            .map(Precision::parse)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("--precision: {e}"))?;
+        if precision == Some(Precision::Bf16) && device == DeviceRequest::Cpu {
+            bail!("--precision bf16: the CPU backend computes in f32 only (use --device cuda, or drop --precision)");
+        }
         crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
         if let Some(m) = self.max_tokens {
             if m < 2 {
@@ -139,6 +155,7 @@ impl Args {
             max_tokens: self.max_tokens,
             output: self.output,
             device,
+            precision,
             threads: self.threads,
             verify_artifact: self.verify_artifact,
             log_level: self.log_level,
@@ -202,6 +219,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown device `tpu`"), "{e}");
+        let e = parse(&["m", "--text", "a", "--precision", "fp16"])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--precision: unknown precision `fp16` (valid: bf16, f32)"
+        );
+        let e = parse(&["m", "--text", "a", "--device", "cpu", "--precision", "bf16"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the CPU backend computes in f32 only"), "{e}");
+        let c = parse(&["m", "--text", "a", "--precision", "f32"]).unwrap();
+        assert_eq!(c.precision, Some(Precision::F32));
         let e = parse(&["m", "--text", "a", "--max-tokens", "1"])
             .unwrap_err()
             .to_string();

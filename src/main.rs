@@ -22,6 +22,7 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> anyhow::Result<()> {
     let cfg = args.validate()?;
+    ninfer_perplexity::ui::set_level(cfg.log_level);
     let out = ninfer_perplexity::run::run(&cfg)?;
     let mut stdout = std::io::stdout().lock();
     stdout.write_all(out.table.as_bytes())?;

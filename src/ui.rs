@@ -5,6 +5,7 @@
 //! CI logs show progress without carriage-return noise.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -15,31 +16,40 @@ pub enum LogLevel {
     Debug,
 }
 
-#[derive(Clone, Copy)]
-pub struct Log {
-    pub level: LogLevel,
+/// The process's stderr verbosity, set once by the command line ([`set_level`]); library
+/// code (the CUDA backend's planning details, for instance) logs through the same functions,
+/// so `--log-level` governs every line.
+static LEVEL: AtomicU8 = AtomicU8::new(LogLevel::Info as u8);
+
+pub fn set_level(level: LogLevel) {
+    LEVEL.store(level as u8, Ordering::Relaxed);
 }
 
-impl Log {
-    pub fn info(&self, msg: impl AsRef<str>) {
-        if self.level >= LogLevel::Info {
-            eprintln!("{}", msg.as_ref());
-        }
-    }
-    pub fn warn(&self, msg: impl AsRef<str>) {
-        if self.level >= LogLevel::Warn {
-            eprintln!("warning: {}", msg.as_ref());
-        }
-    }
-    pub fn debug(&self, msg: impl AsRef<str>) {
-        if self.level >= LogLevel::Debug {
-            eprintln!("debug: {}", msg.as_ref());
-        }
+/// Whether lines of `level` are printed.
+pub fn enabled(level: LogLevel) -> bool {
+    level as u8 <= LEVEL.load(Ordering::Relaxed)
+}
+
+pub fn info(msg: impl AsRef<str>) {
+    if enabled(LogLevel::Info) {
+        eprintln!("{}", msg.as_ref());
     }
 }
 
-/// Progress over a known number of tokens to process.
-pub struct Progress {
+pub fn warn(msg: impl AsRef<str>) {
+    if enabled(LogLevel::Warn) {
+        eprintln!("warning: {}", msg.as_ref());
+    }
+}
+
+pub fn debug(msg: impl AsRef<str>) {
+    if enabled(LogLevel::Debug) {
+        eprintln!("debug: {}", msg.as_ref());
+    }
+}
+
+/// A progress line over a known number of units (tensors loaded, tokens scored).
+pub struct ProgressLine {
     bar: Option<indicatif::ProgressBar>,
     total: u64,
     started: Instant,
@@ -64,9 +74,9 @@ fn fmt_eta(secs: f64) -> String {
     }
 }
 
-impl Progress {
-    pub fn new(label: &str, total: u64, unit: &str, log: Log) -> Progress {
-        let enabled = log.level >= LogLevel::Info;
+impl ProgressLine {
+    pub fn new(label: &str, total: u64, unit: &str) -> ProgressLine {
+        let enabled = enabled(LogLevel::Info);
         let bar = if enabled && std::io::stderr().is_terminal() {
             let b = indicatif::ProgressBar::with_draw_target(
                 Some(total),
@@ -84,7 +94,7 @@ impl Progress {
             None
         };
         let now = Instant::now();
-        Progress {
+        ProgressLine {
             bar,
             total,
             started: now,
@@ -151,7 +161,7 @@ impl Progress {
     }
 }
 
-impl Drop for Progress {
+impl Drop for ProgressLine {
     fn drop(&mut self) {
         self.finish();
     }

@@ -2,7 +2,7 @@
 //! context 4096 / stride 2048, against the device's measured bf16 matrix-product rate.
 //!
 //! Processed tokens per second and achieved TFLOP/s are reported, the FLOPs counted by
-//! `ModelConfig::window_flops` (projections, MLP, causal attention, the head on scored rows).
+//! `model::flops::Work::HeadOnScoredRows` (projections, MLP, causal attention, the head on scored rows).
 //! Target (issue 6): at least 40% of the measured bf16 dense rate. The numbers are printed
 //! and written as JSON to `$NINFER_BENCH_OUT` when set.
 //!
@@ -20,6 +20,7 @@ use ninfer_perplexity::backend::cuda::plan::Precision;
 use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
 use ninfer_perplexity::backend::cuda::{bench, CudaModel};
 use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::model::flops::{window_flops, Work};
 use ninfer_perplexity::score::{windows, Protocol};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -113,7 +114,10 @@ fn random_model_throughput_against_the_gemm_rate() {
     let score_s = t.elapsed().as_secs_f64();
     assert!(finite, "non-finite log-probabilities");
     let processed: usize = ws.iter().map(|w| w.len()).sum();
-    let flops: f64 = ws.iter().map(|w| c.window_flops(w.len(), w.scored())).sum();
+    let flops: f64 = ws
+        .iter()
+        .map(|w| window_flops(&c, Work::HeadOnScoredRows, w.len(), w.scored()))
+        .sum();
     let tflops = flops / score_s / 1e12;
     let mem = m.memory_report();
     let out = serde_json::json!({

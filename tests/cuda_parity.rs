@@ -129,6 +129,7 @@ fn run_case(case: &str, artifact: &Path, streams: &[(String, Vec<u32>)]) -> Vec<
             device: DeviceRequest::Cpu,
             threads: 0,
             verify_digest: false,
+            precision: None,
         },
         &mut |_, _| {},
     )
@@ -354,6 +355,7 @@ fn a_bad_token_fails_with_the_cpu_message() {
                 device,
                 threads: 0,
                 verify_digest: false,
+                precision: None,
             },
             &mut |_, _| {},
         )

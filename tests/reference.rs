@@ -52,7 +52,7 @@ fn compare(engine: &Engine, fixture: &Value) -> Diff {
         assert_eq!(s.windows.len(), wins.len(), "{name}: window count");
         for (w, fw) in s.windows.iter().zip(wins) {
             assert_eq!(
-                (w.begin, w.start, w.end),
+                (w.begin, w.first_target, w.end),
                 (
                     fw["begin"].as_u64().unwrap() as usize,
                     fw["start"].as_u64().unwrap() as usize,

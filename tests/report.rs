@@ -22,7 +22,7 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         processed_tokens_per_s: (nlls.len() + 1) as f64 / 1.5,
         windows: vec![WindowScore {
             begin: 0,
-            start: 1,
+            first_target: 1,
             end: nlls.len() + 1,
             scored: s.scored,
             nll_sum: s.nll_sum,
@@ -66,7 +66,9 @@ fn fixed_report() -> Report {
             max_tokens: None,
             device: "cpu (2 threads)".into(),
             device_class: "cpu".into(),
+            precision: "f32".into(),
             threads: 2,
+            test_fault: None,
         },
         artifact: ArtifactInfo {
             path: "m.ninfer".into(),

@@ -7,6 +7,44 @@ pub mod cuda;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+/// Arithmetic of the forward pass: what the matrix products and attention compute in.
+/// The CPU backend computes in f32 only; CUDA defaults to bf16. It changes results, so it
+/// is a command-line flag (`--precision`), recorded in reports and part of the class
+/// CUDA baselines are kept under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 weights and GEMM inputs, f32 accumulation; tensor-core attention where the head
+    /// dim allows it (64 or 128). The default.
+    Bf16,
+    /// f32 weights and activations (cuBLAS without TF32), f32 attention: the parity mode.
+    F32,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Precision> {
+        match s {
+            "bf16" => Ok(Precision::Bf16),
+            "f32" => Ok(Precision::F32),
+            other => bail!("unknown precision `{other}` (valid: bf16, f32)"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::F32 => "f32",
+        }
+    }
+
+    /// Bytes of one GEMM input element (weights and the activations fed to GEMMs).
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        }
+    }
+}
+
 /// The device a run asks for on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DeviceRequest {
@@ -83,6 +121,19 @@ impl Device {
                     bail!("--device cuda:{n}: no CUDA backend available ({why}); use --device cpu")
                 }
             },
+        }
+    }
+
+    /// The precision a run uses on this device: `requested`, or the device's default (CPU
+    /// f32, CUDA bf16). The CPU computes in f32 only, so asking it for bf16 is an error.
+    pub fn precision(&self, requested: Option<Precision>) -> Result<Precision> {
+        match (self, requested) {
+            (Device::Cpu { .. }, None | Some(Precision::F32)) => Ok(Precision::F32),
+            (Device::Cpu { .. }, Some(p)) => bail!(
+                "--precision {}: the CPU backend computes in f32 only (use --device cuda, or drop --precision)",
+                p.name()
+            ),
+            (Device::Cuda { .. }, p) => Ok(p.unwrap_or(Precision::Bf16)),
         }
     }
 

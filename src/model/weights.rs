@@ -1,10 +1,11 @@
 //! Weights widened to f32 and laid out for the CPU kernels.
 //!
-//! q/k/v projections are concatenated into one `[q + 2·kv, d]` matrix and gate/up into
-//! one `[2·f, d]` matrix, so each block does two large GEMMs instead of five small ones.
+//! The stacked matrices (q/k/v into one `[q + 2·kv, d]`, gate/up into one `[2·f, d]`) are
+//! the groups [`super::tensors`] defines, so each block does two large GEMMs instead of five
+//! small ones.
 
 use crate::artifact::Artifact;
-use crate::model::config::ModelConfig;
+use crate::model::tensors::{Fused, ModelTensors};
 use anyhow::Result;
 
 pub struct LayerWeights {
@@ -34,67 +35,60 @@ impl Weights {
 
     /// Loads every tensor; `progress` is called with (tensors done, tensors total).
     pub fn load(a: &Artifact, progress: &mut dyn FnMut(usize, usize)) -> Result<Weights> {
-        let c: &ModelConfig = &a.config;
-        let total = c.expected_tensors().len();
-        let mut done = 0usize;
-        let mut get = |name: &str| -> Result<Vec<f32>> {
-            let t = a.tensor_f32(name)?;
-            done += 1;
-            progress(done, total);
-            Ok(t)
+        let names = ModelTensors::of(&a.config);
+        let mut r = Reader {
+            a,
+            done: 0,
+            total: ModelTensors::count(&a.config),
+            progress,
         };
-        let embed = get("model.embed_tokens.weight")?;
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
-            let attn_norm = get(&format!("{p}.input_layernorm.weight"))?;
-            let mut wqkv = get(&format!("{p}.self_attn.q_proj.weight"))?;
-            wqkv.extend(get(&format!("{p}.self_attn.k_proj.weight"))?);
-            wqkv.extend(get(&format!("{p}.self_attn.v_proj.weight"))?);
-            let bqkv = if c.attention_bias {
-                let mut b = get(&format!("{p}.self_attn.q_proj.bias"))?;
-                b.extend(get(&format!("{p}.self_attn.k_proj.bias"))?);
-                b.extend(get(&format!("{p}.self_attn.v_proj.bias"))?);
-                Some(b)
-            } else {
-                None
-            };
-            let (q_norm, k_norm) = if c.qk_norm {
-                (
-                    Some(get(&format!("{p}.self_attn.q_norm.weight"))?),
-                    Some(get(&format!("{p}.self_attn.k_norm.weight"))?),
-                )
-            } else {
-                (None, None)
-            };
-            let wo = get(&format!("{p}.self_attn.o_proj.weight"))?;
-            let mlp_norm = get(&format!("{p}.post_attention_layernorm.weight"))?;
-            let mut wgu = get(&format!("{p}.mlp.gate_proj.weight"))?;
-            wgu.extend(get(&format!("{p}.mlp.up_proj.weight"))?);
-            let wdown = get(&format!("{p}.mlp.down_proj.weight"))?;
+        let embed = r.fused(&names.embed)?;
+        let mut layers = Vec::with_capacity(names.layers.len());
+        for l in &names.layers {
+            let at = &l.attention;
             layers.push(LayerWeights {
-                attn_norm,
-                wqkv,
-                bqkv,
-                q_norm,
-                k_norm,
-                wo,
-                mlp_norm,
-                wgu,
-                wdown,
+                attn_norm: r.one(&at.norm)?,
+                wqkv: r.fused(&at.qkv)?,
+                bqkv: at.qkv_bias.as_ref().map(|f| r.fused(f)).transpose()?,
+                q_norm: at.q_norm.as_ref().map(|n| r.one(n)).transpose()?,
+                k_norm: at.k_norm.as_ref().map(|n| r.one(n)).transpose()?,
+                wo: r.fused(&at.o_proj)?,
+                mlp_norm: r.one(&l.mlp.norm)?,
+                wgu: r.fused(&l.mlp.gate_up)?,
+                wdown: r.fused(&l.mlp.down)?,
             });
         }
-        let final_norm = get("model.norm.weight")?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(get("lm_head.weight")?)
-        };
         Ok(Weights {
             embed,
             layers,
-            final_norm,
-            lm_head,
+            final_norm: r.one(&names.final_norm)?,
+            lm_head: names.lm_head.as_ref().map(|f| r.fused(f)).transpose()?,
         })
+    }
+}
+
+/// Reads tensors widened to f32, counting them for the progress callback.
+struct Reader<'a> {
+    a: &'a Artifact,
+    done: usize,
+    total: usize,
+    progress: &'a mut dyn FnMut(usize, usize),
+}
+
+impl Reader<'_> {
+    fn one(&mut self, name: &str) -> Result<Vec<f32>> {
+        let t = self.a.tensor_f32(name)?;
+        self.done += 1;
+        (self.progress)(self.done, self.total);
+        Ok(t)
+    }
+
+    /// A stacked matrix: its parts' rows, one after another.
+    fn fused(&mut self, f: &Fused) -> Result<Vec<f32>> {
+        let mut m = Vec::with_capacity(f.rows * f.cols);
+        for p in &f.parts {
+            m.extend(self.one(p)?);
+        }
+        Ok(m)
     }
 }

@@ -54,7 +54,18 @@ pub struct Settings {
     pub max_tokens: Option<usize>,
     pub device: String,
     pub device_class: String,
+    /// The forward pass's arithmetic: `f32` on the CPU, `bf16` (default) or `f32` on CUDA.
+    #[serde(default = "default_precision")]
+    pub precision: String,
     pub threads: usize,
+    /// The test-only perturbation the run had (`fault-injection` builds only); absent normally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_fault: Option<String>,
+}
+
+/// Reports written before `precision` was recorded came from the CPU path (f32).
+fn default_precision() -> String {
+    "f32".into()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

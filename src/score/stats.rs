@@ -66,7 +66,9 @@ impl NllSum {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WindowScore {
     pub begin: usize,
-    pub start: usize,
+    /// The first scored target (`start` in report.json).
+    #[serde(rename = "start")]
+    pub first_target: usize,
     pub end: usize,
     pub scored: u64,
     pub nll_sum: f64,

@@ -38,11 +38,13 @@ impl Protocol {
     }
 }
 
-/// One forward pass: tokens `[begin, end)` are fed, targets `[start, end)` are scored.
+/// One forward pass: tokens `[begin, end)` are fed, targets `[first_target, end)` are
+/// scored (`start` in report.json).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Window {
     pub begin: usize,
-    pub start: usize,
+    #[serde(rename = "start")]
+    pub first_target: usize,
     pub end: usize,
 }
 
@@ -58,7 +60,7 @@ impl Window {
 
     /// Targets scored.
     pub fn scored(&self) -> usize {
-        self.end - self.start
+        self.end - self.first_target
     }
 }
 
@@ -70,7 +72,7 @@ pub fn windows(n: usize, p: Protocol) -> Result<Vec<Window>, ProtocolError> {
     let first_end = p.context.min(n);
     let mut out = vec![Window {
         begin: 0,
-        start: 1,
+        first_target: 1,
         end: first_end,
     }];
     let mut s = first_end;
@@ -79,7 +81,7 @@ pub fn windows(n: usize, p: Protocol) -> Result<Vec<Window>, ProtocolError> {
         let begin = s.saturating_sub(p.context - p.stride);
         out.push(Window {
             begin,
-            start: s,
+            first_target: s,
             end,
         });
         s = end;
@@ -101,15 +103,15 @@ mod tests {
         let ws = windows(n, p).unwrap();
         let mut next = 1;
         for w in &ws {
-            assert_eq!(w.start, next, "targets contiguous, each once");
-            assert!(w.begin < w.start && w.start < w.end && w.end <= n);
+            assert_eq!(w.first_target, next, "targets contiguous, each once");
+            assert!(w.begin < w.first_target && w.first_target < w.end && w.end <= n);
             assert!(w.len() <= p.context, "window longer than the context");
             next = w.end;
         }
         assert_eq!(next, n, "every target up to n-1 scored");
         for w in &ws[1..] {
             assert!(w.scored() <= p.stride);
-            assert_eq!(w.begin, w.start.saturating_sub(p.context - p.stride));
+            assert_eq!(w.begin, w.first_target.saturating_sub(p.context - p.stride));
         }
     }
 
@@ -120,7 +122,7 @@ mod tests {
             windows(5, p).unwrap(),
             vec![Window {
                 begin: 0,
-                start: 1,
+                first_target: 1,
                 end: 5
             }]
         );
@@ -128,7 +130,7 @@ mod tests {
             windows(8, p).unwrap(),
             vec![Window {
                 begin: 0,
-                start: 1,
+                first_target: 1,
                 end: 8
             }]
         );
@@ -142,12 +144,12 @@ mod tests {
             vec![
                 Window {
                     begin: 0,
-                    start: 1,
+                    first_target: 1,
                     end: 8
                 },
                 Window {
                     begin: 4,
-                    start: 8,
+                    first_target: 8,
                     end: 9
                 }
             ]
@@ -162,7 +164,7 @@ mod tests {
             ws[1],
             Window {
                 begin: 1,
-                start: 4,
+                first_target: 4,
                 end: 5
             }
         );
@@ -173,7 +175,7 @@ mod tests {
             ws[1],
             Window {
                 begin: 3,
-                start: 4,
+                first_target: 4,
                 end: 7
             }
         );
@@ -181,7 +183,7 @@ mod tests {
             ws.last().unwrap(),
             &Window {
                 begin: 9,
-                start: 10,
+                first_target: 10,
                 end: 11
             }
         );
@@ -196,7 +198,7 @@ mod tests {
             ws[2],
             Window {
                 begin: 64,
-                start: 96,
+                first_target: 96,
                 end: 100
             }
         );

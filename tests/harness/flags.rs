@@ -1,10 +1,11 @@
 //! The harness's own flags, taken out of the argument list before libtest-mimic parses the
 //! rest, so every ordinary libtest flag keeps working.
 //!
-//! `--kv-dtype`, `--artifact`, `--device` and `--tier` each take a value (`--flag V` or
+//! `--kv-dtype`, `--artifact`, `--device`, `--tier` and `--precision` each take a value (`--flag V` or
 //! `--flag=V`); a value may list several choices separated by commas, and a flag may be
 //! repeated. Each narrows the set of trials; absent, it selects everything.
 
+use ninfer_perplexity::backend::Precision;
 use ninfer_perplexity::kv::KvDtype;
 use std::ffi::OsString;
 
@@ -53,6 +54,8 @@ pub struct HarnessFlags {
     /// The CUDA ordinal from `--device cuda:N` (0 when not given).
     pub cuda_index: usize,
     pub tiers: Vec<Tier>,
+    /// `--precision`: the CUDA trials' arithmetic (default: bf16).
+    pub precision: Option<Precision>,
     pub help: bool,
 }
 
@@ -77,6 +80,8 @@ Regression harness flags (given after `--`, before or among the libtest flags):
   --artifact LIST   only these registered artifacts (eval/registry.json)
   --device LIST     only trials on these devices: cpu, cuda (or cuda:N to pick a GPU)
   --tier LIST       only these tiers: cpu (short prefix, every KV format), gpu (full corpus)
+  --precision P     CUDA trials' arithmetic: bf16 (default) or f32; baselines are kept per
+                    precision (device class cuda-smXY-P)
 LIST is one value or several separated by commas; each flag may be repeated.
 Environment:
   NINFER_HARNESS_FLAGS=FLAGS      the flags above, for `cargo test` over every test binary
@@ -125,7 +130,10 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
             Some((n, v)) => (n, Some(v.to_string())),
             None => (s, None),
         };
-        if !matches!(name, "--kv-dtype" | "--artifact" | "--device" | "--tier") {
+        if !matches!(
+            name,
+            "--kv-dtype" | "--artifact" | "--device" | "--tier" | "--precision"
+        ) {
             rest.push(arg);
             continue;
         }
@@ -156,6 +164,10 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
                     flags.devices.push(d);
                 }
                 "--tier" => flags.tiers.push(parse_tier(v)?),
+                "--precision" => {
+                    flags.precision =
+                        Some(Precision::parse(v).map_err(|e| format!("--precision: {e}"))?)
+                }
                 _ => unreachable!(),
             }
         }

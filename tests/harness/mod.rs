@@ -20,7 +20,7 @@ pub mod report;
 use baseline::{Location, Record, Verdict};
 use flags::{DeviceKind, HarnessFlags, Tier};
 use libtest_mimic::{Completion, Failed, Trial};
-use ninfer_perplexity::backend::{Device, DeviceRequest};
+use ninfer_perplexity::backend::{Device, DeviceRequest, Precision};
 use ninfer_perplexity::corpus::{Corpus, StreamEntry};
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
@@ -88,6 +88,8 @@ pub struct Spec {
     pub tier: Tier,
     pub device: DeviceKind,
     pub cuda_index: usize,
+    /// CUDA arithmetic (`--precision`); `None`: the device's default. CPU trials: `None`.
+    pub precision: Option<Precision>,
     pub artifact: Entry,
     pub stream: StreamEntry,
     pub kv: KvDtype,
@@ -176,6 +178,10 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
                         tier,
                         device,
                         cuda_index: flags.cuda_index,
+                        precision: match device {
+                            DeviceKind::Cpu => None,
+                            DeviceKind::Cuda => flags.precision,
+                        },
                         artifact: entry.clone(),
                         stream: stream.clone(),
                         kv,
@@ -226,12 +232,13 @@ fn engine_for(root: &Path, spec: &Spec) -> Result<Arc<Engine>, String> {
         DeviceKind::Cuda => DeviceRequest::Cuda(spec.cuda_index),
     };
     let path = root.join(&spec.artifact.path);
-    let key = format!("{}|{request:?}", path.display());
+    let key = format!("{}|{request:?}|{:?}", path.display(), spec.precision);
     shared(ENGINES.get_or_init(Default::default), key, || {
         let opts = LoadOptions {
             device: request,
             threads: engine_threads(),
             verify_digest: false,
+            precision: spec.precision,
         };
         let e = Engine::load(&path, &opts, &mut |_, _| {}).map_err(|e| format!("{e:#}"))?;
         if let Some(pinned) = &spec.artifact.digest {
@@ -314,7 +321,7 @@ fn run_trial(ctx: &Ctx, spec: &Spec) -> Result<Completion, Failed> {
 
 fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<(), String> {
     let engine = engine_for(&ctx.root, spec)?;
-    let class = engine.device.class().to_string();
+    let class = engine.result_class();
     rep.device_class = Some(class.clone());
     let stream = tokens_for(&ctx.corpus, &engine, spec)?;
     let n = spec

@@ -47,11 +47,11 @@ pub fn cubin(p: Program, arch: &str) -> Result<Arc<Vec<u8>>> {
         None => {
             let t = std::time::Instant::now();
             let c = nvrtc::compile(&p, arch, false).map_err(|e| anyhow!(e))?;
-            tracing::debug!(
+            crate::ui::debug(format!(
                 "NVRTC compiled kernels/{} for {arch} in {:.2}s",
                 p.key(),
                 t.elapsed().as_secs_f64()
-            );
+            ));
             nvrtc::store_cached(&p, arch, &c.cubin);
             c.cubin
         }

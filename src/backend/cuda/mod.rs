@@ -34,9 +34,6 @@ pub use model::CudaModel;
 
 use serde::{Deserialize, Serialize};
 
-/// Environment variable choosing the CUDA arithmetic: `bf16` (default) or `f32`.
-pub const PRECISION_ENV: &str = "NINFER_CUDA_PRECISION";
-
 /// What a probe learns about a device.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuInfo {

@@ -12,14 +12,14 @@ use super::device::{Arg, DevBuf, Gpu};
 use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::plan::{self, AttnKernel, MemPlan, Precision};
-use super::{MemoryReport, PRECISION_ENV};
+use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::{Elem, KvDtype};
 use crate::model::config::ModelConfig;
-use crate::model::forward::ForwardError;
+use crate::model::{ForwardError, KvPart};
 use crate::score::Window;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use rayon::prelude::*;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -118,14 +118,6 @@ pub struct CudaModel {
     max_windows: AtomicUsize,
     blas: Blas,
     gpu: Gpu,
-}
-
-/// The precision named by `NINFER_CUDA_PRECISION` (bf16 when unset).
-pub fn precision_from_env() -> Result<Precision> {
-    match std::env::var(PRECISION_ENV) {
-        Ok(s) if !s.is_empty() => Precision::parse(&s).with_context(|| PRECISION_ENV.to_string()),
-        _ => Ok(Precision::Bf16),
-    }
 }
 
 fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {
@@ -374,7 +366,7 @@ impl CudaModel {
         )? {
             let wins: Vec<(&[u32], usize)> = windows[batch.clone()]
                 .iter()
-                .map(|w| (&tokens[w.begin..w.end], w.start - w.begin))
+                .map(|w| (&tokens[w.begin..w.end], w.first_target - w.begin))
                 .collect();
             match self.forward_batch(&st, &wins, kv) {
                 Ok(lps) => on_batch(batch.start, lps)?,
@@ -441,13 +433,13 @@ impl CudaModel {
             err: g.alloc(8)?,
             plan: p,
         };
-        tracing::debug!(
+        crate::ui::debug(format!(
             "CUDA buffers: {} rows per pass, head {} rows x {} vocab, {} MiB",
             bufs.plan.max_rows,
             bufs.plan.head_rows,
             bufs.plan.vocab_chunk,
             bufs.plan.planned_bytes >> 20
-        );
+        ));
         st.bufs = Some(bufs);
         Ok(())
     }
@@ -792,13 +784,17 @@ impl CudaModel {
 pub fn decode_nonfinite(key: u64, hkv: usize, hd: usize) -> (usize, ForwardError) {
     let window = (key >> 48) as usize;
     let layer = ((key >> 40) & 0xFF) as usize;
-    let which = if (key >> 39) & 1 == 1 { "value" } else { "key" };
+    let part = if (key >> 39) & 1 == 1 {
+        KvPart::Value
+    } else {
+        KvPart::Key
+    };
     let flat = (key & ((1u64 << 39) - 1)) as usize;
     let vec = flat / hd;
     (
         window,
         ForwardError::NonFiniteKv {
-            which,
+            part,
             layer,
             pos: vec / hkv,
             head: vec % hkv,
@@ -834,7 +830,7 @@ mod tests {
         assert_eq!(
             e,
             ForwardError::NonFiniteKv {
-                which: "value",
+                part: KvPart::Value,
                 layer: 12,
                 pos: 5,
                 head: 2
@@ -845,7 +841,7 @@ mod tests {
         assert_eq!(
             e,
             ForwardError::NonFiniteKv {
-                which: "key",
+                part: KvPart::Key,
                 layer: 0,
                 pos: 5,
                 head: 2

@@ -7,40 +7,7 @@ use crate::kv::{Elem, KvDtype};
 use crate::model::config::ModelConfig;
 use anyhow::{bail, Result};
 
-/// Arithmetic of the matrix products and attention.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Precision {
-    /// bf16 weights and GEMM inputs, f32 accumulation; tensor-core attention where the head
-    /// dim allows it (64 or 128). The default.
-    Bf16,
-    /// f32 weights and activations (cuBLAS without TF32), f32 attention: the parity mode.
-    F32,
-}
-
-impl Precision {
-    pub fn parse(s: &str) -> Result<Precision> {
-        match s {
-            "bf16" => Ok(Precision::Bf16),
-            "f32" => Ok(Precision::F32),
-            other => bail!("unknown CUDA precision `{other}` (valid: bf16, f32)"),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Bf16 => "bf16",
-            Precision::F32 => "f32",
-        }
-    }
-
-    /// Bytes of one GEMM input element (weights and the activations fed to GEMMs).
-    pub fn elem_bytes(self) -> usize {
-        match self {
-            Precision::Bf16 => 2,
-            Precision::F32 => 4,
-        }
-    }
-}
+pub use crate::backend::Precision;
 
 /// Query rows per tile of the f32 attention kernel (`attn_f32_*`).
 pub const ATTN_F32_ROWS: usize = 16;

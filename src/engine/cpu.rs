@@ -1,240 +1,31 @@
-//! The one scoring engine the CLI and the regression harness share.
+//! How the CPU backend spreads a stream's windows over its worker threads.
 //!
-//! `Engine::load` opens and validates an artifact, builds its tokenizer and loads the
-//! weights for the selected device; `Engine::score` runs the window protocol over one
-//! token stream with one Main KV representation. Nothing here knows about corpora,
-//! reports or command-line flags.
+//! Results never depend on it: a window's log-probabilities depend only on its tokens (see
+//! [`score_cpu`] for why, and the tests below and in tests/determinism.rs).
 
-use crate::artifact::Artifact;
-use crate::backend::cuda::CudaModel;
-use crate::backend::{Device, DeviceRequest};
+use super::{FinishWindow, WindowError};
 use crate::kv::KvDtype;
 use crate::model::forward::CpuModel;
-use crate::model::weights::Weights;
-use crate::score::{windows, NllSum, Protocol, StreamScore, WindowScore};
-use crate::tokenizer::Tokenizer;
-use anyhow::{anyhow, Context, Result};
-use std::path::Path;
-
-pub struct LoadOptions {
-    pub device: DeviceRequest,
-    /// Worker threads for the CPU backend (0: one per available core).
-    pub threads: usize,
-    /// Recompute the artifact digest and compare it with the recorded one.
-    pub verify_digest: bool,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions {
-            device: DeviceRequest::Cpu,
-            threads: 0,
-            verify_digest: false,
-        }
-    }
-}
-
-pub struct Engine {
-    pub artifact: Artifact,
-    pub tokenizer: Tokenizer,
-    pub device: Device,
-    /// Why `auto` picked what it picked, for the startup log.
-    pub device_note: Option<String>,
-    model: Model,
-    pool: rayon::ThreadPool,
-}
-
-/// The loaded model on its backend.
-enum Model {
-    Cpu(Box<CpuModel>),
-    // Only constructed when the CUDA backend is built and a device was selected.
-    #[allow(dead_code)]
-    Cuda(Box<CudaModel>),
-}
-
-/// Progress of a stream being scored: targets scored so far and tokens processed.
-#[derive(Clone, Copy, Debug)]
-pub struct Progress {
-    pub scored: u64,
-    pub processed: u64,
-}
-
-impl Engine {
-    pub fn load(
-        path: &Path,
-        opts: &LoadOptions,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Engine> {
-        let artifact = Artifact::open(path)?;
-        if opts.verify_digest {
-            artifact.verify_digest()?;
-        }
-        let tokenizer = Tokenizer::from_json(artifact.tokenizer_json())
-            .with_context(|| format!("{}: metadata `tokenizer`", path.display()))?;
-        if tokenizer.vocab_size() > artifact.config.vocab_size {
-            anyhow::bail!(
-                "{}: the tokenizer has {} tokens but the model's vocabulary has {}",
-                path.display(),
-                tokenizer.vocab_size(),
-                artifact.config.vocab_size
-            );
-        }
-        let threads = if opts.threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            opts.threads
-        };
-        let (device, device_note) = Device::select(opts.device, threads)?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| anyhow!("cannot start {threads} worker threads: {e}"))?;
-        let model = match &device {
-            Device::Cpu { .. } => {
-                let weights = Weights::load(&artifact, progress)?;
-                Model::Cpu(Box::new(CpuModel::new(artifact.config.clone(), weights)))
-            }
-            Device::Cuda { ordinal, .. } => load_cuda(&artifact, *ordinal, progress)?,
-        };
-        Ok(Engine {
-            artifact,
-            tokenizer,
-            device,
-            device_note,
-            model,
-            pool,
-        })
-    }
-
-    pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
-    }
-
-    /// Device memory of a CUDA engine (peak allocated and used bytes), for reports.
-    pub fn cuda_memory(&self) -> Option<crate::backend::cuda::MemoryReport> {
-        match &self.model {
-            Model::Cpu(_) => None,
-            #[cfg(feature = "cuda")]
-            Model::Cuda(m) => Some(m.memory_report()),
-            #[cfg(not(feature = "cuda"))]
-            Model::Cuda(_) => None,
-        }
-    }
-
-    /// Scores one stream. `keep_logprobs` keeps every target's log-probability in the
-    /// window results. `on_window` sees each window as it finishes. Errors say which
-    /// window failed; the caller adds the stream's name.
-    pub fn score(
-        &self,
-        tokens: &[u32],
-        protocol: Protocol,
-        kv: KvDtype,
-        keep_logprobs: bool,
-        on_window: &mut dyn FnMut(&WindowScore, Progress),
-    ) -> Result<StreamScore> {
-        kv.check_head_dim(self.artifact.config.head_dim)?;
-        let ws = windows(tokens.len(), protocol)?;
-        let mut totals = NllSum::default();
-        let mut out = Vec::with_capacity(ws.len());
-        let mut processed = 0u64;
-        // Accounts one finished window (the same for every backend).
-        let mut finish = |wi: usize, lps: Vec<f32>| -> Result<()> {
-            let w = &ws[wi];
-            let mut s = NllSum::default();
-            for &lp in &lps {
-                if !lp.is_finite() {
-                    anyhow::bail!(
-                        "window {wi} [{}, {}): non-finite log-probability",
-                        w.begin,
-                        w.end
-                    );
-                }
-                s.push(lp);
-            }
-            totals.add(&s);
-            processed += w.len() as u64;
-            let ws = WindowScore {
-                begin: w.begin,
-                start: w.start,
-                end: w.end,
-                scored: s.scored,
-                nll_sum: s.nll_sum,
-                nll_sq_sum: s.nll_sq_sum,
-                logprobs: keep_logprobs.then_some(lps),
-            };
-            on_window(
-                &ws,
-                Progress {
-                    scored: totals.scored,
-                    processed,
-                },
-            );
-            out.push(ws);
-            Ok(())
-        };
-        let window_error = |wi: usize, e: &dyn std::fmt::Display| {
-            let w = &ws[wi];
-            anyhow!(
-                "window {wi} [{}, {}) (targets from {}): {e}",
-                w.begin,
-                w.end,
-                w.start
-            )
-        };
-        match &self.model {
-            Model::Cpu(model) => {
-                let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
-                let window_bytes = model.window_bytes(longest);
-                let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
-                score_cpu(
-                    model,
-                    &self.pool,
-                    CpuSchedule {
-                        in_flight,
-                        window_bytes,
-                    },
-                    tokens,
-                    &ws,
-                    kv,
-                    &mut finish,
-                    &window_error,
-                )?
-            }
-            Model::Cuda(model) => score_cuda(model, tokens, &ws, kv, &mut finish, &window_error)?,
-        }
-        Ok(StreamScore {
-            tokens: tokens.len(),
-            processed_tokens: processed as usize,
-            totals,
-            windows: out,
-        })
-    }
-}
-
-/// Accounts one finished window (index, log-probabilities), in window order.
-type FinishWindow<'a> = dyn FnMut(usize, Vec<f32>) -> Result<()> + 'a;
-/// Names a window in an error that happened while computing it.
-type WindowError<'a> = dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error + 'a;
+use crate::score::Window;
+use anyhow::Result;
 
 /// Working memory the CPU backend may spend on windows in flight at once (the weights
 /// are not counted). SmolLM2 at context 4096 needs about 150 MB per window.
-const CPU_WINDOW_MEMORY: usize = 1 << 30;
+pub(super) const CPU_WINDOW_MEMORY: usize = 1 << 30;
 
 /// How many windows the CPU backend scores at once: one per worker thread, as many as
 /// [`CPU_WINDOW_MEMORY`] allows, never more than there are windows, at least one.
-fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) -> usize {
+pub(super) fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) -> usize {
     let by_memory = CPU_WINDOW_MEMORY / window_bytes.max(1);
     threads.min(by_memory).min(windows).max(1)
 }
 
 /// How [`score_cpu`] may use the pool.
-struct CpuSchedule {
+pub(super) struct CpuSchedule {
     /// Windows computing at once ([`cpu_windows_in_flight`]).
-    in_flight: usize,
+    pub(super) in_flight: usize,
     /// Working memory of the longest window ([`CpuModel::window_bytes`]).
-    window_bytes: usize,
+    pub(super) window_bytes: usize,
 }
 
 /// Scores CPU windows with up to `in_flight` of them computing at once and hands each to
@@ -262,17 +53,17 @@ struct CpuSchedule {
 /// one succeeded; that first error is returned, no new window starts and the ones already
 /// running finish and are dropped.
 #[allow(clippy::too_many_arguments)]
-fn score_cpu(
+pub(super) fn score_cpu(
     model: &CpuModel,
     pool: &rayon::ThreadPool,
     schedule: CpuSchedule,
     tokens: &[u32],
-    ws: &[crate::score::Window],
+    ws: &[Window],
     kv: KvDtype,
     finish: &mut FinishWindow,
     window_error: &WindowError,
 ) -> Result<()> {
-    use crate::model::forward::ForwardError;
+    use crate::model::ForwardError;
     use std::collections::BTreeMap;
     use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -290,7 +81,7 @@ fn score_cpu(
         for (wi, w) in ws.iter().enumerate() {
             let lps = pool
                 .install(|| {
-                    let (t, first) = (&tokens[w.begin..w.end], w.start - w.begin);
+                    let (t, first) = (&tokens[w.begin..w.end], w.first_target - w.begin);
                     model.window_logprobs_with(t, first, kv, &may_split)
                 })
                 .map_err(|e| window_error(wi, &e))?;
@@ -322,8 +113,12 @@ fn score_cpu(
             did_split.store(yes, SeqCst);
             yes
         };
-        let lps =
-            model.window_logprobs_with(&tokens[w.begin..w.end], w.start - w.begin, kv, &may_split);
+        let lps = model.window_logprobs_with(
+            &tokens[w.begin..w.end],
+            w.first_target - w.begin,
+            kv,
+            &may_split,
+        );
         busy.fetch_sub(1 + usize::from(did_split.load(SeqCst)), SeqCst);
         lps
     };
@@ -383,67 +178,12 @@ fn score_cpu(
     })
 }
 
-#[cfg(feature = "cuda")]
-fn load_cuda(
-    a: &Artifact,
-    ordinal: usize,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Model> {
-    let precision = crate::backend::cuda::model::precision_from_env()?;
-    Ok(Model::Cuda(Box::new(CudaModel::load(
-        a, ordinal, precision, progress,
-    )?)))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn load_cuda(_: &Artifact, _: usize, _: &mut dyn FnMut(usize, usize)) -> Result<Model> {
-    anyhow::bail!("this build has no CUDA backend")
-}
-
-/// Scores the windows on the GPU in batches and hands each finished window to `finish`.
-#[cfg(feature = "cuda")]
-fn score_cuda(
-    model: &CudaModel,
-    tokens: &[u32],
-    ws: &[crate::score::Window],
-    kv: KvDtype,
-    finish: &mut FinishWindow,
-    window_error: &WindowError,
-) -> Result<()> {
-    use crate::backend::cuda::model::ScoreError;
-    let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
-        for (j, lps) in batch.into_iter().enumerate() {
-            finish(first + j, lps)?;
-        }
-        Ok(())
-    });
-    match r {
-        Ok(()) => Ok(()),
-        Err(ScoreError::Window { index, error }) => Err(window_error(index, &error)),
-        Err(ScoreError::Device(e)) => {
-            Err(e.context(format!("CUDA scoring ({} windows)", ws.len())))
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn score_cuda(
-    model: &CudaModel,
-    _: &[u32],
-    _: &[crate::score::Window],
-    _: KvDtype,
-    _: &mut FinishWindow,
-    _: &WindowError,
-) -> Result<()> {
-    let _ = model.config();
-    unreachable!("no CUDA model exists without the CUDA backend")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::forward::synthetic_model;
+    use crate::model::synthetic::synthetic_model;
     use crate::score::{windows, Protocol};
+    use anyhow::anyhow;
 
     /// What `score_cpu` handed to `finish` (window index and log-probability bits, in the
     /// order received) and its error, if any.
@@ -525,7 +265,7 @@ mod tests {
             "the test needs windows around it"
         );
         let expected = format!(
-            "window {fail}: non-finite key value at layer 0, window position {}, KV head 0",
+            "window {fail}: non-finite key at layer 0, window position {}, KV head 0",
             800 - ws[fail].begin
         );
         for (threads, in_flight) in [(1, 1), (2, 1), (2, 2), (3, 3)] {

@@ -1,0 +1,332 @@
+//! The one scoring engine the CLI and the regression harness share.
+//!
+//! `Engine::load` opens and validates an artifact, builds its tokenizer and loads the
+//! weights for the selected device; `Engine::score_windows` runs the window protocol over
+//! one token stream with one Main KV representation. Nothing here knows about corpora,
+//! reports or command-line flags. How the CPU backend schedules windows over its threads is
+//! [`cpu`]'s job.
+
+mod cpu;
+
+use crate::artifact::Artifact;
+use crate::backend::cuda::CudaModel;
+use crate::backend::{Device, DeviceRequest, Precision};
+use crate::kv::KvDtype;
+use crate::model::fault::Faults;
+use crate::model::forward::CpuModel;
+use crate::model::weights::Weights;
+use crate::score::{windows, NllSum, Protocol, StreamScore, Window, WindowScore};
+use crate::tokenizer::Tokenizer;
+use anyhow::{anyhow, Context, Result};
+use cpu::{cpu_windows_in_flight, score_cpu, CpuSchedule};
+use std::path::Path;
+
+pub struct LoadOptions {
+    pub device: DeviceRequest,
+    /// Worker threads for the CPU backend (0: one per available core).
+    pub threads: usize,
+    /// Recompute the artifact digest and compare it with the recorded one.
+    pub verify_digest: bool,
+    /// Compute precision; `None` takes the device's default (CPU f32, CUDA bf16).
+    pub precision: Option<Precision>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            device: DeviceRequest::Cpu,
+            threads: 0,
+            verify_digest: false,
+            precision: None,
+        }
+    }
+}
+
+pub struct Engine {
+    pub artifact: Artifact,
+    pub tokenizer: Tokenizer,
+    pub device: Device,
+    /// Why `auto` picked what it picked, for the startup log.
+    pub device_note: Option<String>,
+    /// The arithmetic of the forward pass (CPU: always f32).
+    pub precision: Precision,
+    /// The test-only perturbation in effect (none outside `fault-injection` builds).
+    pub faults: Faults,
+    model: Model,
+    pool: rayon::ThreadPool,
+}
+
+/// The loaded model on its backend.
+enum Model {
+    Cpu(Box<CpuModel>),
+    // Only constructed when the CUDA backend is built and a device was selected.
+    #[allow(dead_code)]
+    Cuda(Box<CudaModel>),
+}
+
+/// Progress of a stream being scored: targets scored so far and tokens processed.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreProgress {
+    pub scored: u64,
+    pub processed: u64,
+}
+
+impl Engine {
+    pub fn load(
+        path: &Path,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Engine> {
+        let artifact = Artifact::open(path)?;
+        if opts.verify_digest {
+            artifact.verify_digest()?;
+        }
+        let tokenizer = Tokenizer::from_json(artifact.tokenizer_json())
+            .with_context(|| format!("{}: metadata `tokenizer`", path.display()))?;
+        if tokenizer.vocab_size() > artifact.config.vocab_size {
+            anyhow::bail!(
+                "{}: the tokenizer has {} tokens but the model's vocabulary has {}",
+                path.display(),
+                tokenizer.vocab_size(),
+                artifact.config.vocab_size
+            );
+        }
+        let faults = Faults::from_env().map_err(anyhow::Error::msg)?;
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            opts.threads
+        };
+        let (device, device_note) = Device::select(opts.device, threads)?;
+        let precision = device.precision(opts.precision)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| anyhow!("cannot start {threads} worker threads: {e}"))?;
+        let model = match &device {
+            Device::Cpu { .. } => {
+                let weights = Weights::load(&artifact, progress)?;
+                let m = CpuModel::new(artifact.config.clone(), weights).with_faults(faults);
+                Model::Cpu(Box::new(m))
+            }
+            Device::Cuda { ordinal, .. } => {
+                if faults.active().is_some() {
+                    anyhow::bail!("NINFER_TEST_FAULT applies to the CPU backend only");
+                }
+                load_cuda(&artifact, *ordinal, precision, progress)?
+            }
+        };
+        Ok(Engine {
+            artifact,
+            tokenizer,
+            device,
+            device_note,
+            precision,
+            faults,
+            model,
+            pool,
+        })
+    }
+
+    /// The class results are compared within (baselines are kept per class): the device
+    /// class, and for CUDA the precision too (`cuda-sm90-bf16`), since it changes results.
+    pub fn result_class(&self) -> String {
+        match self.device {
+            Device::Cpu { .. } => self.device.class(),
+            Device::Cuda { .. } => format!("{}-{}", self.device.class(), self.precision.name()),
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// Device memory of a CUDA engine (peak allocated and used bytes), for reports.
+    pub fn cuda_memory(&self) -> Option<crate::backend::cuda::MemoryReport> {
+        match &self.model {
+            Model::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Model::Cuda(m) => Some(m.memory_report()),
+            #[cfg(not(feature = "cuda"))]
+            Model::Cuda(_) => None,
+        }
+    }
+
+    /// Scores one stream with the windows of `protocol` ([`Engine::score_windows`]).
+    pub fn score(
+        &self,
+        tokens: &[u32],
+        protocol: Protocol,
+        kv: KvDtype,
+        keep_logprobs: bool,
+        on_window: &mut dyn FnMut(&WindowScore, ScoreProgress),
+    ) -> Result<StreamScore> {
+        let ws = windows(tokens.len(), protocol)?;
+        self.score_windows(tokens, &ws, kv, keep_logprobs, on_window)
+    }
+
+    /// Scores one stream's windows (from [`crate::score::windows`]). `keep_logprobs` keeps
+    /// every target's log-probability in the window results. `on_window` sees each window
+    /// as it finishes, in window order. Errors say which window failed; the caller adds the
+    /// stream's name.
+    pub fn score_windows(
+        &self,
+        tokens: &[u32],
+        ws: &[Window],
+        kv: KvDtype,
+        keep_logprobs: bool,
+        on_window: &mut dyn FnMut(&WindowScore, ScoreProgress),
+    ) -> Result<StreamScore> {
+        kv.check_head_dim(self.artifact.config.head_dim)?;
+        if let Some(w) = ws.iter().find(|w| w.end > tokens.len()) {
+            anyhow::bail!(
+                "window [{}, {}) past the stream's {} tokens",
+                w.begin,
+                w.end,
+                tokens.len()
+            );
+        }
+        let mut totals = NllSum::default();
+        let mut out = Vec::with_capacity(ws.len());
+        let mut processed = 0u64;
+        // Accounts one finished window (the same for every backend).
+        let mut finish = |wi: usize, lps: Vec<f32>| -> Result<()> {
+            let w = &ws[wi];
+            let mut s = NllSum::default();
+            for &lp in &lps {
+                if !lp.is_finite() {
+                    anyhow::bail!(
+                        "window {wi} [{}, {}): non-finite log-probability",
+                        w.begin,
+                        w.end
+                    );
+                }
+                s.push(lp);
+            }
+            totals.add(&s);
+            processed += w.len() as u64;
+            let ws = WindowScore {
+                begin: w.begin,
+                first_target: w.first_target,
+                end: w.end,
+                scored: s.scored,
+                nll_sum: s.nll_sum,
+                nll_sq_sum: s.nll_sq_sum,
+                logprobs: keep_logprobs.then_some(lps),
+            };
+            on_window(
+                &ws,
+                ScoreProgress {
+                    scored: totals.scored,
+                    processed,
+                },
+            );
+            out.push(ws);
+            Ok(())
+        };
+        let window_error = |wi: usize, e: &dyn std::fmt::Display| {
+            let w = &ws[wi];
+            anyhow!(
+                "window {wi} [{}, {}) (targets from {}): {e}",
+                w.begin,
+                w.end,
+                w.first_target
+            )
+        };
+        match &self.model {
+            Model::Cpu(model) => {
+                let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
+                let window_bytes = model.window_bytes(longest);
+                let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
+                score_cpu(
+                    model,
+                    &self.pool,
+                    CpuSchedule {
+                        in_flight,
+                        window_bytes,
+                    },
+                    tokens,
+                    ws,
+                    kv,
+                    &mut finish,
+                    &window_error,
+                )?
+            }
+            Model::Cuda(model) => score_cuda(model, tokens, ws, kv, &mut finish, &window_error)?,
+        }
+        Ok(StreamScore {
+            tokens: tokens.len(),
+            processed_tokens: processed as usize,
+            totals,
+            windows: out,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn load_cuda(
+    a: &Artifact,
+    ordinal: usize,
+    precision: Precision,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Model> {
+    Ok(Model::Cuda(Box::new(CudaModel::load(
+        a, ordinal, precision, progress,
+    )?)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn load_cuda(
+    _: &Artifact,
+    _: usize,
+    _: Precision,
+    _: &mut dyn FnMut(usize, usize),
+) -> Result<Model> {
+    anyhow::bail!("this build has no CUDA backend")
+}
+
+/// Accounts one finished window (index, log-probabilities), in window order.
+type FinishWindow<'a> = dyn FnMut(usize, Vec<f32>) -> Result<()> + 'a;
+/// Names a window in an error that happened while computing it.
+type WindowError<'a> = dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error + 'a;
+
+/// Scores the windows on the GPU in batches and hands each finished window to `finish`.
+#[cfg(feature = "cuda")]
+fn score_cuda(
+    model: &CudaModel,
+    tokens: &[u32],
+    ws: &[Window],
+    kv: KvDtype,
+    finish: &mut FinishWindow,
+    window_error: &WindowError,
+) -> Result<()> {
+    use crate::backend::cuda::model::ScoreError;
+    let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
+        for (j, lps) in batch.into_iter().enumerate() {
+            finish(first + j, lps)?;
+        }
+        Ok(())
+    });
+    match r {
+        Ok(()) => Ok(()),
+        Err(ScoreError::Window { index, error }) => Err(window_error(index, &error)),
+        Err(ScoreError::Device(e)) => {
+            Err(e.context(format!("CUDA scoring ({} windows)", ws.len())))
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn score_cuda(
+    model: &CudaModel,
+    _: &[u32],
+    _: &[Window],
+    _: KvDtype,
+    _: &mut FinishWindow,
+    _: &WindowError,
+) -> Result<()> {
+    let _ = model.config();
+    unreachable!("no CUDA model exists without the CUDA backend")
+}

@@ -1,0 +1,127 @@
+//! Deliberate perturbations of the CPU forward pass, for tests that prove the regression
+//! harness catches drift (`tests/harness_gate.rs`) and for measuring how sensitive a KV
+//! format's score is to harmless numerical changes (`eval/kv-effect.sh`).
+//!
+//! Only builds with the cargo feature `fault-injection` read the switch, the environment
+//! variable `NINFER_TEST_FAULT`: `cargo test` enables the feature through the crate's
+//! dev-dependency on itself, `eval/kv-effect.sh` builds with it, and ordinary builds
+//! (`cargo build`, `cargo install`, use as a library) compile every perturbation out, so no
+//! environment can change a user's numbers. When a fault is active the run says so on stderr
+//! and records it in `report.json` (`settings.test_fault`).
+//!
+//! * `rope-shift`: layer 0's keys are rotated one position too far;
+//! * `skip-final-norm`: the output head reads the un-normalized residual stream;
+//! * `embed-scale=E`: the embeddings are multiplied by `1 + E` (E = 1e-7 is far below float32
+//!   model noise).
+
+/// The environment variable that selects a fault in `fault-injection` builds.
+pub const ENV: &str = "NINFER_TEST_FAULT";
+
+/// One perturbation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fault {
+    RopeShift,
+    SkipFinalNorm,
+    EmbedScale(f32),
+}
+
+impl Fault {
+    /// Parses `rope-shift`, `skip-final-norm` or `embed-scale=E` (E finite).
+    pub fn parse(s: &str) -> Result<Fault, String> {
+        match s {
+            "rope-shift" => Ok(Fault::RopeShift),
+            "skip-final-norm" => Ok(Fault::SkipFinalNorm),
+            _ => s
+                .strip_prefix("embed-scale=")
+                .and_then(|e| e.parse::<f32>().ok())
+                .filter(|e| e.is_finite())
+                .map(Fault::EmbedScale)
+                .ok_or_else(|| {
+                    format!("{ENV}={s:?}: expected rope-shift, skip-final-norm or embed-scale=E")
+                }),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Fault::RopeShift => "rope-shift".into(),
+            Fault::SkipFinalNorm => "skip-final-norm".into(),
+            Fault::EmbedScale(e) => format!("embed-scale={e:e}"),
+        }
+    }
+}
+
+/// The fault a model runs with: always none unless the build has `fault-injection`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Faults(Option<Fault>);
+
+impl Faults {
+    /// No perturbation.
+    pub const NONE: Faults = Faults(None);
+
+    /// `NINFER_TEST_FAULT` in a `fault-injection` build; none otherwise. A value that names
+    /// no fault is an error, so a typo never runs the clean model under a fault's label.
+    pub fn from_env() -> Result<Faults, String> {
+        if !cfg!(feature = "fault-injection") {
+            return Ok(Faults::NONE);
+        }
+        match std::env::var(ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(Faults::NONE),
+            Err(std::env::VarError::NotUnicode(v)) => Err(format!("{ENV}={v:?}: not UTF-8")),
+            Ok(v) => Fault::parse(v.trim()).map(|f| Faults(Some(f))),
+        }
+    }
+
+    /// A given fault (tests of this crate).
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn of(f: Fault) -> Faults {
+        Faults(Some(f))
+    }
+
+    /// The active fault, for logs and reports.
+    pub fn active(&self) -> Option<Fault> {
+        if cfg!(feature = "fault-injection") || cfg!(test) {
+            self.0
+        } else {
+            None
+        }
+    }
+
+    pub fn rope_shift(&self) -> bool {
+        self.active() == Some(Fault::RopeShift)
+    }
+
+    pub fn skip_final_norm(&self) -> bool {
+        self.active() == Some(Fault::SkipFinalNorm)
+    }
+
+    pub fn embed_scale(&self) -> Option<f32> {
+        match self.active() {
+            Some(Fault::EmbedScale(e)) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_typos_are_refused() {
+        assert_eq!(Fault::parse("rope-shift"), Ok(Fault::RopeShift));
+        assert_eq!(Fault::parse("skip-final-norm"), Ok(Fault::SkipFinalNorm));
+        assert_eq!(
+            Fault::parse("embed-scale=1e-7"),
+            Ok(Fault::EmbedScale(1e-7))
+        );
+        for bad in ["rope_shift", "embed-scale=", "embed-scale=inf", ""] {
+            let e = Fault::parse(bad).unwrap_err();
+            assert!(
+                e.contains("NINFER_TEST_FAULT") && e.contains("rope-shift"),
+                "{e}"
+            );
+        }
+        assert_eq!(Fault::EmbedScale(1e-7).describe(), "embed-scale=1e-7");
+    }
+}

@@ -1,0 +1,103 @@
+//! Floating-point work of one window, for throughput figures.
+//!
+//! Multiply-adds count as two FLOPs. Three counts are in use, and the names say which work
+//! each one credits, so a bench never divides by the wrong one:
+//!
+//! * [`Work::ForwardPass`]: every layer for every token, causal attention, and the output
+//!   head for every position, the way a model forward is usually counted (what transformers
+//!   computes when asked for logits). It does not depend on how many positions are scored, so
+//!   two engines scoring the same windows are credited with the same work, and one that
+//!   skips logits nobody reads shows it as a higher rate. The CPU speed target is stated in it.
+//! * [`Work::HeadOnScoredRows`]: every layer for every token, the head for scored rows only:
+//!   the work the CUDA backend does.
+//! * [`Work::CpuScoring`]: [`Work::HeadOnScoredRows`] less what the CPU backend also skips:
+//!   after the last layer only the rows that predict a target are read, so there attention
+//!   (queries from row `len - scored - 1` on), the o-projection and the MLP run for those rows
+//!   only, while the q/k/v projection still runs for every token.
+
+use crate::model::config::ModelConfig;
+
+/// Which work a FLOP count credits (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    ForwardPass,
+    HeadOnScoredRows,
+    CpuScoring,
+}
+
+/// FLOPs of one window of `len` tokens that scores `scored` targets, counted as `work` says.
+pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f64 {
+    let (d, qd, kvd, f, v) = (
+        c.hidden_size,
+        c.q_dim(),
+        c.kv_dim(),
+        c.intermediate_size,
+        c.vocab_size,
+    );
+    let layers = c.num_layers as f64;
+    let pairs = |n: f64| n * (n + 1.0) / 2.0; // (query, key) pairs under the causal mask
+    let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
+    let t = len as f64;
+    let body = layers * (t * per_token_linear + 4.0 * pairs(t) * qd as f64);
+    let head = |rows: usize| 2.0 * rows as f64 * (d * v) as f64;
+    match work {
+        Work::ForwardPass => body + head(len),
+        Work::HeadOnScoredRows => body + head(scored),
+        Work::CpuScoring => {
+            let full = body + head(scored);
+            if c.num_layers == 0 || scored == 0 {
+                return full;
+            }
+            let skipped_rows = len.saturating_sub(scored + 1) as f64;
+            let per_row_tail = 2.0 * (qd * d + 3 * d * f) as f64; // o-projection, gate/up, down
+            full - skipped_rows * per_row_tail - 4.0 * pairs(skipped_rows) * qd as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Family;
+
+    #[test]
+    fn counts_match_a_hand_count() {
+        let c = ModelConfig::for_test(Family::Qwen3, 1, 4, 2, 1, 2, 8, 10);
+        // Linear per token: 2*(4*(4+2*2) + 4*4 + 4*16 + 8*4) = 2*144 = 288.
+        // Attention for 3 tokens: 6 pairs * 4 * (2*2) = 96. Head: 2 * 2 rows * 40 = 160.
+        assert_eq!(
+            window_flops(&c, Work::HeadOnScoredRows, 3, 2),
+            3.0 * 288.0 + 96.0 + 160.0
+        );
+        // The forward pass has the head (2 * 40 per row) on all 3 rows.
+        assert_eq!(
+            window_flops(&c, Work::ForwardPass, 3, 2),
+            3.0 * 288.0 + 96.0 + 3.0 * 80.0
+        );
+        // Qwen3-8B's shape: 15-20 GFLOP per token at context 4096.
+        let q = ModelConfig::for_test(Family::Qwen3, 36, 4096, 32, 8, 128, 12288, 151_936);
+        let per_token = window_flops(&q, Work::HeadOnScoredRows, 4096, 2048) / 4096.0;
+        assert!((15e9..20e9).contains(&per_token), "{per_token:e}");
+        // SmolLM2-135M at context 1024: 212.3 MFLOP of projections and MLP, 56.6 of head and
+        // 35.4 of causal attention per token (the 0.30 GFLOP the CPU speed target assumes).
+        let mut s = ModelConfig::for_test(Family::Llama, 30, 576, 9, 3, 64, 1536, 49_152);
+        s.tie_word_embeddings = true;
+        let per_token = window_flops(&s, Work::ForwardPass, 1024, 1023) / 1024.0;
+        assert!((per_token / 1e6 - 304.4).abs() < 0.1, "{per_token:e}");
+    }
+
+    #[test]
+    fn cpu_savings_match_a_hand_count() {
+        let c = ModelConfig::for_test(Family::Qwen3, 2, 4, 2, 1, 2, 8, 10);
+        // 5 tokens, 2 scored: rows 0 and 1 of the last layer skip o/MLP (2 * (16 + 96) each)
+        // and their attention (pairs 1 + 2 = 3, each 4 * 4 FLOPs).
+        let skipped = 2.0 * 2.0 * (16.0 + 96.0) + 3.0 * 4.0 * 4.0;
+        let scored = |n| window_flops(&c, Work::HeadOnScoredRows, 5, n);
+        assert_eq!(
+            window_flops(&c, Work::CpuScoring, 5, 2),
+            scored(2) - skipped
+        );
+        // A window that scores every row after the first skips nothing.
+        assert_eq!(window_flops(&c, Work::CpuScoring, 5, 4), scored(4));
+    }
+}

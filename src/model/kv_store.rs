@@ -1,0 +1,73 @@
+//! Writing a layer's keys and values through the Main KV representation.
+//!
+//! Every (token, KV head) vector of `head_dim` values is replaced by what the selected
+//! representation stores and gives back ([`KvDtype::roundtrip_k`] / [`KvDtype::roundtrip_v`]),
+//! so attention reads exactly what a KV cache in that format would hold. Quantized formats
+//! are defined for finite input only, so a non-finite value is an error naming where it is
+//! (a broken model must not be silently quantized into finite numbers).
+
+use crate::kv::{find_non_finite, KvDtype};
+use crate::model::error::{ForwardError, KvPart};
+use rayon::prelude::*;
+
+/// Passes `x[T, Hkv, D]` through `kv`'s representation of `part`. `first` is the window
+/// position of the first row and `layer` the layer, for the error.
+pub fn store(
+    x: &mut [f32],
+    kv_heads: usize,
+    head_dim: usize,
+    kv: KvDtype,
+    part: KvPart,
+    layer: usize,
+    first: usize,
+) -> Result<(), ForwardError> {
+    if let Some(i) = find_non_finite(x) {
+        let vec_idx = i / head_dim;
+        return Err(ForwardError::NonFiniteKv {
+            part,
+            layer,
+            pos: first + vec_idx / kv_heads,
+            head: vec_idx % kv_heads,
+        });
+    }
+    x.par_chunks_mut(head_dim).for_each(|vec| match part {
+        KvPart::Key => kv.roundtrip_k(vec),
+        KvPart::Value => kv.roundtrip_v(vec),
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_kv_is_an_error_naming_layer_position_and_head() {
+        // x[T=3, Hkv=2, D=4]: a NaN at position 2, head 1.
+        let mut x = vec![0.5f32; 3 * 2 * 4];
+        x[(2 * 2 + 1) * 4 + 3] = f32::NAN;
+        let e = store(&mut x, 2, 4, KvDtype::Int8, KvPart::Key, 7, 0).unwrap_err();
+        assert_eq!(
+            e,
+            ForwardError::NonFiniteKv {
+                part: KvPart::Key,
+                layer: 7,
+                pos: 2,
+                head: 1
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "non-finite key at layer 7, window position 2, KV head 1"
+        );
+        let mut y = vec![1.0f32; 8];
+        y[0] = f32::INFINITY;
+        let e = store(&mut y, 1, 8, KvDtype::Nvfp4, KvPart::Value, 0, 5).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "non-finite value at layer 0, window position 5, KV head 0"
+        );
+        let mut ok = vec![0.25f32; 8];
+        assert!(store(&mut ok, 1, 8, KvDtype::Fp8, KvPart::Value, 0, 0).is_ok());
+    }
+}

@@ -1,0 +1,140 @@
+//! Everything a run reads before the first window is scored: the streams (read and
+//! verified), the engine (artifact, tokenizer, weights), and every stream's tokens and
+//! windows. Bad input therefore fails in seconds, and a run that starts scoring has all it
+//! needs.
+
+use crate::cli::{Input, RunConfig};
+use crate::corpus::{load_text_file, Corpus, LoadedStream};
+use crate::engine::{Engine, LoadOptions};
+use crate::registry;
+use crate::score::{windows, Window};
+use crate::ui::{self, ProgressLine};
+use anyhow::{anyhow, bail, Result};
+use std::time::Instant;
+
+/// One stream, ready to score.
+pub struct Prepared {
+    pub stream: LoadedStream,
+    /// The tokens scored over (after a `--max-tokens` cap).
+    pub tokens: Vec<u32>,
+    /// Tokens of the whole stream before any cap.
+    pub full_tokens: usize,
+    /// The protocol's windows over `tokens`, computed once.
+    pub windows: Vec<Window>,
+    /// Tokens fed through the model over all windows.
+    pub processed: usize,
+}
+
+/// A run's inputs.
+pub struct Inputs {
+    pub corpus: Option<Corpus>,
+    /// `(id, title)` of the domains that have selected streams, in manifest order.
+    pub domains: Vec<(String, String)>,
+    pub engine: Engine,
+    pub streams: Vec<Prepared>,
+    pub load_s: f64,
+    pub tokenize_s: f64,
+}
+
+impl Inputs {
+    pub fn processed_tokens(&self) -> usize {
+        self.streams.iter().map(|p| p.processed).sum()
+    }
+
+    pub fn window_count(&self) -> usize {
+        self.streams.iter().map(|p| p.windows.len()).sum()
+    }
+}
+
+/// Reads, verifies, loads and tokenizes everything `cfg` names.
+pub fn prepare(cfg: &RunConfig) -> Result<Inputs> {
+    let artifact_path = registry::resolve_artifact(&cfg.artifact)?;
+    let (corpus, domains, streams) = read_streams(&cfg.input)?;
+
+    ui::info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
+    let t_load = Instant::now();
+    let opts = LoadOptions {
+        device: cfg.device,
+        threads: cfg.threads,
+        verify_digest: cfg.verify_artifact,
+        precision: cfg.precision,
+    };
+    let mut load_bar = ProgressLine::new("loading weights", 1, "tensors");
+    let engine = Engine::load(&artifact_path, &opts, &mut |done, total| {
+        load_bar.set_total(total as u64);
+        load_bar.update(done as u64);
+    })?;
+    load_bar.finish();
+    let load_s = t_load.elapsed().as_secs_f64();
+    cfg.kv.check_head_dim(engine.artifact.config.head_dim)?;
+
+    let t_tok = Instant::now();
+    let mut prepared = Vec::with_capacity(streams.len());
+    for s in streams {
+        prepared.push(tokenize(&engine, cfg, s)?);
+    }
+    Ok(Inputs {
+        corpus,
+        domains,
+        engine,
+        streams: prepared,
+        load_s,
+        tokenize_s: t_tok.elapsed().as_secs_f64(),
+    })
+}
+
+type Streams = (Option<Corpus>, Vec<(String, String)>, Vec<LoadedStream>);
+
+/// The selected corpus streams (verified against the manifest), or the one text file.
+fn read_streams(input: &Input) -> Result<Streams> {
+    match input {
+        Input::Corpus {
+            manifest,
+            quick,
+            streams,
+            stream_dir,
+        } => {
+            let c = Corpus::open(manifest, stream_dir.as_deref())?;
+            let sel = c.select(*quick, streams)?;
+            let loaded = sel.iter().map(|s| c.load(s)).collect::<Result<Vec<_>>>()?;
+            let doms = c
+                .manifest
+                .domains
+                .iter()
+                .filter(|d| loaded.iter().any(|s| s.domain == d.id))
+                .map(|d| (d.id.clone(), d.title.clone()))
+                .collect();
+            Ok((Some(c), doms, loaded))
+        }
+        Input::Text(p) => Ok((None, Vec::new(), vec![load_text_file(p)?])),
+    }
+}
+
+/// A stream's tokens (capped at `--max-tokens`) and its windows.
+fn tokenize(engine: &Engine, cfg: &RunConfig, s: LoadedStream) -> Result<Prepared> {
+    let mut tokens = engine
+        .tokenizer
+        .encode(&s.text)
+        .map_err(|e| anyhow!("stream `{}` ({}): {e}", s.id, s.path.display()))?;
+    let full_tokens = tokens.len();
+    if let Some(m) = cfg.max_tokens {
+        tokens.truncate(m);
+    }
+    if tokens.len() < 2 {
+        bail!(
+            "stream `{}` ({}): has {} token(s); at least 2 are needed to score anything",
+            s.id,
+            s.path.display(),
+            tokens.len()
+        );
+    }
+    let windows = windows(tokens.len(), cfg.protocol)?;
+    let processed = windows.iter().map(|w| w.len()).sum();
+    Ok(Prepared {
+        stream: s,
+        tokens,
+        full_tokens,
+        windows,
+        processed,
+    })
+}

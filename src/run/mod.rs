@@ -1,0 +1,196 @@
+//! One evaluator run: prepare the inputs ([`inputs`]), score them ([`score`]), build and
+//! write the report ([`report`]).
+
+pub mod inputs;
+mod report;
+mod score;
+
+use crate::cli::RunConfig;
+use crate::report::{table, write, Report};
+use crate::ui;
+use anyhow::Result;
+use inputs::Inputs;
+use std::path::PathBuf;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// What a finished run produced.
+pub struct RunOutput {
+    pub report: Report,
+    pub report_path: PathBuf,
+    pub table: String,
+}
+
+/// `YYYYMMDDTHHMMSSZ` for a Unix time (UTC, proleptic Gregorian).
+pub fn utc_stamp(unix: u64) -> String {
+    let days = (unix / 86400) as i64;
+    let secs = unix % 86400;
+    // Howard Hinnant's civil-from-days.
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + if m <= 2 { 1 } else { 0 };
+    format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        secs / 3600,
+        (secs % 3600) / 60,
+        secs % 60
+    )
+}
+
+pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
+    let t0 = Instant::now();
+    let started_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    if let Some(dir) = &cfg.output {
+        write::check_output_dir(dir)?;
+    }
+    let inputs = inputs::prepare(cfg)?;
+    log_startup(cfg, &inputs);
+
+    let t_score = Instant::now();
+    let streams = score::score_streams(&inputs, cfg.kv)?;
+    let score_s = t_score.elapsed().as_secs_f64();
+
+    let digest = &inputs.engine.artifact.digest;
+    let run_id = format!(
+        "{}-{}-{}",
+        utc_stamp(started_unix as u64),
+        &digest[7..15],
+        cfg.kv.name()
+    );
+    let clock = report::Clock {
+        started_unix_s: started_unix,
+        score_s,
+        total_s: t0.elapsed().as_secs_f64(),
+    };
+    let rep = report::build(cfg, &inputs, streams, run_id, clock);
+    let dir = cfg
+        .output
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("profiles/perplexity").join(&rep.run_id));
+    let json = serde_json::to_string_pretty(&rep)?;
+    let report_path = write::write_report(&dir, &json)?;
+    ui::info(format!(
+        "done       {} scored tokens in {:.1}s ({:.1} processed tokens/s); report {}",
+        rep.overall.totals.scored,
+        score_s,
+        rep.throughput.processed_tokens_per_s,
+        report_path.display()
+    ));
+    let table = table::render(&rep);
+    Ok(RunOutput {
+        report: rep,
+        report_path,
+        table,
+    })
+}
+
+/// The startup summary on stderr: what is scored, with what, how.
+fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
+    let engine = &inputs.engine;
+    let a = &engine.artifact;
+    let c = &a.config;
+    if let Some(note) = &engine.device_note {
+        ui::info(note);
+    }
+    if let Some(f) = engine.faults.active() {
+        ui::warn(format!(
+            "test fault `{}` is active (NINFER_TEST_FAULT): the numbers are deliberately wrong",
+            f.describe()
+        ));
+    }
+    ui::info(format!(
+        "artifact   {} ({:.1} MB)",
+        a.path().display(),
+        a.file_bytes as f64 / 1e6
+    ));
+    ui::info(format!(
+        "           digest {}{}",
+        a.digest,
+        if cfg.verify_artifact {
+            " (verified)"
+        } else {
+            ""
+        }
+    ));
+    ui::info(format!(
+        "model      {} {:.1}M params, {} layers, d {}, {}/{} heads, head_dim {}, vocab {}, weights {}",
+        c.family.name(),
+        c.num_params() as f64 / 1e6,
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        a.weight_format.name()
+    ));
+    ui::info(format!(
+        "kv         {} ({} bytes per token per layer)",
+        cfg.kv.name(),
+        cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim)
+    ));
+    ui::info(format!(
+        "device     {}, {} arithmetic",
+        engine.device.describe(),
+        engine.precision.name()
+    ));
+    ui::info(format!(
+        "protocol   context {} stride {}",
+        cfg.protocol.context, cfg.protocol.stride
+    ));
+    ui::debug(format!(
+        "tokenizer sha256 {} vocab {}",
+        engine.tokenizer.sha256(),
+        engine.tokenizer.vocab_size()
+    ));
+    ui::debug(format!(
+        "weights loaded in {:.2}s; provenance {:?}",
+        inputs.load_s, a.provenance
+    ));
+    let bytes: usize = inputs.streams.iter().map(|p| p.stream.text.len()).sum();
+    let tokens: usize = inputs.streams.iter().map(|p| p.full_tokens).sum();
+    let input_tokens: usize = inputs.streams.iter().map(|p| p.tokens.len()).sum();
+    match &inputs.corpus {
+        Some(corpus) => ui::info(format!(
+            "corpus     {} ({}): {} streams, {bytes} bytes, {tokens} tokens{}",
+            corpus.manifest.name,
+            corpus.manifest_path.display(),
+            inputs.streams.len(),
+            cfg.max_tokens
+                .map(|m| format!(", capped at {m} per stream ({input_tokens} in all)"))
+                .unwrap_or_default()
+        )),
+        None => ui::info(format!(
+            "text       {}: {bytes} bytes, {tokens} tokens{}",
+            inputs.streams[0].stream.path.display(),
+            cfg.max_tokens
+                .map(|m| format!(", capped at {m}"))
+                .unwrap_or_default()
+        )),
+    }
+    ui::info(format!(
+        "scoring    {} tokens to process ({} windows)",
+        inputs.processed_tokens(),
+        inputs.window_count()
+    ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utc_stamp;
+
+    #[test]
+    fn stamps() {
+        assert_eq!(utc_stamp(0), "19700101T000000Z");
+        assert_eq!(utc_stamp(951782400), "20000229T000000Z");
+        assert_eq!(utc_stamp(1796036645), "20261130T110405Z");
+    }
+}

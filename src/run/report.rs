@@ -1,0 +1,99 @@
+//! The `report.json` of a finished run, assembled from its configuration, inputs and stream
+//! results.
+
+use crate::cli::{Input, RunConfig};
+use crate::report::{self, aggregate, Report, StreamReport};
+use crate::run::inputs::Inputs;
+
+/// When and how long the phases of a run took.
+pub struct Clock {
+    pub started_unix_s: f64,
+    pub score_s: f64,
+    pub total_s: f64,
+}
+
+/// The report of a run; `run_id` names it.
+pub fn build(
+    cfg: &RunConfig,
+    inputs: &Inputs,
+    streams: Vec<StreamReport>,
+    run_id: String,
+    clock: Clock,
+) -> Report {
+    let engine = &inputs.engine;
+    let a = &engine.artifact;
+    let c = &a.config;
+    let domains: Vec<_> = inputs
+        .domains
+        .iter()
+        .map(|(id, title)| aggregate(id, title, streams.iter().filter(|s| &s.domain == id)))
+        .collect();
+    let overall = aggregate("overall", "overall", streams.iter());
+    let processed = inputs.processed_tokens();
+    let score_s = clock.score_s.max(1e-9);
+    Report {
+        schema: report::SCHEMA.into(),
+        schema_version: report::SCHEMA_VERSION,
+        run_id,
+        tool: report::Tool {
+            name: "ninfer-perplexity".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
+        started_unix_s: clock.started_unix_s,
+        settings: report::Settings {
+            mode: if inputs.corpus.is_some() {
+                "corpus".into()
+            } else {
+                "text".into()
+            },
+            context: cfg.protocol.context,
+            stride: cfg.protocol.stride,
+            kv_dtype: cfg.kv.name().into(),
+            kv_bytes_per_token_per_layer: cfg
+                .kv
+                .bytes_per_token_per_layer(c.num_kv_heads, c.head_dim),
+            quick: matches!(cfg.input, Input::Corpus { quick: true, .. }),
+            max_tokens: cfg.max_tokens,
+            device: engine.device.describe(),
+            device_class: engine.device.class(),
+            precision: engine.precision.name().into(),
+            threads: engine.threads(),
+            test_fault: engine.faults.active().map(|f| f.describe()),
+        },
+        artifact: report::ArtifactInfo {
+            path: a.path().display().to_string(),
+            digest: a.digest.clone(),
+            digest_verified: cfg.verify_artifact,
+            file_bytes: a.file_bytes,
+            family: c.family.name().into(),
+            params: c.num_params(),
+            weight_format: a.weight_format.name().into(),
+            config: c.clone(),
+        },
+        tokenizer: report::TokenizerInfo {
+            sha256: engine.tokenizer.sha256().into(),
+            vocab_size: engine.tokenizer.vocab_size(),
+        },
+        corpus: inputs.corpus.as_ref().map(|c| report::CorpusInfo {
+            name: c.manifest.name.clone(),
+            manifest: c.manifest_path.display().to_string(),
+            manifest_sha256: c.manifest_sha256.clone(),
+        }),
+        throughput: report::Throughput {
+            processed_tokens: processed,
+            processed_tokens_per_s: processed as f64 / score_s,
+            scored_tokens_per_s: overall.totals.scored as f64 / score_s,
+        },
+        streams,
+        domains,
+        overall,
+        timings: report::Timings {
+            load_s: inputs.load_s,
+            tokenize_s: inputs.tokenize_s,
+            score_s: clock.score_s,
+            total_s: clock.total_s,
+        },
+        peak_rss_bytes: report::peak_rss_bytes(),
+        cuda_memory: engine.cuda_memory(),
+    }
+}

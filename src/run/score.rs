@@ -1,0 +1,71 @@
+//! Scoring a run's prepared streams one after another, with progress and a summary line per
+//! stream on stderr.
+
+use crate::kv::KvDtype;
+use crate::report::{StreamReport, Totals};
+use crate::run::inputs::Inputs;
+use crate::ui::{self, ProgressLine};
+use anyhow::{anyhow, Result};
+use std::time::Instant;
+
+/// Every stream's report, in input order.
+pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> {
+    let engine = &inputs.engine;
+    let total = inputs.processed_tokens() as u64;
+    let mut progress = ProgressLine::new("scoring", total, "tokens");
+    let mut done_before = 0u64;
+    let mut reports = Vec::with_capacity(inputs.streams.len());
+    for p in &inputs.streams {
+        ui::debug(format!(
+            "stream {} begins: {} tokens",
+            p.stream.id,
+            p.tokens.len()
+        ));
+        progress.set_message(&p.stream.id);
+        let ts = Instant::now();
+        let score = engine
+            .score_windows(&p.tokens, &p.windows, kv, false, &mut |_w, pr| {
+                progress.update(done_before + pr.processed);
+            })
+            .map_err(|e| anyhow!("stream `{}`: {e:#}", p.stream.id))?;
+        let secs = ts.elapsed().as_secs_f64();
+        done_before += score.processed_tokens as u64;
+        // Bits per byte count the bytes of the text that was scored.
+        let bytes = if p.tokens.len() < p.full_tokens {
+            engine
+                .tokenizer
+                .byte_len_of_prefix(&p.stream.text, p.tokens.len())?
+        } else {
+            p.stream.text.len() as u64
+        };
+        let totals = Totals::new(&score.totals, bytes);
+        let rate = score.processed_tokens as f64 / secs.max(1e-9);
+        progress.suspend(|| {
+            ui::info(format!(
+                "stream     {:<12} {:>8} tokens {:>8} scored  mean_nll {:.5}  ppl {:.4}  {:.1}s  {:.1} tokens/s",
+                p.stream.id,
+                p.tokens.len(),
+                totals.scored,
+                totals.mean_nll,
+                totals.ppl,
+                secs,
+                rate
+            ))
+        });
+        reports.push(StreamReport {
+            id: p.stream.id.clone(),
+            domain: p.stream.domain.clone(),
+            path: p.stream.path.display().to_string(),
+            sha256: p.stream.sha256.clone(),
+            tokens: p.full_tokens,
+            input_tokens: p.tokens.len(),
+            processed_tokens: score.processed_tokens,
+            totals,
+            seconds: secs,
+            processed_tokens_per_s: rate,
+            windows: score.windows,
+        });
+    }
+    progress.finish();
+    Ok(reports)
+}
