@@ -3,7 +3,8 @@
 //! stored bytes in the CPU's `Encoded::to_bytes` layout, and decode them with the
 //! attention kernels' loader (`kv_load` via `kv_decode_*`).
 
-use super::device::{Arg, Gpu};
+use super::device::Gpu;
+use super::launch::{ElementEncode, KvArg, KvDecode, KvEncode, Ptr};
 use super::plan;
 use crate::kv::Elem;
 use anyhow::{bail, Result};
@@ -31,14 +32,23 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
     for buf in [&data, &scale, &bscale] {
         gpu.memset(buf, 0, buf.bytes, 0xA5)?; // poison: every stored byte must be written
     }
-    let t = Arg::Kv([data.ptr, scale.ptr, bscale.ptr]);
+    let t = KvArg {
+        data: data.ptr,
+        scale: scale.ptr,
+        bscale: bscale.ptr,
+    };
     let name = elem.name();
     gpu.launch(
         &format!("kv_encode_{name}"),
         (plan::blocks_for(n, 8), 1, 1),
         256,
         0,
-        &[Arg::Ptr(xin.ptr), Arg::I64(n as i64), Arg::I32(d as i32), t],
+        &KvEncode {
+            x: Ptr::new(xin.ptr),
+            n: n as i64,
+            D: d as i32,
+            t,
+        },
     )?;
     let out = gpu.alloc(4 * n * d)?;
     gpu.launch(
@@ -46,7 +56,12 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
         (plan::blocks_for(n * d, 256), 1, 1),
         256,
         0,
-        &[t, Arg::I64(n as i64), Arg::I32(d as i32), Arg::Ptr(out.ptr)],
+        &KvDecode {
+            t,
+            n: n as i64,
+            D: d as i32,
+            out: Ptr::new(out.ptr),
+        },
     )?;
     let decoded: Vec<f32> = gpu.read(&out, 0, n * d)?;
     let payload_per = match elem {
@@ -97,7 +112,11 @@ pub fn element_codes(gpu: &Gpu, kind: &str, x: &[f32]) -> Result<Vec<u8>> {
         (plan::blocks_for(n, 256), 1, 1),
         256,
         0,
-        &[Arg::Ptr(xin.ptr), Arg::Ptr(out.ptr), Arg::I64(n as i64)],
+        &ElementEncode {
+            x: Ptr::new(xin.ptr),
+            out: Ptr::new(out.ptr),
+            n: n as i64,
+        },
     )?;
     gpu.read(&out, 0, n)
 }

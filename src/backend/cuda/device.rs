@@ -3,6 +3,7 @@
 //! so copies, kernels and cuBLAS calls run in issue order.
 
 use super::kernels::Program;
+use super::launch::{Arg, Launch};
 use super::nvrtc;
 use super::GpuInfo;
 use anyhow::{anyhow, bail, Context, Result};
@@ -110,18 +111,6 @@ impl Drop for DevBuf {
         let _ = unsafe { result::free_sync(self.ptr) };
         self.stats.current.fetch_sub(self.bytes, Ordering::Relaxed);
     }
-}
-
-/// One kernel argument, stored by value.
-#[derive(Clone, Copy)]
-pub enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    /// A `KvTensor` struct: payload, f32 scales, u8 block scales.
-    Kv([u64; 3]),
 }
 
 /// An open device: its context, loaded modules and memory counters.
@@ -329,8 +318,19 @@ impl Gpu {
         drv(result::mem_get_info(), "memory query")
     }
 
-    /// Launches `entry` on the default stream.
-    pub fn launch(
+    /// Launches `entry`, a kernel whose signature is `L`'s, on the default stream.
+    pub fn launch<L: Launch>(
+        &self,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        args: &L,
+    ) -> Result<()> {
+        self.launch_args(entry, grid, block, smem, &args.args())
+    }
+
+    fn launch_args(
         &self,
         entry: &str,
         grid: (u32, u32, u32),
@@ -364,8 +364,9 @@ impl Gpu {
             .map(|s| s.as_mut_ptr() as *mut c_void)
             .collect();
         self.bind()?;
-        // SAFETY: the caller passes arguments matching the kernel's signature (checked by
-        // the parity tests on a device); the slots outlive the launch call, which copies them.
+        // SAFETY: the arguments come from the kernel's typed launcher (`launch::Launch`, its
+        // field order checked against the kernel's declaration by a unit test); the slots
+        // outlive the launch call, which copies them.
         drv(
             unsafe {
                 result::launch_kernel(f.0, grid, (block, 1, 1), smem as u32, STREAM, &mut params)

@@ -9,10 +9,12 @@
 //! See `docs/cuda.md`.
 //!
 //! Always compiled, so their tests run on every machine: [`plan`] (batching, tiles, memory
-//! planning, FLOP counts), [`kernels`] (the embedded sources) and [`random`] (random-weight
+//! planning, FLOP counts), [`kernels`] (the embedded sources), [`launch`] (typed kernel
+//! arguments, checked against the sources) and [`random`] (random-weight
 //! artifacts for benchmarks).
 
 pub mod kernels;
+pub mod launch;
 pub mod plan;
 pub mod random;
 

@@ -8,15 +8,17 @@
 //! accumulating into the residual. Then only the rows that predict a target go through
 //! the final norm and the head, one vocabulary chunk at a time.
 
-use super::device::{Arg, DevBuf, Gpu};
+use super::device::{DevBuf, Gpu};
 use super::gemm::{Blas, Mat};
 use super::kernels::Program;
+use super::launch::{self, Any, KvArg, Ptr};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::{Elem, KvDtype};
 use crate::model::config::ModelConfig;
+use crate::model::tensors::{Fused, ModelTensors};
 use crate::model::{ForwardError, KvPart};
 use crate::score::Window;
 use anyhow::{bail, Result};
@@ -67,8 +69,12 @@ struct KvBufs {
 }
 
 impl KvBufs {
-    fn arg(&self) -> Arg {
-        Arg::Kv([self.data.ptr, self.scale.ptr, self.bscale.ptr])
+    fn arg(&self) -> KvArg {
+        KvArg {
+            data: self.data.ptr,
+            scale: self.scale.ptr,
+            bscale: self.bscale.ptr,
+        }
     }
 }
 
@@ -162,22 +168,19 @@ impl CudaModel {
                 free >> 20
             );
         }
-        let total = c.expected_tensors().len();
+        let names = ModelTensors::of(&c);
+        let total = ModelTensors::count(&c);
         let mut done = 0usize;
         let e = precision.elem_bytes();
         let mut tick = |n: usize| {
             done += n;
             progress(done, total);
         };
-        // Matrices: rows of several tensors concatenated, in the precision's element type.
-        let matrix = |names: &[String],
-                      rows: usize,
-                      cols: usize,
-                      tick: &mut dyn FnMut(usize)|
-         -> Result<DevBuf> {
-            let buf = gpu.alloc(rows * cols * e)?;
+        // A stacked matrix: its parts' rows concatenated, in the precision's element type.
+        let matrix = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let buf = gpu.alloc(f.rows * f.cols * e)?;
             let mut off = 0;
-            for n in names {
+            for n in &f.parts {
                 let t = a.tensor_f32(n)?;
                 let bytes = to_device_elems(&t, precision);
                 gpu.write(&buf, off, &bytes)?;
@@ -187,85 +190,42 @@ impl CudaModel {
             debug_assert_eq!(off, buf.bytes);
             Ok(buf)
         };
-        let vector = |name: &str, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
-            let t = a.tensor_f32(name)?;
-            let b = gpu.upload(&t)?;
-            tick(1);
-            Ok(b)
+        // A vector (or stacked vectors) in f32.
+        let vector = |parts: &[String], tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let mut v = Vec::new();
+            for n in parts {
+                v.extend(a.tensor_f32(n)?);
+                tick(1);
+            }
+            gpu.upload(&v)
         };
-        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let embed = matrix(
-            &["model.embed_tokens.weight".to_string()],
-            c.vocab_size,
-            d,
-            &mut tick,
-        )?;
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
-            let attn_norm = vector(&format!("{p}.input_layernorm.weight"), &mut tick)?;
-            let wqkv = matrix(
-                &[
-                    format!("{p}.self_attn.q_proj.weight"),
-                    format!("{p}.self_attn.k_proj.weight"),
-                    format!("{p}.self_attn.v_proj.weight"),
-                ],
-                qd + 2 * kvd,
-                d,
-                &mut tick,
-            )?;
-            let bqkv = if c.attention_bias {
-                let mut b = a.tensor_f32(&format!("{p}.self_attn.q_proj.bias"))?;
-                b.extend(a.tensor_f32(&format!("{p}.self_attn.k_proj.bias"))?);
-                b.extend(a.tensor_f32(&format!("{p}.self_attn.v_proj.bias"))?);
-                tick(3);
-                Some(gpu.upload(&b)?)
-            } else {
-                None
-            };
-            let (q_norm, k_norm) = if c.qk_norm {
-                (
-                    Some(vector(&format!("{p}.self_attn.q_norm.weight"), &mut tick)?),
-                    Some(vector(&format!("{p}.self_attn.k_norm.weight"), &mut tick)?),
-                )
-            } else {
-                (None, None)
-            };
-            let wo = matrix(&[format!("{p}.self_attn.o_proj.weight")], d, qd, &mut tick)?;
-            let mlp_norm = vector(&format!("{p}.post_attention_layernorm.weight"), &mut tick)?;
-            let wgu = matrix(
-                &[
-                    format!("{p}.mlp.gate_proj.weight"),
-                    format!("{p}.mlp.up_proj.weight"),
-                ],
-                2 * f,
-                d,
-                &mut tick,
-            )?;
-            let wdown = matrix(&[format!("{p}.mlp.down_proj.weight")], d, f, &mut tick)?;
+        let one = |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), tick);
+        let embed = matrix(&names.embed, &mut tick)?;
+        let mut layers = Vec::with_capacity(names.layers.len());
+        for l in &names.layers {
+            let at = &l.attention;
             layers.push(LayerW {
-                attn_norm,
-                wqkv,
-                bqkv,
-                q_norm,
-                k_norm,
-                wo,
-                mlp_norm,
-                wgu,
-                wdown,
+                attn_norm: one(&at.norm, &mut tick)?,
+                wqkv: matrix(&at.qkv, &mut tick)?,
+                bqkv: at
+                    .qkv_bias
+                    .as_ref()
+                    .map(|b| vector(&b.parts, &mut tick))
+                    .transpose()?,
+                q_norm: at.q_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
+                k_norm: at.k_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
+                wo: matrix(&at.o_proj, &mut tick)?,
+                mlp_norm: one(&l.mlp.norm, &mut tick)?,
+                wgu: matrix(&l.mlp.gate_up, &mut tick)?,
+                wdown: matrix(&l.mlp.down, &mut tick)?,
             });
         }
-        let final_norm = vector("model.norm.weight", &mut tick)?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(matrix(
-                &["lm_head.weight".to_string()],
-                c.vocab_size,
-                d,
-                &mut tick,
-            )?)
-        };
+        let final_norm = one(&names.final_norm, &mut tick)?;
+        let lm_head = names
+            .lm_head
+            .as_ref()
+            .map(|h| matrix(h, &mut tick))
+            .transpose()?;
         let weights = DevWeights {
             embed,
             layers,
@@ -476,16 +436,16 @@ impl CudaModel {
                 grid,
                 128,
                 0,
-                &[
-                    Arg::Ptr(b.q.ptr),
-                    b.k.arg(),
-                    b.v.arg(),
-                    Arg::Ptr(tiles.ptr),
-                    Arg::Ptr(b.attn.ptr),
-                    Arg::I32(c.num_heads as i32),
-                    Arg::I32(c.num_kv_heads as i32),
-                    Arg::F32(scale * std::f32::consts::LOG2_E),
-                ],
+                &launch::AttnMma {
+                    q: Ptr::new(b.q.ptr),
+                    kt: b.k.arg(),
+                    vt: b.v.arg(),
+                    tiles: Ptr::new(tiles.ptr),
+                    out: Ptr::new(b.attn.ptr),
+                    hq: c.num_heads as i32,
+                    hkv: c.num_kv_heads as i32,
+                    sl2: scale * std::f32::consts::LOG2_E,
+                },
             ),
             AttnKernel::F32 => {
                 let smem = k.dynamic_smem(c.head_dim);
@@ -500,18 +460,18 @@ impl CudaModel {
                     grid,
                     128,
                     smem,
-                    &[
-                        Arg::Ptr(b.q.ptr),
-                        b.k.arg(),
-                        b.v.arg(),
-                        Arg::Ptr(tiles.ptr),
-                        Arg::Ptr(b.attn.ptr),
-                        Arg::I32((self.precision == Precision::Bf16) as i32),
-                        Arg::I32(c.num_heads as i32),
-                        Arg::I32(c.num_kv_heads as i32),
-                        Arg::I32(c.head_dim as i32),
-                        Arg::F32(scale),
-                    ],
+                    &launch::AttnF32 {
+                        q: Ptr::new(b.q.ptr),
+                        kt: b.k.arg(),
+                        vt: b.v.arg(),
+                        tiles: Ptr::new(tiles.ptr),
+                        out: Ptr::new(b.attn.ptr),
+                        out_bf16: (self.precision == Precision::Bf16) as i32,
+                        hq: c.num_heads as i32,
+                        hkv: c.num_kv_heads as i32,
+                        D: c.head_dim as i32,
+                        scale,
+                    },
                 )
             }
         }
@@ -599,36 +559,36 @@ impl CudaModel {
             (m as u32, 1, 1),
             256,
             0,
-            &[
-                Arg::Ptr(ints.at(o_tok)),
-                Arg::Ptr(w.embed.ptr),
-                Arg::I32(bf16_out),
-                Arg::Ptr(b.x.ptr),
-                Arg::I32(d as i32),
-            ],
+            &launch::EmbedGather {
+                tokens: Ptr::new(ints.at(o_tok)),
+                embed: Ptr::new(w.embed.ptr),
+                embed_bf16: bf16_out,
+                x: Ptr::new(b.x.ptr),
+                d: d as i32,
+            },
         )?;
-        let norm = |x: u64, rows_ptr: u64, weight: &DevBuf, out: u64, n: usize| -> Result<()> {
+        let norm = |x: u64, rows: Ptr<i32>, weight: &DevBuf, out: u64, n: usize| -> Result<()> {
             g.launch(
                 "rms_norm",
                 (n as u32, 1, 1),
                 256,
                 0,
-                &[
-                    Arg::Ptr(x),
-                    Arg::Ptr(rows_ptr),
-                    Arg::Ptr(weight.ptr),
-                    Arg::Ptr(out),
-                    Arg::I32(bf16_out),
-                    Arg::I32(d as i32),
-                    Arg::F64(eps),
-                ],
+                &launch::RmsNorm {
+                    x: Ptr::new(x),
+                    rows,
+                    w: Ptr::new(weight.ptr),
+                    out: Ptr::<Any>::new(out),
+                    out_bf16: bf16_out,
+                    d: d as i32,
+                    eps,
+                },
             )
         };
         let qkv_entry = plan::qkv_entry(kv, hd)?;
         let qkv_w = qd + 2 * kvd;
         for (li, l) in w.layers.iter().enumerate() {
             // Attention block.
-            norm(b.x.ptr, 0, &l.attn_norm, b.h.ptr, m)?;
+            norm(b.x.ptr, Ptr::NULL, &l.attn_norm, b.h.ptr, m)?;
             self.blas.gemm(
                 m,
                 qkv_w,
@@ -643,27 +603,27 @@ impl CudaModel {
                 (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
                 (plan::QKV_WARPS * 32) as u32,
                 0,
-                &[
-                    Arg::Ptr(b.scratch.ptr),
-                    Arg::Ptr(l.bqkv.as_ref().map_or(0, |x| x.ptr)),
-                    Arg::Ptr(l.q_norm.as_ref().map_or(0, |x| x.ptr)),
-                    Arg::Ptr(l.k_norm.as_ref().map_or(0, |x| x.ptr)),
-                    Arg::Ptr(rope.cos.ptr),
-                    Arg::Ptr(rope.sin.ptr),
-                    Arg::Ptr(ints.at(o_pos)),
-                    Arg::Ptr(ints.at(o_win)),
-                    Arg::Ptr(b.q.ptr),
-                    Arg::I32(matches!(kernel, AttnKernel::Mma { .. }) as i32),
-                    b.k.arg(),
-                    b.v.arg(),
-                    Arg::Ptr(b.err.ptr),
-                    Arg::I32(li as i32),
-                    Arg::I64(m as i64),
-                    Arg::I32(hq as i32),
-                    Arg::I32(hkv as i32),
-                    Arg::I32(hd as i32),
-                    Arg::F64(eps),
-                ],
+                &launch::QkvPrep {
+                    qkv: Ptr::new(b.scratch.ptr),
+                    bias: l.bqkv.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                    q_norm: l.q_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                    k_norm: l.k_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                    rope_cos: Ptr::new(rope.cos.ptr),
+                    rope_sin: Ptr::new(rope.sin.ptr),
+                    pos: Ptr::new(ints.at(o_pos)),
+                    win: Ptr::new(ints.at(o_win)),
+                    q_out: Ptr::new(b.q.ptr),
+                    q_bf16: matches!(kernel, AttnKernel::Mma { .. }) as i32,
+                    kt: b.k.arg(),
+                    vt: b.v.arg(),
+                    err: Ptr::new(b.err.ptr),
+                    layer: li as i32,
+                    rows: m as i64,
+                    hq: hq as i32,
+                    hkv: hkv as i32,
+                    D: hd as i32,
+                    eps,
+                },
             )?;
             self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
             self.blas.gemm(
@@ -676,7 +636,7 @@ impl CudaModel {
                 true,
             )?;
             // MLP block.
-            norm(b.x.ptr, 0, &l.mlp_norm, b.h.ptr, m)?;
+            norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
             self.blas.gemm(
                 m,
                 2 * f,
@@ -691,13 +651,13 @@ impl CudaModel {
                 (plan::blocks_for(m * f, 256), 1, 1),
                 256,
                 0,
-                &[
-                    Arg::Ptr(b.scratch.ptr),
-                    Arg::Ptr(b.act.ptr),
-                    Arg::I32(bf16_out),
-                    Arg::I64(m as i64),
-                    Arg::I32(f as i32),
-                ],
+                &launch::Swiglu {
+                    gu: Ptr::new(b.scratch.ptr),
+                    act: Ptr::new(b.act.ptr),
+                    out_bf16: bf16_out,
+                    rows: m as i64,
+                    f: f as i32,
+                },
             )?;
             self.blas.gemm(
                 m,
@@ -712,7 +672,13 @@ impl CudaModel {
 
         // Head over the scored rows only: final norm of the gathered rows into `h`, then
         // vocabulary chunks folded into a running log-sum-exp.
-        norm(b.x.ptr, ints.at(o_rows), &w.final_norm, b.h.ptr, r_total)?;
+        norm(
+            b.x.ptr,
+            Ptr::new(ints.at(o_rows)),
+            &w.final_norm,
+            b.h.ptr,
+            r_total,
+        )?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         let (hr, vc_max) = (b.plan.head_rows, b.plan.vocab_chunk);
         for r0 in (0..r_total).step_by(hr) {
@@ -733,15 +699,15 @@ impl CudaModel {
                     (rb as u32, 1, 1),
                     256,
                     0,
-                    &[
-                        Arg::Ptr(b.logits.ptr),
-                        Arg::I32(vc as i32),
-                        Arg::I32(v0 as i32),
-                        Arg::Ptr(ints.at(o_tgt + 4 * r0)),
-                        Arg::Ptr(b.run_max.at(4 * r0)),
-                        Arg::Ptr(b.run_sum.at(8 * r0)),
-                        Arg::Ptr(b.run_target.at(4 * r0)),
-                    ],
+                    &launch::HeadReduce {
+                        logits: Ptr::new(b.logits.ptr),
+                        vc: vc as i32,
+                        v0: v0 as i32,
+                        targets: Ptr::new(ints.at(o_tgt + 4 * r0)),
+                        run_max: Ptr::new(b.run_max.at(4 * r0)),
+                        run_sum: Ptr::new(b.run_sum.at(8 * r0)),
+                        run_target: Ptr::new(b.run_target.at(4 * r0)),
+                    },
                 )?;
             }
         }
@@ -750,13 +716,13 @@ impl CudaModel {
             (plan::blocks_for(r_total, 256), 1, 1),
             256,
             0,
-            &[
-                Arg::Ptr(b.run_max.ptr),
-                Arg::Ptr(b.run_sum.ptr),
-                Arg::Ptr(b.run_target.ptr),
-                Arg::Ptr(b.out.ptr),
-                Arg::I32(r_total as i32),
-            ],
+            &launch::HeadFinish {
+                run_max: Ptr::new(b.run_max.ptr),
+                run_sum: Ptr::new(b.run_sum.ptr),
+                run_target: Ptr::new(b.run_target.ptr),
+                out: Ptr::new(b.out.ptr),
+                rows: r_total as i32,
+            },
         )?;
         let err: Vec<u64> = g.read(&b.err, 0, 1)?;
         let lps: Vec<f32> = g.read(&b.out, 0, r_total)?;

@@ -147,7 +147,7 @@ pub fn tensor_bytes(name: &str, shape: &[usize], seed: u64) -> (&'static str, Ve
         let data = vec![v; n];
         return ("F32", bytemuck::cast_slice::<f32, u8>(&data).to_vec());
     }
-    let std = if name == "model.embed_tokens.weight" {
+    let std = if name == crate::model::tensors::EMBED {
         1.0
     } else {
         1.0 / (shape[1] as f32).sqrt()

@@ -1,0 +1,429 @@
+//! Typed kernel arguments: one struct per `extern "C"` kernel signature in `kernels/`.
+//!
+//! A kernel launch passes its arguments by position, and the driver reads each one at the
+//! size the kernel's signature says. Handing over a hand-ordered list of integers and
+//! pointers would compile with two of them swapped and silently corrupt results. Here each
+//! kernel signature is a struct whose fields are named and typed like the kernel's
+//! parameters (pointers carry their element type), and the field order is the parameter
+//! order; a test reads the `.cu` sources and checks every struct against its kernel's
+//! parameter names and C types, so the two cannot drift apart.
+//!
+//! Compiled on every build (no CUDA needed), so the signature check runs everywhere.
+
+use std::marker::PhantomData;
+
+/// One kernel argument, by value, as the launch packs it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    /// A `KvTensor` struct: payload, f32 scales, u8 block scales.
+    Kv([u64; 3]),
+}
+
+/// A device address holding elements of `T` (`Any` for a `void*` whose element type a flag
+/// argument gives). Null is allowed where the kernel treats it as "absent".
+pub struct Ptr<T>(u64, PhantomData<fn() -> T>);
+
+impl<T> Clone for Ptr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Ptr<T> {}
+
+impl<T> Ptr<T> {
+    pub const NULL: Ptr<T> = Ptr(0, PhantomData);
+
+    /// The device address `addr`, read as elements of `T`.
+    pub fn new(addr: u64) -> Ptr<T> {
+        Ptr(addr, PhantomData)
+    }
+
+    pub fn addr(self) -> u64 {
+        self.0
+    }
+}
+
+/// The element type of a `void*` parameter (bf16 or f32, chosen by a flag argument).
+pub enum Any {}
+/// CUDA's `int4` (four `i32`).
+pub enum Int4 {}
+
+/// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, f32 scales, u8
+/// block scales.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvArg {
+    pub data: u64,
+    pub scale: u64,
+    pub bscale: u64,
+}
+
+/// A Rust value that is one kernel parameter of a known C type.
+pub trait KernelParam {
+    /// The parameter's C type as the kernels spell it (without `const` / `__restrict__`).
+    const C_TYPE: &'static str;
+    fn arg(&self) -> Arg;
+}
+
+macro_rules! ptr_param {
+    ($t:ty, $c:literal) => {
+        impl KernelParam for Ptr<$t> {
+            const C_TYPE: &'static str = $c;
+            fn arg(&self) -> Arg {
+                Arg::Ptr(self.0)
+            }
+        }
+    };
+}
+ptr_param!(f32, "float*");
+ptr_param!(f64, "double*");
+ptr_param!(i32, "i32*");
+ptr_param!(u8, "u8*");
+ptr_param!(u16, "u16*");
+ptr_param!(u64, "u64*");
+ptr_param!(Int4, "int4*");
+ptr_param!(Any, "void*");
+
+impl KernelParam for i32 {
+    const C_TYPE: &'static str = "int";
+    fn arg(&self) -> Arg {
+        Arg::I32(*self)
+    }
+}
+impl KernelParam for i64 {
+    const C_TYPE: &'static str = "i64";
+    fn arg(&self) -> Arg {
+        Arg::I64(*self)
+    }
+}
+impl KernelParam for f32 {
+    const C_TYPE: &'static str = "float";
+    fn arg(&self) -> Arg {
+        Arg::F32(*self)
+    }
+}
+impl KernelParam for f64 {
+    const C_TYPE: &'static str = "double";
+    fn arg(&self) -> Arg {
+        Arg::F64(*self)
+    }
+}
+impl KernelParam for KvArg {
+    const C_TYPE: &'static str = "KvTensor";
+    fn arg(&self) -> Arg {
+        Arg::Kv([self.data, self.scale, self.bscale])
+    }
+}
+
+/// The arguments of one kernel signature, in parameter order.
+pub trait Launch {
+    /// The kernel's source file (`kernels/<module>.cu`) and how its name is spelled where
+    /// it is declared (macro-generated kernels: with their `##` tokens), for the check.
+    const SOURCE: (&'static str, &'static [&'static str]);
+    /// `(parameter name, C type)` in order.
+    fn signature() -> Vec<(&'static str, &'static str)>;
+    fn args(&self) -> Vec<Arg>;
+}
+
+/// Declares a kernel's argument struct; the fields are the kernel's parameters, in order.
+macro_rules! kernel_args {
+    ($(#[$m:meta])* $name:ident = ($module:literal, [$($src:literal),+]) {
+        $($(#[$fm:meta])* $field:ident : $ty:ty),* $(,)?
+    }) => {
+        $(#[$m])*
+        #[allow(non_snake_case)]
+        pub struct $name {
+            $($(#[$fm])* pub $field: $ty),*
+        }
+        impl Launch for $name {
+            const SOURCE: (&'static str, &'static [&'static str]) = ($module, &[$($src),+]);
+            fn signature() -> Vec<(&'static str, &'static str)> {
+                vec![$((stringify!($field), <$ty as KernelParam>::C_TYPE)),*]
+            }
+            fn args(&self) -> Vec<Arg> {
+                vec![$(self.$field.arg()),*]
+            }
+        }
+    };
+}
+
+kernel_args! {
+    /// `embed_gather`: `x[m, d]` = the embedding rows of `tokens[m]`. Grid (m), block 256.
+    EmbedGather = ("elementwise", ["embed_gather"]) {
+        tokens: Ptr<i32>,
+        embed: Ptr<Any>,
+        /// 1: the embedding is bf16, 0: f32.
+        embed_bf16: i32,
+        x: Ptr<f32>,
+        d: i32,
+    }
+}
+
+kernel_args! {
+    /// `rms_norm`: one row per block; `rows` (optional) gathers the input rows.
+    RmsNorm = ("elementwise", ["rms_norm"]) {
+        x: Ptr<f32>,
+        /// Null: row r is input row r.
+        rows: Ptr<i32>,
+        w: Ptr<f32>,
+        out: Ptr<Any>,
+        out_bf16: i32,
+        d: i32,
+        eps: f64,
+    }
+}
+
+kernel_args! {
+    /// `swiglu`: `act[rows, f] = silu(gu[:, :f]) * gu[:, f:]`.
+    Swiglu = ("elementwise", ["swiglu"]) {
+        gu: Ptr<f32>,
+        act: Ptr<Any>,
+        out_bf16: i32,
+        rows: i64,
+        f: i32,
+    }
+}
+
+kernel_args! {
+    /// `head_reduce`: folds one vocabulary chunk of logits into each row's running
+    /// max / sum / target logit. Grid (rows), block 256.
+    HeadReduce = ("head", ["head_reduce"]) {
+        logits: Ptr<f32>,
+        vc: i32,
+        v0: i32,
+        targets: Ptr<i32>,
+        run_max: Ptr<f32>,
+        run_sum: Ptr<f64>,
+        run_target: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `head_finish`: `out[r] = target - max - log(sum)`.
+    HeadFinish = ("head", ["head_finish"]) {
+        run_max: Ptr<f32>,
+        run_sum: Ptr<f64>,
+        run_target: Ptr<f32>,
+        out: Ptr<f32>,
+        rows: i32,
+    }
+}
+
+kernel_args! {
+    /// `qkv_prep_<kv>_nk<N>`: bias, q/k norm, RoPE, q out and K/V stored in the Main KV
+    /// representation; the first non-finite K/V value is recorded in `err`.
+    QkvPrep = ("qkv", ["NAME"]) {
+        qkv: Ptr<f32>,
+        /// Null: no bias.
+        bias: Ptr<f32>,
+        /// Null: no q/k norm.
+        q_norm: Ptr<f32>,
+        k_norm: Ptr<f32>,
+        rope_cos: Ptr<f32>,
+        rope_sin: Ptr<f32>,
+        pos: Ptr<i32>,
+        win: Ptr<i32>,
+        q_out: Ptr<Any>,
+        q_bf16: i32,
+        kt: KvArg,
+        vt: KvArg,
+        err: Ptr<u64>,
+        layer: i32,
+        rows: i64,
+        hq: i32,
+        hkv: i32,
+        D: i32,
+        eps: f64,
+    }
+}
+
+kernel_args! {
+    /// `attn_f32_<kv>`: causal attention in f32 over query tiles.
+    AttnF32 = ("attention", ["attn_f32_##FMT"]) {
+        q: Ptr<f32>,
+        kt: KvArg,
+        vt: KvArg,
+        tiles: Ptr<Int4>,
+        out: Ptr<Any>,
+        out_bf16: i32,
+        hq: i32,
+        hkv: i32,
+        D: i32,
+        scale: f32,
+    }
+}
+
+kernel_args! {
+    /// `attn_mma_<kv>_d64` / `_d128`: tensor-core causal attention (bf16 q and output);
+    /// `sl2` is the score scale times log2(e).
+    AttnMma = ("attention", ["attn_mma_##FMT##_d64", "attn_mma_##FMT##_d128"]) {
+        q: Ptr<u16>,
+        kt: KvArg,
+        vt: KvArg,
+        tiles: Ptr<Int4>,
+        out: Ptr<u16>,
+        hq: i32,
+        hkv: i32,
+        sl2: f32,
+    }
+}
+
+kernel_args! {
+    /// `kv_encode_<elem>`: stores `n` vectors of `D` values.
+    KvEncode = ("codec", ["kv_encode_##NAME"]) {
+        x: Ptr<f32>,
+        n: i64,
+        D: i32,
+        t: KvArg,
+    }
+}
+
+kernel_args! {
+    /// `kv_decode_<elem>`: reads `n` stored vectors back through the attention's loader.
+    KvDecode = ("codec", ["kv_decode_##NAME"]) {
+        t: KvArg,
+        n: i64,
+        D: i32,
+        out: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `e4m3_encode` / `e2m1_encode`: the element code of each of `n` values.
+    ElementEncode = ("codec", ["e4m3_encode", "e2m1_encode"]) {
+        x: Ptr<f32>,
+        out: Ptr<u8>,
+        n: i64,
+    }
+}
+
+/// Every launcher's `(SOURCE, signature)`, for the check against the sources.
+type Signature = (
+    (&'static str, &'static [&'static str]),
+    Vec<(&'static str, &'static str)>,
+);
+
+pub fn all_signatures() -> Vec<Signature> {
+    fn one<L: Launch>() -> Signature {
+        (L::SOURCE, L::signature())
+    }
+    vec![
+        one::<EmbedGather>(),
+        one::<RmsNorm>(),
+        one::<Swiglu>(),
+        one::<HeadReduce>(),
+        one::<HeadFinish>(),
+        one::<QkvPrep>(),
+        one::<AttnF32>(),
+        one::<AttnMma>(),
+        one::<KvEncode>(),
+        one::<KvDecode>(),
+        one::<ElementEncode>(),
+    ]
+}
+
+/// The `(name, C type)` parameters of the kernel declared as `name` in `source`, read from
+/// its `extern "C" __global__ void [__launch_bounds__(..)] name(...)` declaration.
+pub fn parse_params(source: &str, name: &str) -> Option<Vec<(String, String)>> {
+    let text = source.replace("\\\n", " ");
+    let mut from = 0;
+    while let Some(i) = text[from..].find("extern \"C\" __global__ void") {
+        let decl = &text[from + i..];
+        from += i + 1;
+        let open = decl.find('(')?;
+        let mut head = decl[..open].trim_end().to_string();
+        let mut rest = &decl[open..];
+        if head.ends_with("__launch_bounds__") {
+            // Skip the bounds' parentheses; the name follows them.
+            let close = rest.find(')')?;
+            rest = &rest[close + 1..];
+            let open2 = rest.find('(')?;
+            head = rest[..open2].trim().to_string();
+            rest = &rest[open2..];
+        }
+        let declared = head.rsplit(' ').next()?.trim();
+        if declared != name {
+            continue;
+        }
+        let close = rest.find(')')?;
+        let params = rest[1..close]
+            .split(',')
+            .map(|p| {
+                let p = p
+                    .replace("const ", " ")
+                    .replace("__restrict__", " ")
+                    .replace('*', " * ");
+                let words: Vec<&str> = p.split_whitespace().collect();
+                let (n, ty) = words.split_last().expect("a parameter");
+                (n.to_string(), ty.concat())
+            })
+            .collect();
+        return Some(params);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernels::MODULES;
+
+    #[test]
+    fn every_launcher_matches_its_kernel_signature() {
+        for ((module, names), sig) in all_signatures() {
+            let m = MODULES
+                .iter()
+                .find(|m| m.name == module)
+                .unwrap_or_else(|| panic!("no module {module}"));
+            let want: Vec<(String, String)> = sig
+                .iter()
+                .map(|(n, t)| (n.to_string(), t.to_string()))
+                .collect();
+            for name in names {
+                let params = parse_params(m.source, name)
+                    .unwrap_or_else(|| panic!("kernels/{module}.cu declares no kernel `{name}`"));
+                assert_eq!(params, want, "kernels/{module}.cu `{name}`");
+            }
+        }
+    }
+
+    #[test]
+    fn the_check_sees_a_swapped_parameter() {
+        // The parser reads what the check compares: a declaration with two parameters
+        // swapped gives a different list, and a missing kernel gives none.
+        let src = "extern \"C\" __global__ void __launch_bounds__(128) k(const float* __restrict__ x, int n, i64 m) {}";
+        assert_eq!(
+            parse_params(src, "k").unwrap(),
+            [("x", "float*"), ("n", "int"), ("m", "i64")]
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+        let swapped = src.replace("int n, i64 m", "i64 m, int n");
+        assert_ne!(parse_params(&swapped, "k"), parse_params(src, "k"));
+        assert_eq!(parse_params(src, "other"), None);
+    }
+
+    #[test]
+    fn args_follow_the_field_order() {
+        let a = Swiglu {
+            gu: Ptr::new(16),
+            act: Ptr::new(32),
+            out_bf16: 1,
+            rows: 7,
+            f: 9,
+        };
+        assert_eq!(
+            a.args(),
+            vec![
+                Arg::Ptr(16),
+                Arg::Ptr(32),
+                Arg::I32(1),
+                Arg::I64(7),
+                Arg::I32(9)
+            ]
+        );
+    }
+}
