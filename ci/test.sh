@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: prepares the pinned model, tokenizer and corpus (idempotent),
-# then runs the corpus builder's unit tests and `cargo test --release` (unit tests, fixture
-# comparisons against transformers, CLI end-to-end tests, and the regression harness).
+# then runs the corpus builder's unit tests, `cargo test --release` (unit tests, fixture
+# comparisons against transformers, CLI end-to-end tests, and the regression harness) and the
+# build-independence check (ci/install-check.sh).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -13,3 +14,5 @@ python3 -m unittest discover -s eval/corpora/perplexity-1m -q
 NINFER_NVRTC_LIB_DIR="$(bash ci/install-nvrtc.sh)"
 export NINFER_NVRTC_LIB_DIR
 cargo test --release "$@"
+# The CPU bits must not depend on how the crate is built (a build without .cargo/config.toml).
+bash ci/install-check.sh

@@ -151,6 +151,18 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         engine.tokenizer.sha256(),
         engine.tokenizer.vocab_size()
     ));
+    if matches!(engine.device, crate::backend::Device::Cpu { .. }) {
+        use crate::backend::cpu::matmul::{matrixmultiply_agrees, Gemm};
+        ui::debug(format!(
+            "cpu gemm {:?}{}",
+            Gemm::configured(),
+            if matrixmultiply_agrees() {
+                " (matrixmultiply and tile16 give the same bits here)"
+            } else {
+                " (this build's matrixmultiply does not give the engine's bits: tile16 only)"
+            }
+        ));
+    }
     ui::debug(format!(
         "weights loaded in {:.2}s; provenance {:?}",
         inputs.load_s, a.provenance

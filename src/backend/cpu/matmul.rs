@@ -6,16 +6,19 @@
 //! same kernel in the same k order wherever the block boundaries fall, so the result does
 //! not depend on the thread count (checked by a test).
 //!
-//! The bits do depend on `matrixmultiply`'s depth blocking: each output is one fused
-//! multiply-add chain per block of `KC` depth, the blocks added in order. The repository
-//! pins `KC = 768` at compile time (`.cargo/config.toml`, the crate's `constconf` feature),
-//! which keeps SmolLM2's depth-576 products in one pass; a test fails if a build loses it.
+//! The bits are defined by the crate's own GEMM, [`super::sgemm16`]: the depth cut into
+//! blocks of 768, one fused multiply-add chain per block, the blocks added in order. They do
+//! not depend on how the crate is built. `matrixmultiply` (an `8 × 8` permute tile) computes
+//! the same bits when it is built with its depth block `KC = 768` (the repository's
+//! `.cargo/config.toml` sets `MATMUL_SGEMM_KC=768` through its `constconf` feature) and the
+//! CPU has FMA. A build that loses that setting (`cargo install`, use as a dependency) gets
+//! another `KC` and other bits, so a one-time probe ([`matrixmultiply_agrees`]) compares the
+//! two on a product deeper than two blocks, and `matrixmultiply` runs only where it agrees:
+//! otherwise every product takes `sgemm16`, with the same bits.
 //!
-//! Each block runs on one of two GEMMs with the same bits: `matrixmultiply` (an `8 × 8`
-//! permute tile) or [`super::sgemm16`] (a `6 × 16` broadcast tile). Which one is faster
-//! depends on the host's load at the moment (docs/performance.md, round 8), so by default
-//! [`Gemm::Auto`] times both per shape as it goes and mostly runs the faster one. The choice
-//! can change run to run; the results cannot.
+//! Where both may run, which one is faster depends on the host's load at the moment
+//! (docs/performance.md), so by default [`Gemm::Auto`] times both per shape as it goes and
+//! mostly runs the faster one. The choice can change run to run; the results cannot.
 
 use super::isa::Isa;
 use super::sgemm16;
@@ -52,26 +55,85 @@ impl Gemm {
     }
 
     /// `NINFER_CPU_GEMM` (a developer switch for A/B timing; every choice gives the same
-    /// bits): `Ok(None)` when unset, an error naming the value when it is not one of the names.
-    /// The CLI checks it up front, so a typo fails the run instead of timing the wrong GEMM.
+    /// bits): `Ok(None)` when unset, an error naming the value when it is not one of the names,
+    /// or when it asks for `matrixmultiply` in a build whose `matrixmultiply` does not give the
+    /// engine's bits. The CLI checks it up front, so a typo fails the run instead of timing the
+    /// wrong GEMM.
     pub fn from_env() -> Result<Option<Gemm>, String> {
-        match std::env::var("NINFER_CPU_GEMM") {
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(v)) => Err(format!(
-                "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
-            )),
-            Ok(v) => Gemm::parse(v.trim()).map(Some).ok_or_else(|| {
+        let g = match std::env::var("NINFER_CPU_GEMM") {
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(format!(
+                    "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
+                ))
+            }
+            Ok(v) => Gemm::parse(v.trim()).ok_or_else(|| {
                 format!("NINFER_CPU_GEMM={v:?}: expected matrixmultiply, tile16 or auto")
-            }),
+            })?,
+        };
+        if g == Gemm::Matrixmultiply && !matrixmultiply_agrees() {
+            return Err(
+                "NINFER_CPU_GEMM=matrixmultiply: this build's matrixmultiply does not give the engine's bits \
+                 (built without MATMUL_SGEMM_KC=768, see .cargo/config.toml, or no FMA); use tile16 or auto"
+                    .into(),
+            );
         }
+        Ok(Some(g))
     }
 
     /// The process-wide default: [`Gemm::from_env`] when it names one, else `Auto` (library
-    /// users that skip the CLI's check get `Auto` for a bad value).
+    /// users that skip the CLI's check get `Auto` for a bad value). `Auto` is `Tile16` where
+    /// `matrixmultiply` does not agree with it.
     pub fn configured() -> Gemm {
         static CONFIGURED: OnceLock<Gemm> = OnceLock::new();
-        *CONFIGURED.get_or_init(|| Gemm::from_env().ok().flatten().unwrap_or(Gemm::Auto))
+        *CONFIGURED.get_or_init(|| {
+            let g = Gemm::from_env().ok().flatten().unwrap_or(Gemm::Auto);
+            if g == Gemm::Auto && !matrixmultiply_agrees() {
+                Gemm::Tile16
+            } else {
+                g
+            }
+        })
     }
+}
+
+/// Whether this build's `matrixmultiply` gives exactly [`super::sgemm16`]'s bits on this CPU
+/// (probed once per process: a product three depth blocks deep, with and without
+/// accumulation). False when `matrixmultiply` was built with another depth block than 768,
+/// or runs without FMA here.
+pub fn matrixmultiply_agrees() -> bool {
+    static AGREES: OnceLock<bool> = OnceLock::new();
+    *AGREES.get_or_init(|| {
+        let (m, n, k) = (24, 40, 2 * sgemm16::KC + 45);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0)
+            .collect();
+        [false, true].into_iter().all(|accumulate| {
+            let run = |g: Gemm| {
+                let mut c: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.25 - 3.0).collect();
+                // SAFETY: dense [m, k], [n, k] and [m, n] buffers, owned here.
+                unsafe {
+                    run_block(
+                        g,
+                        m,
+                        k,
+                        n,
+                        x.as_ptr(),
+                        w.as_ptr(),
+                        c.as_mut_ptr(),
+                        n,
+                        accumulate,
+                    )
+                };
+                c
+            };
+            let (a, b) = (run(Gemm::Matrixmultiply), run(Gemm::Tile16));
+            a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits())
+        })
+    })
 }
 
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
@@ -151,9 +213,41 @@ pub unsafe fn sgemm_block(
     ldc: usize,
     accumulate: bool,
 ) {
-    let run = |g: Gemm| match g {
-        Gemm::Tile16 => sgemm16::sgemm_wt(Isa::detect(), m, k, n, x, w, c, ldc, accumulate),
-        _ => matrixmultiply::sgemm(
+    match gemm {
+        Gemm::Auto if !matrixmultiply_agrees() => {
+            run_block(Gemm::Tile16, m, k, n, x, w, c, ldc, accumulate)
+        }
+        Gemm::Auto => {
+            let key = (k, n, m.min(PICK_ROWS));
+            let g = picker().pick(key);
+            let start = Instant::now();
+            run_block(g, m, k, n, x, w, c, ldc, accumulate);
+            if m * n * k > 0 {
+                picker().record(key, g, start.elapsed().as_secs_f64() / (m * n * k) as f64);
+            }
+        }
+        g => run_block(g, m, k, n, x, w, c, ldc, accumulate),
+    }
+}
+
+/// One block on the GEMM named (`Auto` is not a GEMM here).
+///
+/// # Safety
+/// As for [`sgemm_block`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_block(
+    gemm: Gemm,
+    m: usize,
+    k: usize,
+    n: usize,
+    x: *const f32,
+    w: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    match gemm {
+        Gemm::Matrixmultiply => matrixmultiply::sgemm(
             m,
             k,
             n,
@@ -169,18 +263,7 @@ pub unsafe fn sgemm_block(
             ldc as isize,
             1,
         ),
-    };
-    match gemm {
-        Gemm::Auto => {
-            let key = (k, n, m.min(PICK_ROWS));
-            let g = picker().pick(key);
-            let start = Instant::now();
-            run(g);
-            if m * n * k > 0 {
-                picker().record(key, g, start.elapsed().as_secs_f64() / (m * n * k) as f64);
-            }
-        }
-        g => run(g),
+        _ => sgemm16::sgemm_wt(Isa::detect(), m, k, n, x, w, c, ldc, accumulate),
     }
 }
 
@@ -315,40 +398,55 @@ mod tests {
         }
     }
 
-    /// `matrixmultiply`'s depth blocking as pinned in `.cargo/config.toml`.
-    const PINNED_KC: usize = 768;
+    /// The engine's depth block (`sgemm16::KC`).
+    const KC: usize = 768;
 
     #[test]
-    fn depth_blocking_is_the_pinned_one() {
+    fn the_bits_are_one_fma_chain_per_depth_block_of_768() {
         // With beta = 0 every output is, per depth block of KC, one in-order FMA chain
-        // from zero, and the blocks' chains are added in order. Rebuild that by hand for a
-        // depth of two blocks (shapes that are multiples of the 8 x 8 kernel, so no edge
-        // path); a build with another KC cuts the sums elsewhere and changes the bits.
-        let (m, n, k) = (16, 24, 2 * PINNED_KC);
+        // from zero, and the blocks' chains are added in order: whichever GEMM runs.
+        let (m, n, k) = (16, 24, 2 * KC);
         let x: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
             .collect();
         let w: Vec<f32> = (0..n * k)
             .map(|i| ((i * 104729) % 997) as f32 / 400.0 - 1.0)
             .collect();
-        let mut out = vec![0.0f32; m * n];
-        matmul_wt(&x, m, k, &w, n, &mut out, false);
         let chain = |i: usize, j: usize, ks: std::ops::Range<usize>| {
             ks.fold(0.0f32, |acc, t| x[i * k + t].mul_add(w[j * k + t], acc))
         };
-        let mut differ = 0;
-        for i in 0..m {
-            for j in 0..n {
-                let want = chain(i, j, 0..PINNED_KC) + chain(i, j, PINNED_KC..k);
-                differ += (out[i * n + j].to_bits() != want.to_bits()) as usize;
-            }
+        let mut gemms = vec![Gemm::Tile16, Gemm::Auto, Gemm::configured()];
+        if matrixmultiply_agrees() {
+            gemms.push(Gemm::Matrixmultiply);
         }
-        assert_eq!(
-            differ,
-            0,
-            "matrixmultiply was not built with MATMUL_SGEMM_KC={PINNED_KC} (see .cargo/config.toml) \
-             or its kernel has no FMA: the CPU path's bits would not match the baselines"
-        );
+        for g in gemms {
+            let mut out = vec![0.0f32; m * n];
+            matmul_wt_with(g, &x, m, k, &w, n, &mut out, false);
+            let mut differ = 0;
+            for i in 0..m {
+                for j in 0..n {
+                    let want = chain(i, j, 0..KC) + chain(i, j, KC..k);
+                    differ += (out[i * n + j].to_bits() != want.to_bits()) as usize;
+                }
+            }
+            assert_eq!(differ, 0, "{g:?}");
+        }
+    }
+
+    #[test]
+    fn matrixmultiply_runs_only_where_it_gives_the_same_bits() {
+        // Built with the repository's MATMUL_SGEMM_KC=768 on an FMA machine, matrixmultiply
+        // agrees and the picker may use it; built any other way it must not be used.
+        let pinned = option_env!("MATMUL_SGEMM_KC") == Some("768");
+        if !pinned {
+            assert!(!matrixmultiply_agrees(), "KC is not 768, yet the probe agreed");
+            assert_eq!(Gemm::configured(), Gemm::Tile16);
+        } else if Isa::detect() != Isa::Portable {
+            assert!(
+                matrixmultiply_agrees(),
+                "matrixmultiply built with KC=768 disagrees with sgemm16: the picker lost a GEMM"
+            );
+        }
     }
 
     #[test]

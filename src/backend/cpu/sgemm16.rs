@@ -1,18 +1,19 @@
-//! A second single-threaded sgemm, `C (+)= X · Wᵀ`, that gives exactly the bits of the
-//! `matrixmultiply` call it can stand in for, with a different register tile.
+//! The crate's own single-threaded sgemm, `C (+)= X · Wᵀ`: its numerics define the CPU
+//! path's bits, whatever the build.
 //!
-//! Why two: on this project's development host (a shared virtual machine) the fastest GEMM
-//! changes with the host's load. In quiet phases a `6 × 16` broadcast tile (two vector loads
-//! and six broadcasts per twelve FMAs, the shape MKL and OpenBLAS use on AVX2) beats
+//! Numerics (checked bit for bit by the tests against the definition written out): the depth
+//! is cut into blocks of [`KC`] starting at zero; per block every output gets one in-order
+//! chain of fused multiply-adds starting from zero; the first block's chain is stored (or
+//! added to the old output when accumulating) and every later block's chain is added to the
+//! output. These are also `matrixmultiply`'s bits when that crate is built with `KC = 768`,
+//! so [`super::matmul`] may run either one where a probe shows they agree.
+//!
+//! Why a second GEMM beside `matrixmultiply`: on a shared virtual machine the faster one
+//! changes with the host's load. In quiet phases this `6 × 16` broadcast tile (two vector
+//! loads and six broadcasts per twelve FMAs, the shape MKL and OpenBLAS use on AVX2) beats
 //! `matrixmultiply`'s `8 × 8` permute tile by about 10%; in busy phases it loses by as much
-//! (docs/performance.md, rounds 6 and 8). Because both produce the same bits, the caller may
-//! pick either per call by measured speed ([`super::matmul`]) without touching results.
-//!
-//! Numerics (the contract with `matrixmultiply` built with `KC = 768`, checked bit for bit
-//! by the tests): the depth is cut into blocks of [`KC`] starting at zero; per block every
-//! output gets one in-order chain of fused multiply-adds starting from zero; the first
-//! block's chain is stored (or added to the old output when accumulating) and every later
-//! block's chain is added to the output.
+//! (docs/performance.md). Both give the same bits, so the caller picks per call by measured
+//! speed without touching results.
 //!
 //! Layout: `x` is `[m, k]` row-major at row stride `k`; `w` is `[n, k]` row-major (one output
 //! column per row, the Hugging Face layout); `c` is `[m, n]` at row stride `ldc`. The weights
@@ -29,13 +30,14 @@ const MR: usize = 6;
 /// The widest tile: rows × columns.
 const MAX_TILE: usize = 12 * 2 * NR;
 /// Rows per cache block: a block's activations for one depth slice stay in L2 while every
-/// weight panel passes over them (round 6 swept 24-288; 48 was best).
+/// weight panel passes over them (a sweep of 24-288 found 48 best).
 const MC: usize = 48;
-/// Depth block: must equal `matrixmultiply`'s pinned `KC` (see `.cargo/config.toml`).
+/// Depth block: part of the definition of the CPU bits (`matrixmultiply` agrees only when
+/// built with the same `KC`, see `.cargo/config.toml`).
 pub const KC: usize = 768;
 /// Columns per column block: the cache blocks of rows walk the packed weights of one column
 /// block (1.7 MiB at depth 576) before the next, instead of all of them. Measured on the Zen 3
-/// host (round 9 of docs/performance.md): without it the widest shapes (gate/up, 3072 columns,
+/// host (docs/performance.md): without it the widest shapes (gate/up, 3072 columns,
 /// 7 MiB packed; a 2048-column head chunk) ran at 0.88-0.95 of `matrixmultiply`, with it at
 /// 1.04 like the narrow ones. The order of the loops over outputs changes no bit.
 const NC: usize = 768;
@@ -63,8 +65,7 @@ fn tile_shape(isa: Isa) -> (usize, usize) {
     }
 }
 
-/// `c[m, n] = (accumulate ? c : 0) + x[m, k] · w[n, k]ᵀ` with `matrixmultiply`'s bits (see
-/// the module comment).
+/// `c[m, n] = (accumulate ? c : 0) + x[m, k] · w[n, k]ᵀ` (numerics: the module comment).
 ///
 /// # Safety
 /// `x` is readable for `m` rows of `k` floats at stride `k`; `w` for `n` rows of `k` floats at
@@ -360,34 +361,28 @@ mod tests {
             .collect()
     }
 
+    /// The definition, written out: per depth block of `KC` one in-order FMA chain from
+    /// zero; the first block's chain stored (or added to the old output), later ones added.
     fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, c: &mut [f32], acc: bool) {
-        // SAFETY: dense buffers of the stated shapes.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                x.as_ptr(),
-                k as isize,
-                1,
-                w.as_ptr(),
-                1,
-                k as isize,
-                if acc { 1.0 } else { 0.0 },
-                c.as_mut_ptr(),
-                n as isize,
-                1,
-            );
+        for i in 0..m {
+            for j in 0..n {
+                let mut out = c[i * n + j];
+                for (b, k0) in (0..k).step_by(KC).enumerate() {
+                    let chain = (k0..(k0 + KC).min(k))
+                        .fold(0.0f32, |a, t| x[i * k + t].mul_add(w[j * k + t], a));
+                    out = if b == 0 && !acc { chain } else { out + chain };
+                }
+                c[i * n + j] = if k == 0 && !acc { 0.0 } else { out };
+            }
         }
     }
 
-    /// The contract: the same bits as `matrixmultiply` for every tile, with and without
-    /// accumulation, over shapes that cross every block edge (rows past a cache block and a
+    /// The contract: the definition's bits for every tile, with and without accumulation,
+    /// over shapes that cross every block edge (rows past a cache block and a
     /// partial register tile, depth over two `KC` blocks and a partial one, columns past an `NC`
     /// block, a narrow panel).
     #[test]
-    fn same_bits_as_matrixmultiply() {
+    fn every_tile_gives_the_definitions_bits() {
         let shapes = [
             (1, 1, 1),
             (5, 7, 3),
