@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 /// Causal perplexity of a .ninfer artifact on a fixed corpus or a text file.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-perplexity", version, about, long_about = None)]
+#[command(name = "ninfer-perplexity", version, long_about = None)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
 pub struct Args {
     /// The artifact: a .ninfer path or a name registered in eval/registry.json.

@@ -42,7 +42,6 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-#[test]
 fn smollm2_text_run_prints_table_and_writes_report() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let tmp = common::tempdir();
@@ -107,7 +106,6 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     }
 }
 
-#[test]
 fn bad_artifacts() {
     let tmp = common::tempdir();
     let txt = text_file(tmp.path(), "t.txt", b"hello world, hello world");
@@ -208,7 +206,6 @@ fn bad_artifacts() {
     assert!(!out.exists(), "no report may be written on failure");
 }
 
-#[test]
 fn bad_text_and_flags() {
     let tmp = common::tempdir();
     let art = tiny_artifact(tmp.path());
@@ -264,7 +261,6 @@ fn bad_text_and_flags() {
     assert!(stderr(&o).contains("cannot be used with"));
 }
 
-#[test]
 fn a_bad_gemm_switch_is_refused() {
     let tmp = common::tempdir();
     let art = tiny_artifact(tmp.path());
@@ -285,7 +281,6 @@ fn a_bad_gemm_switch_is_refused() {
     assert!(!out.exists(), "no report may be written on failure");
 }
 
-#[test]
 fn pack_errors_name_the_input() {
     let tmp = common::tempdir();
     let o = pack(&["hf", s(tmp.path()), "-o", s(&tmp.path().join("x.ninfer"))]);
@@ -298,4 +293,12 @@ fn pack_errors_name_the_input() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("config.json"), "{}", stderr(&o));
     assert!(!tmp.path().join("x.ninfer").exists());
+}
+
+test_main! {
+    Prepared smollm2_text_run_prints_table_and_writes_report,
+    Prepared bad_artifacts,
+    Prepared bad_text_and_flags,
+    Prepared a_bad_gemm_switch_is_refused,
+    Nothing pack_errors_name_the_input,
 }

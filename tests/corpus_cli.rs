@@ -61,7 +61,6 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-#[test]
 fn smollm2_corpus_run_prints_domain_table() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let m = mini(
@@ -135,7 +134,6 @@ fn smollm2_corpus_run_prints_domain_table() {
     assert_eq!(r["settings"]["quick"], true);
 }
 
-#[test]
 fn corpus_bad_input() {
     let dir = common::tempdir();
     let art = common::tiny_artifact(dir.path());
@@ -205,4 +203,9 @@ fn corpus_bad_input() {
         e.contains("/nonexistent/manifest.json") && e.contains("cannot read manifest"),
         "{e}"
     );
+}
+
+test_main! {
+    Prepared smollm2_corpus_run_prints_domain_table,
+    Prepared corpus_bad_input,
 }

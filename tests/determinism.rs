@@ -64,7 +64,6 @@ fn tokens(bytes: usize, take: usize) -> Vec<u32> {
     tokens
 }
 
-#[test]
 fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
     let tokens = tokens(4000, 300);
     for kv in [KvDtype::Bf16, KvDtype::Nvfp4] {
@@ -88,7 +87,6 @@ fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
     }
 }
 
-#[test]
 fn windows_split_between_threads_give_the_same_bits() {
     // Windows of 512 tokens are long enough to be split between two threads (rows of the
     // window's later layers on a second thread, `Split` in src/model/forward.rs). A stream
@@ -109,4 +107,9 @@ fn windows_split_between_threads_give_the_same_bits() {
             );
         }
     }
+}
+
+test_main! {
+    Prepared identical_bits_for_1_2_3_and_16_threads_and_repeated_runs,
+    Prepared windows_split_between_threads_give_the_same_bits,
 }

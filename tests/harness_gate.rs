@@ -2,11 +2,11 @@
 //! (`NINFER_TEST_FAULT`) its trials fail, two clean runs give identical numbers, missing
 //! artifacts are ignored (never passed), and bad input is reported by file and field.
 //!
-//! The harness code (`tests/harness/`) is compiled into this test binary too. The
-//! `harness_child` test below is a no-op unless `NINFER_HARNESS_GATE_ARGS` is set; the other
-//! tests run this same executable as a child process with that variable, so the harness
-//! runs in a process of its own with its own environment (the fault switch is read when the
-//! model is built) and exits with its own status.
+//! The harness code (`tests/harness/`) is compiled into this test binary too. With
+//! `NINFER_HARNESS_GATE_ARGS` set, this executable runs the harness instead of its tests; the
+//! tests run it that way as a child process, so the harness runs in a process of its own with
+//! its own environment (the fault switch is read when the model is built) and exits with its
+//! own status.
 
 mod common;
 
@@ -20,24 +20,21 @@ use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::registry::{Registry, Tolerance};
 use std::ffi::OsString;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 const CHILD_ARGS: &str = "NINFER_HARNESS_GATE_ARGS";
 
-/// In a child process: run the harness with the given arguments and exit with its status.
-#[test]
-fn harness_child() {
-    let Ok(json) = std::env::var(CHILD_ARGS) else {
-        return;
-    };
-    let args: Vec<String> = serde_json::from_str(&json).expect("child arguments");
+/// In a child process (`NINFER_HARNESS_GATE_ARGS` set): the harness with the given
+/// arguments, exiting with its status.
+fn harness_child(json: &str) -> ExitCode {
+    let args: Vec<String> = serde_json::from_str(json).expect("child arguments");
     let mut argv: Vec<OsString> = vec!["harness".into()];
     argv.extend(args.into_iter().map(OsString::from));
     let code = harness::main_with(argv);
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    std::process::exit(code as i32);
+    ExitCode::from(code)
 }
 
 struct Run {
@@ -52,21 +49,14 @@ struct Run {
 fn run_harness(args: &[&str], envs: &[(&str, &str)]) -> Run {
     let report = common::tempdir();
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "harness_child",
-        "--nocapture",
-        "--test-threads",
-        "1",
-    ])
-    .env(CHILD_ARGS, serde_json::to_string(args).unwrap())
-    .env("INSTA_UPDATE", "no")
-    .env("NINFER_HARNESS_REPORT_DIR", report.path())
-    .env("RUST_BACKTRACE", "0")
-    .env_remove("NINFER_TEST_FAULT")
-    .env_remove("NINFER_HARNESS_FLAGS")
-    .env_remove("NINFER_HARNESS_THREADS")
-    .env_remove("NINFER_REGISTRY");
+    cmd.env(CHILD_ARGS, serde_json::to_string(args).unwrap())
+        .env("INSTA_UPDATE", "no")
+        .env("NINFER_HARNESS_REPORT_DIR", report.path())
+        .env("RUST_BACKTRACE", "0")
+        .env_remove("NINFER_TEST_FAULT")
+        .env_remove("NINFER_HARNESS_FLAGS")
+        .env_remove("NINFER_HARNESS_THREADS")
+        .env_remove("NINFER_REGISTRY");
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -119,7 +109,6 @@ fn no_pending_snapshots() -> Vec<String> {
     out
 }
 
-#[test]
 fn fault_switch_makes_trials_fail() {
     common::artifact("smollm2-135m-bf16.ninfer");
     let before = no_pending_snapshots();
@@ -166,7 +155,6 @@ fn fault_switch_makes_trials_fail() {
     );
 }
 
-#[test]
 fn clean_runs_pass_with_identical_numbers() {
     common::artifact("smollm2-135m-bf16.ninfer");
     // One engine thread and one trial at a time, then two trials at once on all cores.
@@ -213,7 +201,6 @@ fn clean_runs_pass_with_identical_numbers() {
     }
 }
 
-#[test]
 fn missing_artifact_is_ignored_with_the_reason_never_passed() {
     let dir = common::tempdir();
     let reg = dir.path().join("registry.json");
@@ -252,7 +239,6 @@ fn missing_artifact_is_ignored_with_the_reason_never_passed() {
     }
 }
 
-#[test]
 fn gpu_tier_is_ignored_without_a_gpu() {
     if ninfer_perplexity::backend::Device::select(
         ninfer_perplexity::backend::DeviceRequest::Cuda(0),
@@ -285,7 +271,6 @@ fn gpu_tier_is_ignored_without_a_gpu() {
     );
 }
 
-#[test]
 fn harness_flags_from_the_environment() {
     let run = run_harness(
         &["--list"],
@@ -314,7 +299,6 @@ fn harness_flags_from_the_environment() {
     );
 }
 
-#[test]
 fn bad_flag_values_list_the_choices() {
     for (args, want) in [
         (
@@ -351,7 +335,6 @@ fn argv(v: &[&str]) -> Vec<OsString> {
         .collect()
 }
 
-#[test]
 fn harness_flags_are_removed_and_libtest_flags_kept() {
     let (f, rest) = flags::extract(argv(&[
         "--kv-dtype",
@@ -421,7 +404,6 @@ fn record() -> Record {
     }
 }
 
-#[test]
 fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     let r = record();
     assert_eq!(Record::parse(&r.render()).unwrap(), r);
@@ -480,7 +462,6 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     ));
 }
 
-#[test]
 fn malformed_baseline_names_the_file_and_the_field() {
     let dir = common::tempdir();
     let loc = Location {
@@ -504,7 +485,6 @@ fn malformed_baseline_names_the_file_and_the_field() {
     assert_eq!(baseline::load(&loc, dir.path()).unwrap(), Some(record()));
 }
 
-#[test]
 fn malformed_registry_names_the_file_and_the_field() {
     let dir = common::tempdir();
     let p = dir.path().join("registry.json");
@@ -579,7 +559,6 @@ fn malformed_registry_names_the_file_and_the_field() {
     assert_eq!(e.tolerance_for("cpu", "bf16"), None);
 }
 
-#[test]
 fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
     let r = Registry::load(&common::repo().join("eval/registry.json")).unwrap();
     for e in r
@@ -598,4 +577,23 @@ fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
             );
         }
     }
+}
+
+fn main() -> ExitCode {
+    if let Ok(json) = std::env::var(CHILD_ARGS) {
+        return harness_child(&json);
+    }
+    common::trials::run(cases! {
+        Prepared fault_switch_makes_trials_fail,
+        Prepared clean_runs_pass_with_identical_numbers,
+        Nothing missing_artifact_is_ignored_with_the_reason_never_passed,
+        Nothing gpu_tier_is_ignored_without_a_gpu,
+        Nothing harness_flags_from_the_environment,
+        Nothing bad_flag_values_list_the_choices,
+        Nothing harness_flags_are_removed_and_libtest_flags_kept,
+        Nothing baseline_bodies_round_trip_and_compare_with_tolerance,
+        Nothing malformed_baseline_names_the_file_and_the_field,
+        Nothing malformed_registry_names_the_file_and_the_field,
+        Prepared the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance,
+    })
 }

@@ -1,6 +1,8 @@
 //! Tests of the GGUF packer input: dequantization, the Q/K un-permute, a synthetic GGUF file
 //! written here (parsing, renaming, tied/untied, error messages), and the real SmolLM2 GGUF
-//! (tests named `real_*`; they print a skip reason and return when the file is absent).
+//! (tests named `real_*`; ignored with the reason before `bash ci/prepare.sh` fetches it).
+
+mod common;
 
 use half::{bf16, f16};
 use ninfer_perplexity::pack::gguf::{
@@ -243,7 +245,6 @@ fn permute_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> 
 // Dequantization on hand-built blocks
 // ---------------------------------------------------------------------------------------
 
-#[test]
 fn q8_0_block() {
     let mut block = f16::from_f32(0.125).to_le_bytes().to_vec();
     let qs: Vec<i8> = (0..32).map(|i| (i as i8 - 16) * 7).collect();
@@ -257,7 +258,6 @@ fn q8_0_block() {
     assert_eq!(out[31], 13.125);
 }
 
-#[test]
 fn q4_0_block() {
     // d = 0.5; byte j holds low nibble j (element j) and high nibble 15 - j (element j + 16).
     let mut block = f16::from_f32(0.5).to_le_bytes().to_vec();
@@ -277,7 +277,6 @@ fn q4_0_block() {
     assert_eq!(out[16], 3.5);
 }
 
-#[test]
 fn q4_1_block() {
     // d = 0.25, m = -1.5: value = q·d + m.
     let mut block = f16::from_f32(0.25).to_le_bytes().to_vec();
@@ -293,7 +292,6 @@ fn q4_1_block() {
     assert_eq!(out[31], 2.25);
 }
 
-#[test]
 fn float_types_and_random_blocks_match_reference() {
     let mut rng = Rng(0x9E3779B97F4A7C15);
     for ty in [0u32, 1, 30, 8, 2, 3] {
@@ -327,7 +325,6 @@ fn float_types_and_random_blocks_match_reference() {
 // Q/K un-permute
 // ---------------------------------------------------------------------------------------
 
-#[test]
 fn unpermute_inverts_llama_cpp_permute() {
     let mut rng = Rng(42);
     for (n_head, hd, cols) in [(9usize, 64usize, 5usize), (3, 64, 3), (2, 4, 1), (1, 2, 7)] {
@@ -571,7 +568,6 @@ fn err_of(r: anyhow::Result<PackSource>) -> String {
     }
 }
 
-#[test]
 fn synthetic_parse_rename_and_values() {
     let dir = tempfile::tempdir().unwrap();
     for untied in [false, true] {
@@ -665,7 +661,6 @@ fn synthetic_parse_rename_and_values() {
     }
 }
 
-#[test]
 fn synthetic_metadata_and_alignment() {
     let dir = tempfile::tempdir().unwrap();
     let mut synth = Synth::new(false);
@@ -701,7 +696,6 @@ fn synthetic_metadata_and_alignment() {
     assert_eq!(src.config.rope_theta, 10000.0);
 }
 
-#[test]
 fn synthetic_tokenizer_loads_and_encodes() {
     let dir = tempfile::tempdir().unwrap();
     let mut synth = Synth::new(false);
@@ -772,7 +766,6 @@ fn synthetic_tokenizer_loads_and_encodes() {
     assert_eq!(pieces, vec!["a", "123", "45"]);
 }
 
-#[test]
 fn synthetic_errors_name_the_problem() {
     let dir = tempfile::tempdir().unwrap();
 
@@ -893,28 +886,14 @@ fn smollm2_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/cache/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// The packed SmolLM2 source, read once; `None` (with a printed reason) when absent.
-fn smollm2() -> Option<&'static PackSource> {
-    static CELL: std::sync::OnceLock<Option<PackSource>> = std::sync::OnceLock::new();
-    let src = CELL.get_or_init(|| {
-        let p = smollm2_path();
-        if !p.exists() {
-            return None;
-        }
-        Some(read_gguf(&p).unwrap())
-    });
-    if src.is_none() {
-        eprintln!(
-            "SKIPPED: {} is absent (run eval/fetch-smollm2.sh to fetch it)",
-            smollm2_path().display()
-        );
-    }
-    src.as_ref()
+/// The packed SmolLM2 source, read once (the tests that call this are `Needs::Prepared`).
+fn smollm2() -> &'static PackSource {
+    static CELL: std::sync::OnceLock<PackSource> = std::sync::OnceLock::new();
+    CELL.get_or_init(|| read_gguf(&common::cache_file("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap())
 }
 
-#[test]
 fn real_smollm2_config_and_tensors() {
-    let Some(src) = smollm2() else { return };
+    let src = smollm2();
     let c = &src.config;
     assert_eq!(c.num_layers, 30);
     assert_eq!(c.hidden_size, 576);
@@ -960,9 +939,8 @@ fn real_smollm2_config_and_tensors() {
     assert!(mean > 0.1 && mean < 10.0, "final norm mean {mean}");
 }
 
-#[test]
 fn real_smollm2_q_k_match_an_independent_decode() {
-    let Some(src) = smollm2() else { return };
+    let src = smollm2();
     // Read the raw bytes through the container parser, decode with the reference decoder
     // here, and check the packed Q/K equal the permuted-back decode (and V is untouched).
     let g = GgufFile::open(&smollm2_path()).unwrap();
@@ -1031,9 +1009,8 @@ const SMOLLM2_TRANSFORMERS_SHA256: [(&str, &str); 6] = [
     ),
 ];
 
-#[test]
 fn real_smollm2_weights_match_transformers_bit_for_bit() {
-    let Some(src) = smollm2() else { return };
+    let src = smollm2();
     use sha2::Digest;
     for (name, want) in SMOLLM2_TRANSFORMERS_SHA256 {
         let t = src.tensors.iter().find(|t| t.name == name).unwrap();
@@ -1049,9 +1026,8 @@ fn real_smollm2_weights_match_transformers_bit_for_bit() {
     }
 }
 
-#[test]
 fn real_smollm2_tokenizer_hello_world() {
-    let Some(src) = smollm2() else { return };
+    let src = smollm2();
     let tok = tokenizers::Tokenizer::from_str(&src.tokenizer_json).unwrap();
     assert_eq!(tok.get_vocab_size(true), 49152);
     let json: serde_json::Value = serde_json::from_str(&src.tokenizer_json).unwrap();
@@ -1079,9 +1055,8 @@ fn real_smollm2_tokenizer_hello_world() {
     );
 }
 
-#[test]
 fn real_smollm2_tokenizer_matches_transformers_fixture() {
-    let Some(src) = smollm2() else { return };
+    let src = smollm2();
     let fixture =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("eval/fixtures/smollm2_tokenizer.json");
     if !fixture.exists() {
@@ -1125,4 +1100,21 @@ fn real_smollm2_tokenizer_matches_transformers_fixture() {
         failures.join("\n")
     );
     eprintln!("{} fixture cases agree", cases.len());
+}
+
+test_main! {
+    Nothing q8_0_block,
+    Nothing q4_0_block,
+    Nothing q4_1_block,
+    Nothing float_types_and_random_blocks_match_reference,
+    Nothing unpermute_inverts_llama_cpp_permute,
+    Nothing synthetic_parse_rename_and_values,
+    Nothing synthetic_metadata_and_alignment,
+    Nothing synthetic_tokenizer_loads_and_encodes,
+    Nothing synthetic_errors_name_the_problem,
+    Prepared real_smollm2_config_and_tensors,
+    Prepared real_smollm2_q_k_match_an_independent_decode,
+    Prepared real_smollm2_weights_match_transformers_bit_for_bit,
+    Prepared real_smollm2_tokenizer_hello_world,
+    Prepared real_smollm2_tokenizer_matches_transformers_fixture,
 }

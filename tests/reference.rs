@@ -99,7 +99,6 @@ fn load(path: &Path, threads: usize) -> Engine {
     .unwrap()
 }
 
-#[test]
 fn smollm2_f32_matches_transformers() {
     let fx = common::read_json("eval/fixtures/smollm2_logprobs.json");
     let e = load(&common::artifact("smollm2-135m-f32.ninfer"), 0);
@@ -121,7 +120,6 @@ fn smollm2_f32_matches_transformers() {
 /// bf16 weights against the float32 reference. Measured on the committed fixture
 /// (docs/accuracy.md): max |Δ logprob| 0.0833, max relative Δ mean NLL 9.17e-4; the bounds
 /// are those measurements with a 1.5x margin.
-#[test]
 fn smollm2_bf16_stays_within_measured_bound() {
     let fx = common::read_json("eval/fixtures/smollm2_logprobs.json");
     let e = load(&common::artifact("smollm2-135m-bf16.ninfer"), 0);
@@ -163,7 +161,6 @@ fn tiny(dir: &str, fixture: &str) {
     );
 }
 
-#[test]
 fn tiny_qwen3_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3",
@@ -171,10 +168,16 @@ fn tiny_qwen3_matches_transformers() {
     );
 }
 
-#[test]
 fn tiny_qwen2_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen2",
         "eval/fixtures/tiny_qwen2_logprobs.json",
     );
+}
+
+test_main! {
+    Prepared smollm2_f32_matches_transformers,
+    Prepared smollm2_bf16_stays_within_measured_bound,
+    Prepared tiny_qwen3_matches_transformers,
+    Prepared tiny_qwen2_matches_transformers,
 }

@@ -8,9 +8,9 @@ use ninfer_perplexity::pack::{gguf, hf, PackSource};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-/// Packs models into .ninfer artifacts and inspects them.
+/// Packs models (GGUF files, Hugging Face directories) into .ninfer artifacts and inspects them.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-pack", version, about)]
+#[command(name = "ninfer-pack", version)]
 struct Args {
     #[command(subcommand)]
     cmd: Cmd,

@@ -3,16 +3,19 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod trials;
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A prepared artifact under `models/`, or a panic that says how to make it.
+/// A prepared artifact under `models/` (tests that read one are `Needs::Prepared`, so they
+/// are ignored before `bash ci/prepare.sh`; the panic is for a partial preparation).
 pub fn artifact(name: &str) -> PathBuf {
     let p = repo().join("models").join(name);
     assert!(
         p.exists(),
-        "{} is missing: run `bash eval/prepare-smollm2.sh` first (it fetches and packs the pinned SmolLM2)",
+        "{} is missing: run bash ci/prepare.sh",
         p.display()
     );
     p
@@ -22,7 +25,7 @@ pub fn cache_file(name: &str) -> PathBuf {
     let p = repo().join("models/cache").join(name);
     assert!(
         p.exists(),
-        "{} is missing: run `bash eval/fetch-qwen3-tokenizer.sh` / `bash eval/fetch-smollm2.sh` first",
+        "{} is missing: run bash ci/prepare.sh",
         p.display()
     );
     p
