@@ -587,7 +587,7 @@ fn main() -> ExitCode {
         Prepared fault_switch_makes_trials_fail,
         Prepared clean_runs_pass_with_identical_numbers,
         Nothing missing_artifact_is_ignored_with_the_reason_never_passed,
-        Nothing gpu_tier_is_ignored_without_a_gpu,
+        Prepared gpu_tier_is_ignored_without_a_gpu,
         Nothing harness_flags_from_the_environment,
         Nothing bad_flag_values_list_the_choices,
         Nothing harness_flags_are_removed_and_libtest_flags_kept,

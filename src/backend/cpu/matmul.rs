@@ -62,11 +62,9 @@ impl Gemm {
     pub fn from_env() -> Result<Option<Gemm>, String> {
         let g = match std::env::var("NINFER_CPU_GEMM") {
             Err(std::env::VarError::NotPresent) => return Ok(None),
-            Err(std::env::VarError::NotUnicode(v)) => {
-                return Err(format!(
-                    "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
-                ))
-            }
+            Err(std::env::VarError::NotUnicode(v)) => return Err(format!(
+                "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
+            )),
             Ok(v) => Gemm::parse(v.trim()).ok_or_else(|| {
                 format!("NINFER_CPU_GEMM={v:?}: expected matrixmultiply, tile16 or auto")
             })?,
@@ -439,7 +437,10 @@ mod tests {
         // agrees and the picker may use it; built any other way it must not be used.
         let pinned = option_env!("MATMUL_SGEMM_KC") == Some("768");
         if !pinned {
-            assert!(!matrixmultiply_agrees(), "KC is not 768, yet the probe agreed");
+            assert!(
+                !matrixmultiply_agrees(),
+                "KC is not 768, yet the probe agreed"
+            );
             assert_eq!(Gemm::configured(), Gemm::Tile16);
         } else if Isa::detect() != Isa::Portable {
             assert!(
