@@ -62,9 +62,11 @@ impl Gemm {
     pub fn from_env() -> Result<Option<Gemm>, String> {
         let g = match std::env::var("NINFER_CPU_GEMM") {
             Err(std::env::VarError::NotPresent) => return Ok(None),
-            Err(std::env::VarError::NotUnicode(v)) => return Err(format!(
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(format!(
                 "NINFER_CPU_GEMM={v:?}: not valid UTF-8; expected matrixmultiply, tile16 or auto"
-            )),
+            ))
+            }
             Ok(v) => Gemm::parse(v.trim()).ok_or_else(|| {
                 format!("NINFER_CPU_GEMM={v:?}: expected matrixmultiply, tile16 or auto")
             })?,

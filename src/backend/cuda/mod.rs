@@ -30,6 +30,8 @@ pub mod loader;
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+mod weights;
 
 #[cfg(feature = "cuda")]
 pub use model::CudaModel;

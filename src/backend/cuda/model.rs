@@ -13,16 +13,15 @@ use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
+use super::weights::DevWeights;
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::{Elem, KvDtype};
 use crate::model::config::ModelConfig;
-use crate::model::tensors::{Fused, ModelTensors};
 use crate::model::{ForwardError, KvPart};
 use crate::score::Window;
 use anyhow::{bail, Result};
-use rayon::prelude::*;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -40,25 +39,6 @@ impl From<anyhow::Error> for ScoreError {
     fn from(e: anyhow::Error) -> Self {
         ScoreError::Device(e)
     }
-}
-
-struct LayerW {
-    attn_norm: DevBuf,
-    wqkv: DevBuf,
-    bqkv: Option<DevBuf>,
-    q_norm: Option<DevBuf>,
-    k_norm: Option<DevBuf>,
-    wo: DevBuf,
-    mlp_norm: DevBuf,
-    wgu: DevBuf,
-    wdown: DevBuf,
-}
-
-struct DevWeights {
-    embed: DevBuf,
-    layers: Vec<LayerW>,
-    final_norm: DevBuf,
-    lm_head: Option<DevBuf>,
 }
 
 /// A stored K or V tensor: payload, f32 scales, u8 block scales.
@@ -126,19 +106,6 @@ pub struct CudaModel {
     gpu: Gpu,
 }
 
-fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {
-    match p {
-        Precision::F32 => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
-        Precision::Bf16 => {
-            let b: Vec<u16> = v
-                .par_iter()
-                .map(|&x| half::bf16::from_f32(x).to_bits())
-                .collect();
-            bytemuck::cast_slice::<u16, u8>(&b).to_vec()
-        }
-    }
-}
-
 impl CudaModel {
     /// Uploads the artifact's weights to device `ordinal`, one tensor at a time (host memory
     /// holds at most one widened tensor). `progress` sees (tensors done, tensors total).
@@ -168,70 +135,7 @@ impl CudaModel {
                 free >> 20
             );
         }
-        let names = ModelTensors::of(&c);
-        let total = ModelTensors::count(&c);
-        let mut done = 0usize;
-        let e = precision.elem_bytes();
-        let mut tick = |n: usize| {
-            done += n;
-            progress(done, total);
-        };
-        // A stacked matrix: its parts' rows concatenated, in the precision's element type.
-        let matrix = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
-            let buf = gpu.alloc(f.rows * f.cols * e)?;
-            let mut off = 0;
-            for n in &f.parts {
-                let t = a.tensor_f32(n)?;
-                let bytes = to_device_elems(&t, precision);
-                gpu.write(&buf, off, &bytes)?;
-                off += bytes.len();
-                tick(1);
-            }
-            debug_assert_eq!(off, buf.bytes);
-            Ok(buf)
-        };
-        // A vector (or stacked vectors) in f32.
-        let vector = |parts: &[String], tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
-            let mut v = Vec::new();
-            for n in parts {
-                v.extend(a.tensor_f32(n)?);
-                tick(1);
-            }
-            gpu.upload(&v)
-        };
-        let one = |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), tick);
-        let embed = matrix(&names.embed, &mut tick)?;
-        let mut layers = Vec::with_capacity(names.layers.len());
-        for l in &names.layers {
-            let at = &l.attention;
-            layers.push(LayerW {
-                attn_norm: one(&at.norm, &mut tick)?,
-                wqkv: matrix(&at.qkv, &mut tick)?,
-                bqkv: at
-                    .qkv_bias
-                    .as_ref()
-                    .map(|b| vector(&b.parts, &mut tick))
-                    .transpose()?,
-                q_norm: at.q_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
-                k_norm: at.k_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
-                wo: matrix(&at.o_proj, &mut tick)?,
-                mlp_norm: one(&l.mlp.norm, &mut tick)?,
-                wgu: matrix(&l.mlp.gate_up, &mut tick)?,
-                wdown: matrix(&l.mlp.down, &mut tick)?,
-            });
-        }
-        let final_norm = one(&names.final_norm, &mut tick)?;
-        let lm_head = names
-            .lm_head
-            .as_ref()
-            .map(|h| matrix(h, &mut tick))
-            .transpose()?;
-        let weights = DevWeights {
-            embed,
-            layers,
-            final_norm,
-            lm_head,
-        };
+        let weights = DevWeights::upload(a, &gpu, precision, progress)?;
         let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
         let blas = Blas::new(&gpu, precision)?;
         let inv_freq = inv_freq(c.head_dim, c.rope_theta, c.rope_scaling.as_ref());

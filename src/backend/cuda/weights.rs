@@ -1,0 +1,119 @@
+//! The model's weights on the device: the artifact's tensors widened to f32 and stored in
+//! the compute precision, the stacked matrices built from [`crate::model::tensors`]'s groups
+//! exactly as the CPU path stacks them.
+
+use super::device::{DevBuf, Gpu};
+use super::plan::Precision;
+use crate::artifact::Artifact;
+use crate::model::tensors::{Fused, ModelTensors};
+use anyhow::Result;
+use rayon::prelude::*;
+
+pub(super) struct LayerW {
+    pub(super) attn_norm: DevBuf,
+    pub(super) wqkv: DevBuf,
+    pub(super) bqkv: Option<DevBuf>,
+    pub(super) q_norm: Option<DevBuf>,
+    pub(super) k_norm: Option<DevBuf>,
+    pub(super) wo: DevBuf,
+    pub(super) mlp_norm: DevBuf,
+    pub(super) wgu: DevBuf,
+    pub(super) wdown: DevBuf,
+}
+
+pub(super) struct DevWeights {
+    pub(super) embed: DevBuf,
+    pub(super) layers: Vec<LayerW>,
+    pub(super) final_norm: DevBuf,
+    pub(super) lm_head: Option<DevBuf>,
+}
+
+impl DevWeights {
+    /// Uploads every tensor, one at a time (host memory holds at most one widened tensor).
+    /// `progress` sees (tensors done, tensors total).
+    pub(super) fn upload(
+        a: &Artifact,
+        gpu: &Gpu,
+        precision: Precision,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<DevWeights> {
+        let c = &a.config;
+        let names = ModelTensors::of(c);
+        let total = ModelTensors::count(c);
+        let mut done = 0usize;
+        let e = precision.elem_bytes();
+        let mut tick = |n: usize| {
+            done += n;
+            progress(done, total);
+        };
+        // A stacked matrix: its parts' rows concatenated, in the precision's element type.
+        let matrix = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let buf = gpu.alloc(f.rows * f.cols * e)?;
+            let mut off = 0;
+            for n in &f.parts {
+                let t = a.tensor_f32(n)?;
+                let bytes = to_device_elems(&t, precision);
+                gpu.write(&buf, off, &bytes)?;
+                off += bytes.len();
+                tick(1);
+            }
+            debug_assert_eq!(off, buf.bytes);
+            Ok(buf)
+        };
+        // A vector (or stacked vectors) in f32.
+        let vector = |parts: &[String], tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let mut v = Vec::new();
+            for n in parts {
+                v.extend(a.tensor_f32(n)?);
+                tick(1);
+            }
+            gpu.upload(&v)
+        };
+        let one = |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), tick);
+        let embed = matrix(&names.embed, &mut tick)?;
+        let mut layers = Vec::with_capacity(names.layers.len());
+        for l in &names.layers {
+            let at = &l.attention;
+            layers.push(LayerW {
+                attn_norm: one(&at.norm, &mut tick)?,
+                wqkv: matrix(&at.qkv, &mut tick)?,
+                bqkv: at
+                    .qkv_bias
+                    .as_ref()
+                    .map(|b| vector(&b.parts, &mut tick))
+                    .transpose()?,
+                q_norm: at.q_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
+                k_norm: at.k_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
+                wo: matrix(&at.o_proj, &mut tick)?,
+                mlp_norm: one(&l.mlp.norm, &mut tick)?,
+                wgu: matrix(&l.mlp.gate_up, &mut tick)?,
+                wdown: matrix(&l.mlp.down, &mut tick)?,
+            });
+        }
+        let final_norm = one(&names.final_norm, &mut tick)?;
+        let lm_head = names
+            .lm_head
+            .as_ref()
+            .map(|h| matrix(h, &mut tick))
+            .transpose()?;
+        Ok(DevWeights {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+}
+
+fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {
+    match p {
+        Precision::F32 => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
+        Precision::Bf16 => {
+            let b: Vec<u16> = v
+                .par_iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            bytemuck::cast_slice::<u16, u8>(&b).to_vec()
+        }
+    }
+}
