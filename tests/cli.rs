@@ -295,7 +295,28 @@ fn pack_errors_name_the_input() {
     assert!(!tmp.path().join("x.ninfer").exists());
 }
 
+fn help_says_what_each_binary_does() {
+    let first = |bin: &str| {
+        let o = common::run_bin(bin, &["--help"]);
+        assert!(o.status.success());
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()
+    };
+    assert_eq!(
+        first("ninfer-pack"),
+        "Packs models (GGUF files, Hugging Face directories) into .ninfer artifacts and inspects them"
+    );
+    assert_eq!(
+        first("ninfer-perplexity"),
+        "Causal perplexity of a .ninfer artifact on a fixed corpus or a text file"
+    );
+}
+
 test_main! {
+    Nothing help_says_what_each_binary_does,
     Prepared smollm2_text_run_prints_table_and_writes_report,
     Prepared bad_artifacts,
     Prepared bad_text_and_flags,
