@@ -40,11 +40,11 @@ pub struct Args {
     pub text: Option<PathBuf>,
 
     /// Tokens per window (the model sees at most context-1 tokens of history).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, allow_hyphen_values = true, value_parser = count)]
     pub context: usize,
 
     /// New targets scored per window after the first; must be below --context.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, allow_hyphen_values = true, value_parser = count)]
     pub stride: usize,
 
     /// Main KV representation: bf16, int8, fp8, nvfp4, k8v4 or f32 (exact reference).
@@ -52,7 +52,7 @@ pub struct Args {
     pub kv_dtype: String,
 
     /// Score only the first N tokens of each stream (bounded smoke runs).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = count)]
     pub max_tokens: Option<usize>,
 
     /// Directory for report.json; must be absent or empty
@@ -70,7 +70,7 @@ pub struct Args {
     pub precision: Option<String>,
 
     /// CPU worker threads (default: one per core). Results do not depend on it.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = count)]
     pub threads: usize,
 
     /// Recompute the artifact's digest and refuse it if the contents changed.
@@ -80,6 +80,15 @@ pub struct Args {
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
     pub log_level: LogLevel,
+}
+
+/// Most CPU worker threads `--threads` takes.
+pub const MAX_THREADS: usize = 1024;
+
+/// A whole, non-negative number (clap would otherwise suggest `-- -5` for a negative one).
+fn count(s: &str) -> Result<usize, String> {
+    s.parse::<usize>()
+        .map_err(|_| format!("expected a whole number (0, 1, 2, ...), got `{s}`"))
 }
 
 /// What to score.
@@ -127,6 +136,12 @@ impl Args {
             bail!("--precision bf16: the CPU backend computes in f32 only (use --device cuda, or drop --precision)");
         }
         crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
+        if self.threads > MAX_THREADS {
+            bail!(
+                "--threads {}: at most {MAX_THREADS} worker threads (0 means one per core)",
+                self.threads
+            );
+        }
         if let Some(m) = self.max_tokens {
             if m < 2 {
                 bail!("--max-tokens must be at least 2 (got {m})");
@@ -232,6 +247,17 @@ mod tests {
         assert!(e.contains("the CPU backend computes in f32 only"), "{e}");
         let c = parse(&["m", "--text", "a", "--precision", "f32"]).unwrap();
         assert_eq!(c.precision, Some(Precision::F32));
+        let e = parse(&["m", "--text", "a", "--threads", "100000"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--threads 100000: at most 1024"), "{e}");
+        let e = parse(&["m", "--text", "a", "--context", "-5"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("expected a whole number") && e.contains("`-5`") && !e.contains("-- -5"),
+            "{e}"
+        );
         let e = parse(&["m", "--text", "a", "--max-tokens", "1"])
             .unwrap_err()
             .to_string();

@@ -19,6 +19,7 @@ pub mod corpus;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod outfile;
 pub mod pack;
 pub mod registry;
 pub mod report;

@@ -12,12 +12,21 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // The report is written; a reader that closed the pipe early wanted no more table.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             let msg = format!("{e:#}").replace('\n', " ");
             eprintln!("error: {msg}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 fn run(args: Args) -> anyhow::Result<()> {

@@ -258,11 +258,39 @@ fn registry_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_REGISTRY))
 }
 
+/// An artifact named on the command line, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resolved {
+    pub path: PathBuf,
+    /// For a registered name: the name and the digest the registry pins (a registered name
+    /// must mean the registered bytes).
+    pub registered: Option<(String, Option<String>)>,
+}
+
+impl Resolved {
+    /// Refuses a registered artifact whose file records another digest than the registry's.
+    pub fn check_digest(&self, recorded: &str) -> Result<()> {
+        if let Some((name, Some(pinned))) = &self.registered {
+            if pinned != recorded {
+                bail!(
+                    "{name}: {} records digest {recorded} but {} pins {pinned} for this name; re-produce the file or pass its path",
+                    self.path.display(),
+                    registry_path().display()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A path that exists, or a registered name whose file exists.
-pub fn resolve_artifact(arg: &str) -> Result<PathBuf> {
+pub fn resolve_artifact(arg: &str) -> Result<Resolved> {
     let p = PathBuf::from(arg);
     if p.exists() {
-        return Ok(p);
+        return Ok(Resolved {
+            path: p,
+            registered: None,
+        });
     }
     let reg_path = registry_path();
     if reg_path.exists() {
@@ -276,7 +304,10 @@ pub fn resolve_artifact(arg: &str) -> Result<PathBuf> {
                     e.produce
                 );
             }
-            return Ok(file);
+            return Ok(Resolved {
+                path: file,
+                registered: Some((e.name.clone(), e.digest.clone())),
+            });
         }
         let names: Vec<&str> = reg.artifacts.iter().map(|e| e.name.as_str()).collect();
         bail!(

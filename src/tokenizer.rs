@@ -38,19 +38,100 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// UTF-8 bytes of `text` covered by its first `n` tokens (for bits per byte of a
-    /// capped stream).
-    pub fn byte_len_of_prefix(&self, text: &str, n: usize) -> Result<u64> {
-        let enc = self
-            .inner
+    /// The first `n` tokens of `text` (all of them when it has fewer), and the UTF-8 bytes
+    /// they cover, without tokenizing more of a long text than that needs.
+    ///
+    /// A prefix of the text is cut where a run of newlines ends before a non-space
+    /// character: pre-tokenizers of the byte-level BPE kind (GPT-2, Llama 3, Qwen) always
+    /// split there, so no token spans the cut and the prefix's tokens are the text's. As a
+    /// check that does not rely on that, the first `n` tokens must come out the same from
+    /// two prefixes, the second twice as long; otherwise (and for short texts) the whole text
+    /// is tokenized.
+    pub fn encode_prefix(&self, text: &str, n: usize) -> Result<Prefix> {
+        let mut cut = (n.saturating_mul(16)).max(1 << 16);
+        while cut < text.len() / 2 {
+            let a = boundary_at_or_after(text, cut);
+            let b = boundary_at_or_after(text, a.saturating_mul(2));
+            if b >= text.len() {
+                break;
+            }
+            let (ea, eb) = (
+                self.encode_with_offsets(&text[..a])?,
+                self.encode_with_offsets(&text[..b])?,
+            );
+            // Enough tokens that whatever the cut does to the last few cannot reach `n`.
+            if ea.get_ids().len() >= n + PREFIX_MARGIN {
+                if ea.get_ids()[..n] == eb.get_ids()[..n] {
+                    return Ok(Prefix::of(&ea, n, None));
+                }
+                break; // this tokenizer's tokens depend on the cut: tokenize everything
+            }
+            cut = a.saturating_mul(2);
+        }
+        let all = self.encode_with_offsets(text)?;
+        let whole = all.get_ids().len();
+        Ok(Prefix::of(&all, n, Some(whole)))
+    }
+
+    fn encode_with_offsets(&self, text: &str) -> Result<tokenizers::Encoding> {
+        self.inner
             .encode(text, true)
-            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
-        Ok(enc
+            .map_err(|e| anyhow!("tokenization failed: {e}"))
+    }
+}
+
+/// Tokens past `n` that a prefix must also hold before its first `n` are trusted.
+const PREFIX_MARGIN: usize = 64;
+
+/// The first tokens of a text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prefix {
+    pub ids: Vec<u32>,
+    /// UTF-8 bytes of the text the ids cover.
+    pub bytes: u64,
+    /// The whole text's token count, when the whole text was tokenized.
+    pub whole: Option<usize>,
+}
+
+impl Prefix {
+    fn of(e: &tokenizers::Encoding, n: usize, whole: Option<usize>) -> Prefix {
+        let ids: Vec<u32> = e.get_ids().iter().take(n).copied().collect();
+        let bytes = e
             .get_offsets()
             .iter()
-            .take(n)
+            .take(ids.len())
             .map(|o| o.1)
             .max()
-            .unwrap_or(0) as u64)
+            .unwrap_or(0) as u64;
+        Prefix { ids, bytes, whole }
+    }
+}
+
+/// The first position at or after `from` where a run of newlines ends before a character
+/// that is not white space (or the end of the text).
+fn boundary_at_or_after(text: &str, from: usize) -> usize {
+    let b = text.as_bytes();
+    let mut i = from.max(1);
+    while i < b.len() {
+        if b[i - 1] == b'\n' && !b[i].is_ascii_whitespace() && text.is_char_boundary(i) {
+            return i;
+        }
+        i += 1;
+    }
+    b.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boundaries_end_a_newline_run_before_text() {
+        let t = "ab\n\n cd\n\nef\nç\n";
+        // Not after "ab\n\n" (a space follows), but after "cd\n\n".
+        assert_eq!(boundary_at_or_after(t, 0), 9);
+        assert_eq!(&t[9..11], "ef");
+        assert_eq!(boundary_at_or_after(t, 10), 12); // before the two-byte 'ç'
+        assert_eq!(boundary_at_or_after(t, 13), t.len());
     }
 }

@@ -14,7 +14,7 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         domain: domain.into(),
         path: format!("streams/{id}.txt"),
         sha256: "ab".repeat(32),
-        tokens: nlls.len() + 1,
+        tokens: Some(nlls.len() + 1),
         input_tokens: nlls.len() + 1,
         processed_tokens: nlls.len() + 1,
         totals: Totals::new(&s, bytes),
@@ -122,6 +122,7 @@ fn fixed_report() -> Report {
             scored_tokens_per_s: 40.0,
         },
         peak_rss_bytes: Some(1 << 20),
+        warnings: Vec::new(),
         cuda_memory: None,
     }
 }

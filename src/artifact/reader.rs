@@ -8,6 +8,7 @@
 use super::digest::DigestBuilder;
 use super::{is_vector_tensor, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
 use crate::model::config::ModelConfig;
+use crate::model::tensors::ModelTensors;
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensorError};
@@ -66,13 +67,12 @@ impl Artifact {
     }
 
     fn open_inner(path: &Path) -> Result<Artifact> {
+        // Look before opening: opening a FIFO blocks until a writer appears.
+        crate::corpus::require_regular_file(path, "artifact")?;
         let file = std::fs::File::open(path).map_err(|e| anyhow!("cannot open artifact: {e}"))?;
         let file_bytes = file.metadata()?.len();
         if file_bytes == 0 {
             bail!("artifact file is empty");
-        }
-        if std::fs::metadata(path)?.is_dir() {
-            bail!("is a directory, not an artifact file");
         }
         // SAFETY: the file is opened read-only; the engine assumes nobody rewrites an
         // artifact in place while it is being scored (the writer always renames a new file
@@ -125,7 +125,16 @@ impl Artifact {
                 },
             );
         }
-        let expected = config.expected_tensors();
+        // Counted before any name is built (the config is bounded, this is cheaper still).
+        let count = ModelTensors::count(&config);
+        if tensors.len() > count {
+            bail!(
+                "holds {} tensors, but a {} model with this config has {count}",
+                tensors.len(),
+                config.family.name()
+            );
+        }
+        let expected = ModelTensors::expected(&config);
         for (name, shape) in &expected {
             let t = tensors
                 .get(name)
@@ -191,7 +200,8 @@ impl Artifact {
         self.tensors.keys().map(|s| s.as_str())
     }
 
-    /// One tensor widened to f32 (row-major).
+    /// One tensor widened to f32 (row-major). A NaN or infinity in it is an error naming the
+    /// tensor: a broken weight must fail at load, not turn into a wrong score.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
         let t = self
             .tensors
@@ -199,13 +209,21 @@ impl Artifact {
             .with_context(|| format!("{}: tensor `{name}` is missing", self.path.display()))?;
         let bytes = &self.mmap[t.start..t.end];
         // Open already checked every dtype against the weight format (F32 or BF16).
-        crate::pack::hf::widen(t.dtype, bytes).ok_or_else(|| {
+        let v = crate::pack::hf::widen(t.dtype, bytes).ok_or_else(|| {
             anyhow!(
                 "{}: tensor `{name}` has unsupported dtype {:?}",
                 self.path.display(),
                 t.dtype
             )
-        })
+        })?;
+        if let Some(i) = crate::kv::find_non_finite(&v) {
+            bail!(
+                "{}: tensor `{name}` holds a non-finite value ({}) at flat index {i}",
+                self.path.display(),
+                v[i]
+            );
+        }
+        Ok(v)
     }
 
     /// Recomputes the digest from the file's contents and compares it with the recorded one.

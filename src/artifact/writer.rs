@@ -49,25 +49,27 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
     }
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     for (name, shape) in src.config.expected_tensors() {
-        let t = given
-            .remove(name.as_str())
-            .with_context(|| format!("the source has no tensor `{name}`"))?;
+        let t = given.remove(name.as_str()).with_context(|| {
+            let files: Vec<String> = src.source_files.iter().map(|f| f.path.clone()).collect();
+            format!("tensor `{name}` is missing from {}", files.join(", "))
+        })?;
+        let from = t.origin.display();
         if t.shape != shape {
             bail!(
-                "tensor `{name}` has shape {:?}, the config implies {:?}",
+                "{from}: tensor `{name}` has shape {:?}, the config implies {:?}",
                 t.shape,
                 shape
             );
         }
         if t.data.len() != shape.iter().product::<usize>() {
             bail!(
-                "tensor `{name}`: {} values for shape {:?}",
+                "{from}: tensor `{name}`: {} values for shape {:?}",
                 t.data.len(),
                 shape
             );
         }
         if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
-            bail!("tensor `{name}` holds a non-finite value at flat index {i}");
+            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
         }
         let (dtype, bytes) = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
             (
@@ -90,8 +92,22 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
             },
         );
     }
-    if let Some(extra) = given.keys().next() {
-        bail!("the source has a tensor the config does not use: `{extra}`");
+    if let Some((extra, t)) = given.iter().next() {
+        bail!(
+            "{}: tensor `{extra}` is not used by a {} model with this config",
+            t.origin.display(),
+            src.config.family.name()
+        );
+    }
+    // The evaluator refuses a tokenizer with ids past the vocabulary; so does the packer.
+    let tok =
+        crate::tokenizer::Tokenizer::from_json(&src.tokenizer_json).context("the tokenizer")?;
+    if tok.vocab_size() > src.config.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's vocabulary has {} (config `vocab_size`)",
+            tok.vocab_size(),
+            src.config.vocab_size
+        );
     }
 
     let provenance = Provenance {
@@ -122,10 +138,11 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
     let views: Vec<(&str, &OwnedTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
-            .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: cannot create directory: {e}", dir.display()))?;
     }
     // serialize_to_file writes a sibling temp file and renames it into place.
     safetensors::serialize_to_file(views, Some(meta), out)
-        .with_context(|| format!("{}: cannot write artifact", out.display()))?;
+        .map_err(|e| anyhow::anyhow!("{}: cannot write artifact: {e}", out.display()))?;
+    crate::outfile::set_default_mode(out)?;
     Ok(digest)
 }

@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
 use ninfer_perplexity::pack::{gguf, hf, PackSource};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -72,6 +73,8 @@ enum Cmd {
 fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
+        // A reader that closed the pipe (`inspect | head`) got what it wanted.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
             ExitCode::FAILURE
@@ -79,9 +82,35 @@ fn main() -> ExitCode {
     }
 }
 
-fn pack(src: Result<PackSource>, weights: &str, output: &Path) -> Result<()> {
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// The files a pack reads (so the output can be checked against them before any work).
+fn inputs_of(input: &Path, tokenizer: Option<&Path>) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = if input.is_dir() {
+        std::fs::read_dir(input)
+            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default()
+    } else {
+        vec![input.to_path_buf()]
+    };
+    v.extend(tokenizer.map(Path::to_path_buf));
+    v
+}
+
+fn pack(
+    read: impl FnOnce() -> Result<PackSource>,
+    inputs: Vec<PathBuf>,
+    weights: &str,
+    output: &Path,
+) -> Result<()> {
     let format = WeightFormat::parse(weights).context("--weights")?;
-    let src = src?;
+    ninfer_perplexity::outfile::check_output(output, &inputs)?;
+    let src = read()?;
     let digest = write_artifact(&src, format, output)?;
     let c = &src.config;
     eprintln!(
@@ -101,14 +130,20 @@ fn run(args: Args) -> Result<()> {
             input,
             output,
             weights,
-        } => pack(gguf::read_gguf(&input), &weights, &output),
+        } => pack(
+            || gguf::read_gguf(&input),
+            inputs_of(&input, None),
+            &weights,
+            &output,
+        ),
         Cmd::Hf {
             input,
             output,
             weights,
             tokenizer,
         } => pack(
-            hf::read_hf_dir(&input, tokenizer.as_deref()),
+            || hf::read_hf_dir(&input, tokenizer.as_deref()),
+            inputs_of(&input, tokenizer.as_deref()),
             &weights,
             &output,
         ),
@@ -140,7 +175,9 @@ fn run(args: Args) -> Result<()> {
                 "config": a.config,
                 "provenance": a.provenance,
             });
-            println!("{}", serde_json::to_string_pretty(&out)?);
+            let mut stdout = std::io::stdout().lock();
+            writeln!(stdout, "{}", serde_json::to_string_pretty(&out)?)?;
+            stdout.flush()?;
             Ok(())
         }
     }

@@ -10,7 +10,47 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::HashSet;
+use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// Largest manifest read.
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+/// Largest `--text` file read.
+pub const MAX_TEXT_BYTES: u64 = 1 << 30;
+
+/// Refuses anything but a regular file (a FIFO would block the open forever, `/dev/zero`
+/// would be read until memory runs out, a directory cannot be read), looking before opening.
+/// `what` names the role in the error. Returns the file's size.
+pub fn require_regular_file(path: &Path, what: &str) -> Result<u64> {
+    let m = std::fs::metadata(path).map_err(|e| anyhow!("cannot read {what}: {e}"))?;
+    let t = m.file_type();
+    if t.is_dir() {
+        bail!("{what} is a directory, not a file");
+    }
+    if !t.is_file() {
+        bail!("{what} is not a regular file (a pipe, device or socket); give a file");
+    }
+    Ok(m.len())
+}
+
+/// Reads a regular file of at most `limit` bytes; a longer one is an error, found after
+/// reading `limit + 1` bytes at most (a file that grows while it is read cannot make this
+/// read without bound). Errors say `what` the file is, not its path (the caller adds it).
+pub fn read_bounded(path: &Path, what: &str, limit: u64) -> Result<Vec<u8>> {
+    let size = require_regular_file(path, what)?;
+    if size > limit {
+        bail!("{what} is {size} bytes, more than the {limit} this reads");
+    }
+    let f = std::fs::File::open(path).map_err(|e| anyhow!("cannot read {what}: {e}"))?;
+    let mut bytes = Vec::with_capacity(size as usize);
+    f.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| anyhow!("cannot read {what}: {e}"))?;
+    if bytes.len() as u64 > limit {
+        bail!("{what} grew past {limit} bytes while it was read");
+    }
+    Ok(bytes)
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Domain {
@@ -130,8 +170,8 @@ impl Manifest {
 
 impl Corpus {
     pub fn open(manifest_path: &Path, stream_dir: Option<&Path>) -> Result<Corpus> {
-        let bytes = std::fs::read(manifest_path)
-            .map_err(|e| anyhow!("{}: cannot read manifest: {e}", manifest_path.display()))?;
+        let bytes = read_bounded(manifest_path, "manifest", MAX_MANIFEST_BYTES)
+            .with_context(|| manifest_path.display().to_string())?;
         let text = std::str::from_utf8(&bytes)
             .map_err(|_| anyhow!("{}: manifest is not UTF-8", manifest_path.display()))?;
         let manifest =
@@ -186,13 +226,9 @@ impl Corpus {
     pub fn load(&self, s: &StreamEntry) -> Result<LoadedStream> {
         let path = self.stream_dir.join(&s.file);
         let rebuild = "build it with `python3 eval/corpora/perplexity-1m/build.py`";
-        let bytes = std::fs::read(&path).map_err(|e| {
-            anyhow!(
-                "stream `{}`: cannot read {}: {e}; {rebuild}",
-                s.id,
-                path.display()
-            )
-        })?;
+        // One byte more than the manifest says is enough to know the file is wrong.
+        let bytes = read_bounded(&path, "stream", s.bytes.saturating_add(1))
+            .map_err(|e| anyhow!("stream `{}`: {}: {e:#}; {rebuild}", s.id, path.display()))?;
         let sha = sha256_hex(&bytes);
         if sha != s.sha256 || bytes.len() as u64 != s.bytes {
             bail!(
@@ -227,7 +263,7 @@ pub fn decode_utf8(bytes: Vec<u8>) -> Result<String> {
 /// Reads a `--text` file as one stream.
 pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
     let bytes =
-        std::fs::read(path).map_err(|e| anyhow!("{}: cannot read text: {e}", path.display()))?;
+        read_bounded(path, "text", MAX_TEXT_BYTES).with_context(|| path.display().to_string())?;
     if bytes.is_empty() {
         bail!("{}: text file is empty", path.display());
     }

@@ -252,6 +252,8 @@ mod tests {
         // handed over, in order, and the error names the first failing window.
         let mut m = synthetic_model();
         let d = m.config.hidden_size;
+        // An untied copy of the head, so that only windows holding token 299 fail.
+        m.weights.lm_head = Some(m.weights.embed.clone());
         m.weights.embed[299 * d..300 * d].fill(f32::NAN);
         let mut tokens = stream();
         tokens[800] = 299;
@@ -265,7 +267,7 @@ mod tests {
             "the test needs windows around it"
         );
         let expected = format!(
-            "window {fail}: non-finite key at layer 0, window position {}, KV head 0",
+            "window {fail}: non-finite query at layer 0, window position {}, query head 0",
             800 - ws[fail].begin
         );
         for (threads, in_flight) in [(1, 1), (2, 1), (2, 2), (3, 3)] {

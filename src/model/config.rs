@@ -8,6 +8,21 @@ use crate::model::tensors::ModelTensors;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+/// Largest vocabulary accepted (2^22; released models stay below 2^18).
+pub const MAX_VOCAB: usize = 1 << 22;
+/// Largest hidden size, and largest `num_heads × head_dim`.
+pub const MAX_WIDTH: usize = 1 << 16;
+/// Largest MLP width.
+pub const MAX_INTERMEDIATE: usize = 1 << 20;
+/// Largest number of layers.
+pub const MAX_LAYERS: usize = 1024;
+/// Largest number of attention heads (query or KV).
+pub const MAX_HEADS: usize = 1024;
+/// Largest head dimension.
+pub const MAX_HEAD_DIM: usize = 1024;
+/// Largest trained context.
+pub const MAX_POSITIONS: usize = 1 << 26;
+
 /// Architecture family. The differences the engine cares about are small: qwen2 adds a
 /// bias to the q/k/v projections, qwen3 applies a per-head RMSNorm to q and k before RoPE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,19 +80,49 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Checks the fields against each other and against sane maxima, so that a corrupted or
+    /// hostile config (one edited digit in `num_layers`) is refused with its name before
+    /// anything is sized from it. The maxima are far above any released model.
     pub fn validate(&self) -> Result<()> {
-        let nz = [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_layers", self.num_layers),
-            ("num_heads", self.num_heads),
-            ("num_kv_heads", self.num_kv_heads),
-            ("head_dim", self.head_dim),
+        let bounded = [
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                MAX_INTERMEDIATE,
+            ),
+            ("num_layers", self.num_layers, MAX_LAYERS),
+            ("num_heads", self.num_heads, MAX_HEADS),
+            ("num_kv_heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_POSITIONS,
+            ),
         ];
-        for (name, v) in nz {
+        for (name, v, max) in bounded {
             if v == 0 {
                 bail!("config field `{name}` must be positive");
+            }
+            if v > max {
+                bail!("config field `{name}` is {v}, above the largest this engine takes ({max})");
+            }
+        }
+        if self.q_dim() > MAX_WIDTH {
+            bail!(
+                "config: num_heads × head_dim is {}, above the largest this engine takes ({MAX_WIDTH})",
+                self.q_dim()
+            );
+        }
+        if let Some(r) = &self.rope_scaling {
+            let ok = [r.factor, r.low_freq_factor, r.high_freq_factor]
+                .iter()
+                .all(|x| x.is_finite() && *x > 0.0)
+                && r.original_max_position_embeddings > 0;
+            if !ok {
+                bail!("config: rope_scaling needs positive finite factors and original_max_position_embeddings");
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {

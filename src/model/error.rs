@@ -1,21 +1,37 @@
-//! How a window's forward pass fails: the input or a non-finite value the model produced.
+//! How a window's forward pass fails: the input, or a non-finite value the model produced.
 //!
-//! Positions are relative to the window; the engine adds the stream and the window.
+//! A non-finite value anywhere in scoring is an error, never a silently finite number: the
+//! forward pass checks the queries, the keys and values it stores, each layer's attention
+//! output and every logit of the head, and names the first one met. Positions are relative
+//! to the window; the engine adds the stream and the window.
 
 use thiserror::Error;
 
-/// Which of a layer's stored tensors a value belongs to.
+/// Which per-head tensor of a layer a value belongs to, in the order a layer computes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum KvPart {
+pub enum Part {
+    Query,
     Key,
     Value,
+    /// Attention's output (a score that overflowed shows up here).
+    AttentionOutput,
 }
 
-impl KvPart {
+impl Part {
     pub fn name(self) -> &'static str {
         match self {
-            KvPart::Key => "key",
-            KvPart::Value => "value",
+            Part::Query => "query",
+            Part::Key => "key",
+            Part::Value => "value",
+            Part::AttentionOutput => "attention output",
+        }
+    }
+
+    /// The heads this part is indexed by.
+    fn heads(self) -> &'static str {
+        match self {
+            Part::Key | Part::Value => "KV head",
+            Part::Query | Part::AttentionOutput => "query head",
         }
     }
 }
@@ -25,27 +41,55 @@ impl KvPart {
 pub enum ForwardError {
     #[error("token id {id} at window position {pos} is outside the vocabulary ({vocab})")]
     TokenOutOfRange { id: u32, pos: usize, vocab: usize },
-    #[error("non-finite {} at layer {layer}, window position {pos}, KV head {head}", .part.name())]
-    NonFiniteKv {
-        part: KvPart,
+    #[error("non-finite {} at layer {layer}, window position {pos}, {} {head}", .part.name(), .part.heads())]
+    NonFinite {
+        part: Part,
         layer: usize,
         pos: usize,
         head: usize,
     },
+    #[error("non-finite logit of token {token} at window position {pos} (output head)")]
+    NonFiniteLogit { pos: usize, token: usize },
+}
+
+/// `x[T, heads, D]` (rows from window position `first`) checked for NaN and infinity: the
+/// first non-finite value's position and head as a [`ForwardError::NonFinite`].
+pub fn check_finite(
+    x: &[f32],
+    heads: usize,
+    head_dim: usize,
+    part: Part,
+    layer: usize,
+    first: usize,
+) -> Result<(), ForwardError> {
+    match crate::kv::find_non_finite(x) {
+        None => Ok(()),
+        Some(i) => {
+            let vec = i / head_dim;
+            Err(ForwardError::NonFinite {
+                part,
+                layer,
+                pos: first + vec / heads,
+                head: vec % heads,
+            })
+        }
+    }
 }
 
 impl ForwardError {
-    /// The order in which an unsplit window meets these errors: by layer, keys before
-    /// values, then by position and head (a split window reports the earlier one).
-    pub(crate) fn order(&self) -> (usize, KvPart, usize, usize) {
+    /// The order in which an unsplit window meets these errors: by layer, then by part in
+    /// the order a layer computes them, position and head; the head's logits come last (a
+    /// split window reports the earlier one).
+    pub(crate) fn order(&self) -> (usize, Part, usize, usize) {
         match *self {
-            ForwardError::TokenOutOfRange { pos, .. } => (0, KvPart::Key, pos, 0),
-            ForwardError::NonFiniteKv {
+            ForwardError::TokenOutOfRange { pos, .. } => (0, Part::Query, pos, 0),
+            ForwardError::NonFinite {
                 part,
                 layer,
                 pos,
                 head,
             } => (1 + layer, part, pos, head),
+            ForwardError::NonFiniteLogit { pos, token } => (usize::MAX, Part::Query, pos, token),
         }
     }
 }

@@ -17,9 +17,9 @@ use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
-use crate::model::error::{ForwardError, KvPart};
+use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::Faults;
-use crate::model::kv_store;
+use crate::model::kv_store::{self, Stored};
 use crate::model::profile::{self, Laps, Phase};
 use crate::model::split::{Link, Split, Stop};
 use crate::model::weights::Weights;
@@ -187,7 +187,11 @@ impl CpuModel {
             c.vocab_size,
             &tokens[first_target..],
             &mut out,
-        );
+        )
+        .map_err(|e| ForwardError::NonFiniteLogit {
+            pos: first_target - 1 + e.row,
+            token: e.token,
+        })?;
         laps.lap(Phase::Head);
         let after_split = if cut.is_some() {
             " (after the split)"
@@ -251,12 +255,13 @@ impl CpuModel {
             rms_norm_inplace(k, kn, eps);
         }
         pass.rope.apply_from(q, hq, lo);
+        check_finite(q, hq, hd, Part::Query, li, lo)?;
         match pass.shifted_rope {
             Some(shifted) if li == 0 => shifted.apply_from(k, hkv, lo),
             _ => pass.rope.apply_from(k, hkv, lo),
         }
-        kv_store::store(k, hkv, hd, pass.kv, KvPart::Key, li, lo)?;
-        kv_store::store(v, hkv, hd, pass.kv, KvPart::Value, li, lo)?;
+        kv_store::store(k, hkv, hd, pass.kv, Stored::Key, li, lo)?;
+        kv_store::store(v, hkv, hd, pass.kv, Stored::Value, li, lo)?;
         match link {
             Link::Alone => {}
             Link::Give(to) => to.give(li, &b.k, &b.v),
@@ -279,6 +284,14 @@ impl CpuModel {
             head_dim: hd,
         };
         causal_attention(&b.q, &b.k, &b.v, &shape, r0, &mut b.attn);
+        check_finite(
+            &b.attn[r0 * qd..hi * qd],
+            hq,
+            hd,
+            Part::AttentionOutput,
+            li,
+            r0,
+        )?;
         laps.lap(Phase::Attention);
         let x = &mut x[(r0 - lo) * d..];
         matmul_wt(&b.attn[r0 * qd..], n, qd, &l.wo, d, x, true);
@@ -380,6 +393,59 @@ mod tests {
                 "first target {first}"
             );
         }
+    }
+
+    #[test]
+    fn non_finite_values_fail_the_window_with_where_they_are() {
+        let tokens: Vec<u32> = (0..100).map(|i| ((i * 7919) % 290) as u32).collect();
+        let d = 32;
+        // A NaN logit: vocabulary row 295 of the (tied) head, a token no input uses. The max
+        // would drop it and the fast exp clamp it; the first scored row reports it.
+        let mut m = synthetic_model();
+        m.weights.embed[295 * d + 3] = f32::NAN;
+        assert_eq!(
+            m.window_logprobs(&tokens, 40, KvDtype::Bf16).unwrap_err(),
+            ForwardError::NonFiniteLogit {
+                pos: 39,
+                token: 295
+            }
+        );
+        // An infinite query: layer 1's query projection (rows 0..Hq·D of the stacked qkv).
+        let mut m = synthetic_model();
+        m.weights.layers[1].wqkv[8 * d] = f32::INFINITY; // query head 1, first row
+        let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ForwardError::NonFinite {
+                    part: Part::Query,
+                    layer: 1,
+                    pos: 0,
+                    head: 1
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "non-finite query at layer 1, window position 0, query head 1"
+        );
+        // Finite queries and keys whose scores overflow: attention's output is refused.
+        let mut m = synthetic_model();
+        let qkv = &mut m.weights.layers[0].wqkv;
+        qkv[..(4 + 2) * 8 * d].iter_mut().for_each(|w| *w *= 1e20);
+        let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ForwardError::NonFinite {
+                    part: Part::AttentionOutput,
+                    layer: 0,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     }
 
     #[test]

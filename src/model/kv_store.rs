@@ -6,9 +6,16 @@
 //! are defined for finite input only, so a non-finite value is an error naming where it is
 //! (a broken model must not be silently quantized into finite numbers).
 
-use crate::kv::{find_non_finite, KvDtype};
-use crate::model::error::{ForwardError, KvPart};
+use crate::kv::KvDtype;
+use crate::model::error::{check_finite, ForwardError, Part};
 use rayon::prelude::*;
+
+/// Which of the two stored tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stored {
+    Key,
+    Value,
+}
 
 /// Passes `x[T, Hkv, D]` through `kv`'s representation of `part`. `first` is the window
 /// position of the first row and `layer` the layer, for the error.
@@ -17,22 +24,18 @@ pub fn store(
     kv_heads: usize,
     head_dim: usize,
     kv: KvDtype,
-    part: KvPart,
+    part: Stored,
     layer: usize,
     first: usize,
 ) -> Result<(), ForwardError> {
-    if let Some(i) = find_non_finite(x) {
-        let vec_idx = i / head_dim;
-        return Err(ForwardError::NonFiniteKv {
-            part,
-            layer,
-            pos: first + vec_idx / kv_heads,
-            head: vec_idx % kv_heads,
-        });
-    }
+    let checked = match part {
+        Stored::Key => Part::Key,
+        Stored::Value => Part::Value,
+    };
+    check_finite(x, kv_heads, head_dim, checked, layer, first)?;
     x.par_chunks_mut(head_dim).for_each(|vec| match part {
-        KvPart::Key => kv.roundtrip_k(vec),
-        KvPart::Value => kv.roundtrip_v(vec),
+        Stored::Key => kv.roundtrip_k(vec),
+        Stored::Value => kv.roundtrip_v(vec),
     });
     Ok(())
 }
@@ -46,11 +49,11 @@ mod tests {
         // x[T=3, Hkv=2, D=4]: a NaN at position 2, head 1.
         let mut x = vec![0.5f32; 3 * 2 * 4];
         x[(2 * 2 + 1) * 4 + 3] = f32::NAN;
-        let e = store(&mut x, 2, 4, KvDtype::Int8, KvPart::Key, 7, 0).unwrap_err();
+        let e = store(&mut x, 2, 4, KvDtype::Int8, Stored::Key, 7, 0).unwrap_err();
         assert_eq!(
             e,
-            ForwardError::NonFiniteKv {
-                part: KvPart::Key,
+            ForwardError::NonFinite {
+                part: Part::Key,
                 layer: 7,
                 pos: 2,
                 head: 1
@@ -62,12 +65,12 @@ mod tests {
         );
         let mut y = vec![1.0f32; 8];
         y[0] = f32::INFINITY;
-        let e = store(&mut y, 1, 8, KvDtype::Nvfp4, KvPart::Value, 0, 5).unwrap_err();
+        let e = store(&mut y, 1, 8, KvDtype::Nvfp4, Stored::Value, 0, 5).unwrap_err();
         assert_eq!(
             e.to_string(),
             "non-finite value at layer 0, window position 5, KV head 0"
         );
         let mut ok = vec![0.25f32; 8];
-        assert!(store(&mut ok, 1, 8, KvDtype::Fp8, KvPart::Value, 0, 0).is_ok());
+        assert!(store(&mut ok, 1, 8, KvDtype::Fp8, Stored::Value, 0, 0).is_ok());
     }
 }

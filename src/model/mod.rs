@@ -21,5 +21,5 @@ pub mod weights;
 pub(crate) mod synthetic;
 
 pub use config::{Family, ModelConfig};
-pub use error::{ForwardError, KvPart};
+pub use error::{ForwardError, Part};
 pub use forward::CpuModel;

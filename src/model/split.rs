@@ -252,7 +252,7 @@ impl Drop for CloseOnDrop<'_> {
 mod tests {
     use super::*;
     use crate::kv::KvDtype;
-    use crate::model::error::KvPart;
+    use crate::model::error::Part;
     use crate::model::synthetic::synthetic_model;
 
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
@@ -310,7 +310,7 @@ mod tests {
 
     #[test]
     fn a_split_window_reports_the_error_the_whole_window_would() {
-        // Token 299's embedding is NaN, so its key is non-finite from layer 0 on. Cut at row
+        // Token 299's embedding is NaN, so its query is non-finite from layer 0 on. Cut at row
         // 256 before layer 0: a NaN in the first part only (the second part is abandoned),
         // in the second only, and in both (the earlier position wins, as unsplit).
         let mut m = synthetic_model();
@@ -326,8 +326,8 @@ mod tests {
             let whole = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap_err();
             assert_eq!(
                 whole,
-                ForwardError::NonFiniteKv {
-                    part: KvPart::Key,
+                ForwardError::NonFinite {
+                    part: Part::Query,
                     layer: 0,
                     pos: bad[0],
                     head: 0

@@ -68,12 +68,21 @@ fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
     }
 }
 
-fn first_id(v: Option<&Value>) -> Option<u32> {
-    match v? {
-        Value::Number(n) => n.as_u64().map(|x| x as u32),
-        Value::Array(a) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
-        _ => None,
-    }
+/// A token id field (a number, or a list whose first entry is used); one that does not fit
+/// a token id is an error, never a truncated id.
+fn first_id(c: &Value, key: &str) -> Result<Option<u32>> {
+    let n = match c.get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(a)) => match a.first() {
+            None => return Ok(None),
+            Some(x) => x,
+        },
+        Some(x) => x,
+    };
+    n.as_u64()
+        .and_then(|x| u32::try_from(x).ok())
+        .map(Some)
+        .ok_or_else(|| anyhow!("config.json: `{key}` must be a token id (0..2^32), found {n}"))
 }
 
 /// Translates a Hugging Face `config.json` into the engine's config.
@@ -165,8 +174,8 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
             .unwrap_or(false),
         attention_bias,
         qk_norm: family == Family::Qwen3,
-        bos_token_id: first_id(c.get("bos_token_id")),
-        eos_token_id: first_id(c.get("eos_token_id")),
+        bos_token_id: first_id(c, "bos_token_id")?,
+        eos_token_id: first_id(c, "eos_token_id")?,
     };
     cfg.validate().context("config.json")?;
     Ok(cfg)
@@ -257,6 +266,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
                 name,
                 shape: view.shape().to_vec(),
                 data,
+                origin: shard.clone(),
             });
         }
     }
@@ -287,6 +297,20 @@ mod tests {
         assert_eq!(m.family, Family::Qwen3);
         assert!(m.qk_norm && !m.attention_bias && m.tie_word_embeddings);
         assert_eq!(m.eos_token_id, Some(5));
+    }
+
+    #[test]
+    fn token_ids_that_do_not_fit_are_refused() {
+        let c: Value = serde_json::from_str(
+            r#"{"architectures":["Qwen3ForCausalLM"],"vocab_size":100,"hidden_size":16,"intermediate_size":32,
+            "num_hidden_layers":2,"num_attention_heads":4,"bos_token_id":4294967296}"#,
+        )
+        .unwrap();
+        let e = parse_config(&c).unwrap_err().to_string();
+        assert!(
+            e.contains("`bos_token_id` must be a token id") && e.contains("4294967296"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -10,12 +10,15 @@ pub mod hf;
 
 use crate::model::config::ModelConfig;
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 
 /// One dequantized tensor, row-major, under its Hugging Face name.
 pub struct SourceTensor {
     pub name: String,
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+    /// The file it was read from, for errors.
+    pub origin: PathBuf,
 }
 
 /// One input file of a pack, recorded in the artifact's provenance.

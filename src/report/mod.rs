@@ -30,6 +30,9 @@ pub struct Report {
     pub timings: Timings,
     pub throughput: Throughput,
     pub peak_rss_bytes: Option<u64>,
+    /// What the run warned about on stderr (e.g. windows longer than the trained context).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Device memory of a CUDA run (planned and peak), absent on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_memory: Option<crate::backend::cuda::MemoryReport>,
@@ -140,8 +143,9 @@ pub struct StreamReport {
     pub domain: String,
     pub path: String,
     pub sha256: String,
-    /// Tokens of the whole stream.
-    pub tokens: usize,
+    /// Tokens of the whole stream; `null` when a `--max-tokens` run tokenized only the
+    /// prefix it scored.
+    pub tokens: Option<usize>,
     /// Tokens scored over (after a `--max-tokens` cap).
     pub input_tokens: usize,
     pub processed_tokens: usize,

@@ -1,120 +1,255 @@
-//! Where reports go, and writing them atomically.
+//! Where reports go, and writing them so that no report is ever lost or replaced.
 //!
-//! `--output DIR` must be absent or empty; this is checked before any work starts, and
-//! nothing is created until the run has finished. The report is written to a temporary
-//! file in the target directory and renamed into place, so an interrupted run leaves no
-//! half-written `report.json`.
+//! A run claims its output directory before anything else is done ([`OutputDir::claim`]):
+//! `--output DIR` must be absent (then it is created) or an empty directory, the default
+//! directory (`profiles/perplexity/<run-id>/`) must not exist, and in every case a lock file
+//! is created in it with `O_EXCL`. Two runs aimed at the same directory therefore cannot both
+//! proceed: the second fails in its first second, not after an hour of scoring, and so does
+//! an unwritable or over-long path. The report is written to a temporary file beside its
+//! final name and linked into place, which fails rather than replace an existing
+//! `report.json`; an interrupted run leaves no half-written report. A run that fails removes
+//! its lock file and the directory if it created it.
+//!
+//! Files are created with the ordinary mode (0666 less the umask), like any other output.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Checks that `dir` can receive a report: absent (with a writable ancestor) or empty.
-pub fn check_output_dir(dir: &Path) -> Result<()> {
-    match std::fs::metadata(dir) {
-        Ok(m) if !m.is_dir() => bail!("{}: --output exists and is not a directory", dir.display()),
-        Ok(_) => {
-            let mut it = std::fs::read_dir(dir)
-                .with_context(|| format!("{}: cannot read --output directory", dir.display()))?;
-            if it.next().is_some() {
-                bail!(
-                    "{}: --output directory is not empty (give an empty or new directory)",
-                    dir.display()
-                );
-            }
-            probe_writable(dir)
-        }
-        Err(_) => {
-            let mut anc = dir.parent();
-            while let Some(a) = anc {
-                let a = if a.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    a
-                };
-                if a.exists() {
-                    if !a.is_dir() {
-                        bail!(
-                            "{}: cannot create --output directory: {} is not a directory",
-                            dir.display(),
-                            a.display()
-                        );
-                    }
-                    return probe_writable(a).with_context(|| {
-                        format!("{}: cannot create --output directory", dir.display())
-                    });
+/// The lock file's name: present while a run owns the directory.
+const LOCK: &str = ".ninfer-perplexity.lock";
+/// The report's name.
+pub const REPORT: &str = "report.json";
+
+/// How a directory is to be claimed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// `--output DIR`: absent (created) or an empty directory.
+    AbsentOrEmpty,
+    /// A directory of the run's own (the default `profiles/perplexity/<run-id>`): must not
+    /// exist yet.
+    New,
+}
+
+/// An output directory this run owns until it writes its report or fails.
+#[derive(Debug)]
+pub struct OutputDir {
+    dir: PathBuf,
+    /// This run created `dir` (then a failure removes it again).
+    created: bool,
+    lock: Option<PathBuf>,
+}
+
+impl OutputDir {
+    /// Claims `dir` (see the module docs). Errors name the directory.
+    pub fn claim(dir: &Path, how: Claim) -> Result<OutputDir> {
+        let shown = dir.display();
+        let created = match std::fs::metadata(dir) {
+            Ok(m) if !m.is_dir() => bail!("{shown}: --output exists and is not a directory"),
+            Ok(_) if how == Claim::New => bail!("{shown}: the run's directory already exists"),
+            Ok(_) => {
+                let mut it = std::fs::read_dir(dir)
+                    .with_context(|| format!("{shown}: cannot read --output directory"))?;
+                if it.next().is_some() {
+                    bail!(
+                        "{shown}: --output directory is not empty (give an empty or new directory)"
+                    );
                 }
-                anc = a.parent();
+                false
             }
-            Ok(())
+            Err(_) => {
+                if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(parent).map_err(|e| {
+                        anyhow!("{shown}: cannot create the output directory's parent: {e}")
+                    })?;
+                }
+                match std::fs::create_dir(dir) {
+                    Ok(()) => true,
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        bail!("{shown}: another run created this output directory first")
+                    }
+                    Err(e) => bail!("{shown}: cannot create output directory: {e}"),
+                }
+            }
+        };
+        let mut out = OutputDir {
+            dir: dir.to_path_buf(),
+            created,
+            lock: None,
+        };
+        let lock = dir.join(LOCK);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&lock)
+        {
+            Ok(mut f) => {
+                let _ = writeln!(f, "{}", std::process::id());
+                out.lock = Some(lock);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                bail!("{shown}: another run is writing its report here")
+            }
+            Err(e) => bail!("{shown}: output directory is not writable: {e}"),
+        }
+        Ok(out)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writes `json` as `report.json` (never replacing one) and releases the directory.
+    pub fn write_report(mut self, json: &str) -> Result<PathBuf> {
+        let path = self.dir.join(REPORT);
+        let tmp = self
+            .dir
+            .join(format!(".{REPORT}.{}.tmp", std::process::id()));
+        let written = write_new(&tmp, json.as_bytes())
+            .and_then(|()| {
+                // A hard link fails when the name exists, where a rename would replace it.
+                std::fs::hard_link(&tmp, &path).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::AlreadyExists {
+                        anyhow!("a report is already there; it was left as it is")
+                    } else {
+                        anyhow!("cannot move the report into place: {e}")
+                    }
+                })
+            })
+            .with_context(|| path.display().to_string());
+        let _ = std::fs::remove_file(&tmp);
+        written?;
+        if let Some(lock) = self.lock.take() {
+            let _ = std::fs::remove_file(lock);
+        }
+        self.created = false; // the directory now holds the report
+        Ok(path)
+    }
+}
+
+impl Drop for OutputDir {
+    /// A run that did not write its report leaves nothing behind of its own.
+    fn drop(&mut self) {
+        if let Some(lock) = self.lock.take() {
+            let _ = std::fs::remove_file(lock);
+        }
+        if self.created {
+            let _ = std::fs::remove_dir(&self.dir); // only if empty
         }
     }
 }
 
-fn probe_writable(dir: &Path) -> Result<()> {
-    tempfile::Builder::new()
-        .prefix(".ninfer-probe")
-        .tempfile_in(dir)
-        .map(drop)
-        .with_context(|| format!("{}: directory is not writable", dir.display()))
-}
-
-/// Writes `json` as `dir/report.json` atomically; returns the path.
-pub fn write_report(dir: &Path, json: &str) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("{}: cannot create output directory", dir.display()))?;
-    let path = dir.join("report.json");
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".report.json.")
-        .tempfile_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
-    use std::io::Write;
-    tmp.write_all(json.as_bytes())
-        .and_then(|_| tmp.as_file().sync_all())
-        .with_context(|| format!("{}: cannot write report", path.display()))?;
-    tmp.persist(&path)
-        .with_context(|| format!("{}: cannot move report into place", path.display()))?;
-    Ok(path)
+/// Creates `path` (which must not exist) holding `bytes`, synced to disk.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| anyhow!("cannot create a temporary file: {e}"))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| anyhow!("cannot write the report: {e}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn output_rules() {
-        let root = tempfile::tempdir().unwrap();
-        // Absent: fine, and nothing is created by the check.
-        let new = root.path().join("a/b");
-        check_output_dir(&new).unwrap();
-        assert!(!new.exists());
-        // Empty: fine.
-        let empty = root.path().join("empty");
-        std::fs::create_dir(&empty).unwrap();
-        check_output_dir(&empty).unwrap();
-        // Not empty: refused.
-        std::fs::write(empty.join("x"), "1").unwrap();
-        let e = check_output_dir(&empty).unwrap_err().to_string();
-        assert!(e.contains("not empty"), "{e}");
-        // A file: refused.
-        let file = root.path().join("file");
-        std::fs::write(&file, "1").unwrap();
-        let e = check_output_dir(&file).unwrap_err().to_string();
-        assert!(e.contains("not a directory"), "{e}");
-        // Under a file: refused.
-        let e = format!("{:#}", check_output_dir(&file.join("sub")).unwrap_err());
-        assert!(e.contains("not a directory"), "{e}");
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
     }
 
     #[test]
-    fn atomic_write_leaves_only_the_report() {
+    fn output_rules() {
+        let root = tempfile::tempdir().unwrap();
+        // Absent: created (parents too) and locked while claimed.
+        let new = root.path().join("a/b");
+        let claimed = OutputDir::claim(&new, Claim::AbsentOrEmpty).unwrap();
+        assert_eq!(names(&new), [LOCK]);
+        // A second claim of the same directory fails at once.
+        let e = OutputDir::claim(&new, Claim::AbsentOrEmpty).unwrap_err();
+        assert!(e.to_string().contains("not empty"), "{e}");
+        drop(claimed);
+        assert!(
+            !new.exists(),
+            "a failed run removes the directory it created"
+        );
+        // Empty: fine, and kept on failure.
+        let empty = root.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        drop(OutputDir::claim(&empty, Claim::AbsentOrEmpty).unwrap());
+        assert!(empty.exists() && names(&empty).is_empty());
+        // Not empty: refused.
+        std::fs::write(empty.join("x"), "1").unwrap();
+        let e = OutputDir::claim(&empty, Claim::AbsentOrEmpty).unwrap_err();
+        assert!(e.to_string().contains("not empty"), "{e}");
+        // A run's own directory must be new.
+        let e = OutputDir::claim(&empty, Claim::New).unwrap_err();
+        assert!(e.to_string().contains("already exists"), "{e}");
+        // A file: refused.
+        let file = root.path().join("file");
+        std::fs::write(&file, "1").unwrap();
+        let e = OutputDir::claim(&file, Claim::AbsentOrEmpty).unwrap_err();
+        assert!(e.to_string().contains("not a directory"), "{e}");
+        // Under a file: refused.
+        let e = format!(
+            "{:#}",
+            OutputDir::claim(&file.join("sub"), Claim::New).unwrap_err()
+        );
+        assert!(e.contains("cannot create"), "{e}");
+        // Over-long: refused up front.
+        let long = root.path().join("x".repeat(300));
+        let e = format!("{:#}", OutputDir::claim(&long, Claim::New).unwrap_err());
+        assert!(e.contains("cannot create output directory"), "{e}");
+    }
+
+    #[test]
+    fn the_report_is_written_once_and_never_replaced() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("out");
-        let p = write_report(&dir, "{}").unwrap();
-        assert_eq!(std::fs::read_to_string(&p).unwrap(), "{}");
-        let names: Vec<_> = std::fs::read_dir(&dir)
+        let p = OutputDir::claim(&dir, Claim::AbsentOrEmpty)
             .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, vec![std::ffi::OsString::from("report.json")]);
+            .write_report("{}")
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "{}");
+        assert_eq!(names(&dir), [REPORT]);
+        // Someone else's report appearing in a claimed directory is kept, and the run fails.
+        let dir2 = root.path().join("out2");
+        let claimed = OutputDir::claim(&dir2, Claim::AbsentOrEmpty).unwrap();
+        std::fs::write(dir2.join(REPORT), "theirs").unwrap();
+        let e = format!("{:#}", claimed.write_report("ours").unwrap_err());
+        assert!(e.contains("already there"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(dir2.join(REPORT)).unwrap(),
+            "theirs"
+        );
+        assert_eq!(names(&dir2), [REPORT]);
+    }
+
+    #[test]
+    fn reports_follow_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let p = OutputDir::claim(&root.path().join("o"), Claim::New)
+            .unwrap()
+            .write_report("{}")
+            .unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        // Whatever the umask, the group/other read bits are not stripped the way a
+        // temporary file's 0600 would strip them (unless the umask itself does).
+        let umask = current_umask();
+        assert_eq!(mode, 0o666 & !umask, "mode {mode:o}, umask {umask:o}");
+    }
+
+    /// The process umask, read from /proc (Linux).
+    fn current_umask() -> u32 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = s.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        u32::from_str_radix(line.split_whitespace().nth(1).unwrap(), 8).unwrap()
     }
 }

@@ -6,10 +6,10 @@
 use crate::cli::{Input, RunConfig};
 use crate::corpus::{load_text_file, Corpus, LoadedStream};
 use crate::engine::{Engine, LoadOptions};
-use crate::registry;
 use crate::score::{windows, Window};
 use crate::ui::{self, ProgressLine};
 use anyhow::{anyhow, bail, Result};
+use std::path::Path;
 use std::time::Instant;
 
 /// One stream, ready to score.
@@ -17,8 +17,11 @@ pub struct Prepared {
     pub stream: LoadedStream,
     /// The tokens scored over (after a `--max-tokens` cap).
     pub tokens: Vec<u32>,
-    /// Tokens of the whole stream before any cap.
-    pub full_tokens: usize,
+    /// Tokens of the whole stream before any cap (`None`: a capped run tokenized only the
+    /// prefix it needs).
+    pub full_tokens: Option<usize>,
+    /// UTF-8 bytes of the stream that `tokens` cover.
+    pub bytes: u64,
     /// The protocol's windows over `tokens`, computed once.
     pub windows: Vec<Window>,
     /// Tokens fed through the model over all windows.
@@ -46,9 +49,9 @@ impl Inputs {
     }
 }
 
-/// Reads, verifies, loads and tokenizes everything `cfg` names.
-pub fn prepare(cfg: &RunConfig) -> Result<Inputs> {
-    let artifact_path = registry::resolve_artifact(&cfg.artifact)?;
+/// Reads, verifies, loads and tokenizes everything `cfg` names (the artifact already
+/// resolved to `artifact_path`).
+pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
     let (corpus, domains, streams) = read_streams(&cfg.input)?;
 
     ui::info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
@@ -60,7 +63,7 @@ pub fn prepare(cfg: &RunConfig) -> Result<Inputs> {
         precision: cfg.precision,
     };
     let mut load_bar = ProgressLine::new("loading weights", 1, "tensors");
-    let engine = Engine::load(&artifact_path, &opts, &mut |done, total| {
+    let engine = Engine::load(artifact_path, &opts, &mut |done, total| {
         load_bar.set_total(total as u64);
         load_bar.update(done as u64);
     })?;
@@ -112,14 +115,19 @@ fn read_streams(input: &Input) -> Result<Streams> {
 
 /// A stream's tokens (capped at `--max-tokens`) and its windows.
 fn tokenize(engine: &Engine, cfg: &RunConfig, s: LoadedStream) -> Result<Prepared> {
-    let mut tokens = engine
-        .tokenizer
-        .encode(&s.text)
-        .map_err(|e| anyhow!("stream `{}` ({}): {e}", s.id, s.path.display()))?;
-    let full_tokens = tokens.len();
-    if let Some(m) = cfg.max_tokens {
-        tokens.truncate(m);
-    }
+    let fail = |e: anyhow::Error| anyhow!("stream `{}` ({}): {e}", s.id, s.path.display());
+    let (tokens, full_tokens, bytes) = match cfg.max_tokens {
+        // Only what is scored is tokenized.
+        Some(m) => {
+            let p = engine.tokenizer.encode_prefix(&s.text, m).map_err(fail)?;
+            (p.ids, p.whole, p.bytes)
+        }
+        None => {
+            let t = engine.tokenizer.encode(&s.text).map_err(fail)?;
+            let n = t.len();
+            (t, Some(n), s.text.len() as u64)
+        }
+    };
     if tokens.len() < 2 {
         bail!(
             "stream `{}` ({}): has {} token(s); at least 2 are needed to score anything",
@@ -134,6 +142,7 @@ fn tokenize(engine: &Engine, cfg: &RunConfig, s: LoadedStream) -> Result<Prepare
         stream: s,
         tokens,
         full_tokens,
+        bytes,
         windows,
         processed,
     })

@@ -42,41 +42,56 @@ pub fn utc_stamp(unix: u64) -> String {
     )
 }
 
+/// A run's id: its UTC start to the millisecond, the artifact digest's first 8 hex digits,
+/// the KV format and the process id, so two runs never share one.
+pub fn run_id(started_unix_s: f64, digest: &str, kv: &str, pid: u32) -> String {
+    let secs = started_unix_s.max(0.0) as u64;
+    let ms = ((started_unix_s.max(0.0) - secs as f64) * 1000.0) as u64 % 1000;
+    let stamp = utc_stamp(secs);
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    format!(
+        "{}.{ms:03}Z-{}-{kv}-{pid}",
+        stamp.trim_end_matches('Z'),
+        &hex[..hex.len().min(8)]
+    )
+}
+
 pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     let t0 = Instant::now();
     let started_unix = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0);
-    if let Some(dir) = &cfg.output {
-        write::check_output_dir(dir)?;
-    }
-    let inputs = inputs::prepare(cfg)?;
+    // The output directory is claimed first, so a bad or busy one fails before any work.
+    let resolved = crate::registry::resolve_artifact(&cfg.artifact)?;
+    let artifact_path = resolved.path.clone();
+    let digest = crate::artifact::Artifact::open(&artifact_path)?.digest;
+    resolved.check_digest(&digest)?;
+    let run_id = run_id(started_unix, &digest, cfg.kv.name(), std::process::id());
+    let out = match &cfg.output {
+        Some(dir) => write::OutputDir::claim(dir, write::Claim::AbsentOrEmpty)?,
+        None => write::OutputDir::claim(
+            &PathBuf::from("profiles/perplexity").join(&run_id),
+            write::Claim::New,
+        )?,
+    };
+    let inputs = inputs::prepare(cfg, &artifact_path)?;
     log_startup(cfg, &inputs);
+    let warnings = warnings(&inputs);
+    warnings.iter().for_each(ui::warn);
 
     let t_score = Instant::now();
     let streams = score::score_streams(&inputs, cfg.kv)?;
     let score_s = t_score.elapsed().as_secs_f64();
 
-    let digest = &inputs.engine.artifact.digest;
-    let run_id = format!(
-        "{}-{}-{}",
-        utc_stamp(started_unix as u64),
-        &digest[7..15],
-        cfg.kv.name()
-    );
     let clock = report::Clock {
         started_unix_s: started_unix,
         score_s,
         total_s: t0.elapsed().as_secs_f64(),
     };
-    let rep = report::build(cfg, &inputs, streams, run_id, clock);
-    let dir = cfg
-        .output
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("profiles/perplexity").join(&rep.run_id));
+    let rep = report::build(cfg, &inputs, streams, run_id, clock, warnings);
     let json = serde_json::to_string_pretty(&rep)?;
-    let report_path = write::write_report(&dir, &json)?;
+    let report_path = out.write_report(&json)?;
     ui::info(format!(
         "done       {} scored tokens in {:.1}s ({:.1} processed tokens/s); report {}",
         rep.overall.totals.scored,
@@ -90,6 +105,25 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         report_path,
         table,
     })
+}
+
+/// What the run should warn about (also recorded in the report).
+fn warnings(inputs: &Inputs) -> Vec<String> {
+    let trained = inputs.engine.artifact.config.max_position_embeddings;
+    let longest = inputs
+        .streams
+        .iter()
+        .flat_map(|p| p.windows.iter().map(|w| w.len()))
+        .max()
+        .unwrap_or(0);
+    let mut w = Vec::new();
+    if longest > trained {
+        w.push(format!(
+            "windows of up to {longest} tokens exceed the model's trained context \
+             (max_position_embeddings {trained}): positions past it were never trained"
+        ));
+    }
+    w
 }
 
 /// The startup summary on stderr: what is scored, with what, how.
@@ -168,11 +202,12 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         inputs.load_s, a.provenance
     ));
     let bytes: usize = inputs.streams.iter().map(|p| p.stream.text.len()).sum();
-    let tokens: usize = inputs.streams.iter().map(|p| p.full_tokens).sum();
+    let tokens: Option<usize> = inputs.streams.iter().map(|p| p.full_tokens).sum();
+    let tokens = tokens.map_or("a prefix tokenized".to_string(), |t| format!("{t} tokens"));
     let input_tokens: usize = inputs.streams.iter().map(|p| p.tokens.len()).sum();
     match &inputs.corpus {
         Some(corpus) => ui::info(format!(
-            "corpus     {} ({}): {} streams, {bytes} bytes, {tokens} tokens{}",
+            "corpus     {} ({}): {} streams, {bytes} bytes, {tokens}{}",
             corpus.manifest.name,
             corpus.manifest_path.display(),
             inputs.streams.len(),
@@ -181,7 +216,7 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
                 .unwrap_or_default()
         )),
         None => ui::info(format!(
-            "text       {}: {bytes} bytes, {tokens} tokens{}",
+            "text       {}: {bytes} bytes, {tokens}{}",
             inputs.streams[0].stream.path.display(),
             cfg.max_tokens
                 .map(|m| format!(", capped at {m}"))
@@ -198,6 +233,12 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
 #[cfg(test)]
 mod tests {
     use super::utc_stamp;
+
+    #[test]
+    fn run_ids_have_milliseconds_and_the_process() {
+        let id = super::run_id(1796036645.0425, "sha256:65c3b8b6c7ab", "bf16", 4242);
+        assert_eq!(id, "20261130T110405.042Z-65c3b8b6-bf16-4242");
+    }
 
     #[test]
     fn stamps() {

@@ -19,6 +19,7 @@ pub fn build(
     streams: Vec<StreamReport>,
     run_id: String,
     clock: Clock,
+    warnings: Vec<String>,
 ) -> Report {
     let engine = &inputs.engine;
     let a = &engine.artifact;
@@ -94,6 +95,7 @@ pub fn build(
             total_s: clock.total_s,
         },
         peak_rss_bytes: report::peak_rss_bytes(),
+        warnings,
         cuda_memory: engine.cuda_memory(),
     }
 }

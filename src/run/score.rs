@@ -31,14 +31,7 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
         let secs = ts.elapsed().as_secs_f64();
         done_before += score.processed_tokens as u64;
         // Bits per byte count the bytes of the text that was scored.
-        let bytes = if p.tokens.len() < p.full_tokens {
-            engine
-                .tokenizer
-                .byte_len_of_prefix(&p.stream.text, p.tokens.len())?
-        } else {
-            p.stream.text.len() as u64
-        };
-        let totals = Totals::new(&score.totals, bytes);
+        let totals = Totals::new(&score.totals, p.bytes);
         let rate = score.processed_tokens as f64 / secs.max(1e-9);
         progress.suspend(|| {
             ui::info(format!(

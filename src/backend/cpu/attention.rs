@@ -26,7 +26,8 @@
 //! order, again by fused multiply-add. The portable kernels (`mul_add`) are the
 //! specification; the AVX2+FMA ones do the same operations eight lanes at a time and a test
 //! holds them to the same bits. The block sizes are constants, so no thread count or
-//! schedule changes a result (tested).
+//! schedule changes a result (tested). A row that meets a non-finite score gets a NaN output,
+//! so the caller's finiteness check reports it (never a finite, wrong row).
 
 use super::exp;
 use super::isa::Isa;
@@ -113,6 +114,8 @@ struct Scratch {
     /// running row maximum and sum of exponentials, [rows]
     m: Vec<f32>,
     l: Vec<f32>,
+    /// rows that met a non-finite score, [rows]
+    bad: Vec<bool>,
 }
 
 /// `s[r, p·NR + c] = scale · Σ_x q[r, x]·kt[p][x][c]` for the `MB` query rows of a micro
@@ -514,6 +517,7 @@ pub fn causal_attention(
             og: vec![0.0; max_rows * dp],
             m: vec![0.0; max_rows],
             l: vec![0.0; max_rows],
+            bad: vec![false; max_rows],
         },
         |sc, task| {
             // Later query blocks first: they have the most keys, and starting with them
@@ -536,6 +540,8 @@ pub fn causal_attention(
             let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
+            let bad = &mut sc.bad[..rows];
+            bad.fill(false);
             let kt_head = &packed.kt[kh * t_pad * d..(kh + 1) * t_pad * d];
             let v_head = &packed.vp[kh * t_pad * dp..(kh + 1) * t_pad * dp];
             let v_tiles = dp / NR;
@@ -572,6 +578,9 @@ pub fn causal_attention(
                         let visible = (q0 + r / group + 1 - kb0).min(cols);
                         let (live, masked) = row.split_at_mut(visible);
                         masked.fill(0.0);
+                        // The maximum drops a NaN and exp2 clamps an infinity, so a score
+                        // that overflowed would give a finite, wrong row: mark the row.
+                        bad[r] |= crate::kv::find_non_finite(live).is_some();
                         // The maximum is exact, so splitting it changes no bit.
                         let live_max = tile_max[i].max(exp::max(&live[shared * NR..]));
                         let m_new = m[r].max(live_max);
@@ -595,6 +604,11 @@ pub fn causal_attention(
                 }
             }
             for (r, row) in og[..rows * dp].chunks_mut(dp).enumerate() {
+                if bad[r] {
+                    // The caller checks the output and reports where it is not finite.
+                    row[..d].fill(f32::NAN);
+                    continue;
+                }
                 let inv = 1.0 / l[r];
                 row[..d].iter_mut().for_each(|x| *x *= inv);
             }

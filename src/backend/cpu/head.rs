@@ -10,6 +10,7 @@
 
 use super::exp;
 use super::matmul::{sgemm_block, Gemm};
+use crate::kv::find_non_finite;
 use rayon::prelude::*;
 
 /// Vocabulary entries per chunk (fixed: it defines the reduction order).
@@ -26,19 +27,35 @@ struct Partial {
     target: f32,
 }
 
-/// `h[rows, d]`, `w[vocab, d]`, `targets[rows]` -> `out[rows]` log-probabilities.
+/// A NaN or infinite logit: the first one by row, then vocabulary entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NonFiniteLogit {
+    pub row: usize,
+    pub token: usize,
+}
+
+/// `h[rows, d]`, `w[vocab, d]`, `targets[rows]` -> `out[rows]` log-probabilities, or the first
+/// non-finite logit (the max would drop a NaN and the fast `exp` clamp it, so every logit is
+/// checked: a vectorized scan, about 1/(2d) of the head's work).
 ///
 /// One task per vocabulary chunk walks all rows in blocks of `ROWS`, so each chunk of the
 /// head matrix (4.5 MiB for SmolLM2) comes from memory once per call and from cache for the
 /// later row blocks, instead of the whole 113 MiB head streaming once per row block.
-pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], out: &mut [f32]) {
+pub fn logprobs(
+    h: &[f32],
+    d: usize,
+    w: &[f32],
+    vocab: usize,
+    targets: &[u32],
+    out: &mut [f32],
+) -> Result<(), NonFiniteLogit> {
     let rows = targets.len();
     assert_eq!(h.len(), rows * d);
     assert_eq!(w.len(), vocab * d);
     assert_eq!(out.len(), rows);
     let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
-    // partials[chunk][row]
-    let partials: Vec<Vec<Partial>> = chunks
+    // partials[chunk][row], or the chunk's first non-finite logit.
+    let partials: Vec<Result<Vec<Partial>, NonFiniteLogit>> = chunks
         .par_iter()
         .map(|&v0| {
             let vc = VOCAB_CHUNK.min(vocab - v0);
@@ -63,6 +80,12 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
                         false,
                     );
                 }
+                if let Some(i) = find_non_finite(lg) {
+                    return Err(NonFiniteLogit {
+                        row: r0 + i / vc,
+                        token: v0 + i % vc,
+                    });
+                }
                 for (i, row) in lg.chunks_mut(vc).enumerate() {
                     let t = targets[r0 + i] as usize;
                     let target = if (v0..v0 + vc).contains(&t) {
@@ -75,8 +98,16 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
                     part.push(Partial { max, sum, target });
                 }
             }
-            part
+            Ok(part)
         })
+        .collect();
+    // The first bad logit by row, then token, whichever chunk found it.
+    if let Some(e) = partials.iter().filter_map(|p| p.as_ref().err()).min() {
+        return Err(*e);
+    }
+    let partials: Vec<Vec<Partial>> = partials
+        .into_iter()
+        .map(|p| p.unwrap_or_default())
         .collect();
     // Combine each row's chunks in vocabulary order (fixed, whatever the threads did).
     for (i, o) in out.iter_mut().enumerate() {
@@ -94,6 +125,7 @@ pub fn logprobs(h: &[f32], d: usize, w: &[f32], vocab: usize, targets: &[u32], o
         }
         *o = ((target - max) as f64 - sum.ln()) as f32;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -113,12 +145,12 @@ mod tests {
             .collect();
         let targets: Vec<u32> = (0..rows).map(|i| ((i * 4513) % vocab) as u32).collect();
         let mut all = vec![0.0; rows];
-        logprobs(&h, d, &w, vocab, &targets, &mut all);
+        logprobs(&h, d, &w, vocab, &targets, &mut all).unwrap();
         let split = 301;
         let mut a = vec![0.0; split];
         let mut b = vec![0.0; rows - split];
-        logprobs(&h[..split * d], d, &w, vocab, &targets[..split], &mut a);
-        logprobs(&h[split * d..], d, &w, vocab, &targets[split..], &mut b);
+        logprobs(&h[..split * d], d, &w, vocab, &targets[..split], &mut a).unwrap();
+        logprobs(&h[split * d..], d, &w, vocab, &targets[split..], &mut b).unwrap();
         a.extend(b);
         assert!(all.iter().zip(&a).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
@@ -134,7 +166,7 @@ mod tests {
             .collect();
         let targets: Vec<u32> = (0..rows).map(|i| ((i * 4513) % vocab) as u32).collect();
         let mut out = vec![0.0; rows];
-        logprobs(&h, d, &w, vocab, &targets, &mut out);
+        logprobs(&h, d, &w, vocab, &targets, &mut out).unwrap();
         for i in 0..rows {
             let logits: Vec<f64> = (0..vocab)
                 .map(|v| {

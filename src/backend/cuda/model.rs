@@ -19,7 +19,7 @@ use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::{Elem, KvDtype};
 use crate::model::config::ModelConfig;
-use crate::model::{ForwardError, KvPart};
+use crate::model::{ForwardError, Part};
 use crate::score::Window;
 use anyhow::{bail, Result};
 use std::collections::HashSet;
@@ -655,15 +655,15 @@ pub fn decode_nonfinite(key: u64, hkv: usize, hd: usize) -> (usize, ForwardError
     let window = (key >> 48) as usize;
     let layer = ((key >> 40) & 0xFF) as usize;
     let part = if (key >> 39) & 1 == 1 {
-        KvPart::Value
+        Part::Value
     } else {
-        KvPart::Key
+        Part::Key
     };
     let flat = (key & ((1u64 << 39) - 1)) as usize;
     let vec = flat / hd;
     (
         window,
-        ForwardError::NonFiniteKv {
+        ForwardError::NonFinite {
             part,
             layer,
             pos: vec / hkv,
@@ -699,8 +699,8 @@ mod tests {
         assert_eq!(w, 7);
         assert_eq!(
             e,
-            ForwardError::NonFiniteKv {
-                part: KvPart::Value,
+            ForwardError::NonFinite {
+                part: Part::Value,
                 layer: 12,
                 pos: 5,
                 head: 2
@@ -710,8 +710,8 @@ mod tests {
         assert_eq!(w, 0);
         assert_eq!(
             e,
-            ForwardError::NonFiniteKv {
-                part: KvPart::Key,
+            ForwardError::NonFinite {
+                part: Part::Key,
                 layer: 0,
                 pos: 5,
                 head: 2

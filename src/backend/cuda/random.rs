@@ -285,6 +285,7 @@ pub fn write_random_artifact(
     f.sync_all().ok();
     tmp.persist(out)
         .map_err(|e| anyhow::anyhow!("{}: cannot write: {}", out.display(), e.error))?;
+    crate::outfile::set_default_mode(out)?;
     Ok(d)
 }
 
@@ -300,6 +301,8 @@ pub fn run_cli(
     if let Some(l) = layers {
         config.num_layers = l;
     }
+    config.validate().context("--layers")?;
+    crate::outfile::check_output(out, &[])?;
     let tokenizer_json = match tokenizer {
         Some(p) => Some(
             std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,

@@ -272,6 +272,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
                 name: name.clone(),
                 shape: shape.clone(),
                 data,
+                origin: gguf.path.clone(),
             })
         })
         .collect::<Result<_>>()?;
