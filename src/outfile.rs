@@ -28,9 +28,15 @@ pub fn check_output(out: &Path, inputs: &[PathBuf]) -> Result<()> {
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    if let Some(a) = dir.ancestors().find(|a| a.exists() && !a.as_os_str().is_empty()) {
+    if let Some(a) = dir
+        .ancestors()
+        .find(|a| a.exists() && !a.as_os_str().is_empty())
+    {
         if !a.is_dir() {
-            bail!("{shown}: cannot create its directory: {} is not a directory", a.display());
+            bail!(
+                "{shown}: cannot create its directory: {} is not a directory",
+                a.display()
+            );
         }
     }
     std::fs::create_dir_all(dir)

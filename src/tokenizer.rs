@@ -13,8 +13,12 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_json(json: &str) -> Result<Tokenizer> {
-        let inner: tokenizers::Tokenizer = json
-            .parse()
+        serde_json::from_str::<serde_json::Value>(json)
+            .map_err(|e| anyhow!("tokenizer.json is not valid JSON: {e}"))?;
+        // The `tokenizers` crate panics on some malformed parts (a decoder it cannot read);
+        // that is bad input, so it is caught and reported as such.
+        let inner: tokenizers::Tokenizer = quietly(|| json.parse())
+            .map_err(|_| anyhow!("tokenizer.json does not load: a malformed part made the tokenizers library give up"))?
             .map_err(|e| anyhow!("tokenizer.json does not load: {e}"))?;
         let sha256 = hex::encode(Sha256::digest(json.as_bytes()));
         Ok(Tokenizer { inner, sha256 })
@@ -68,9 +72,22 @@ impl Tokenizer {
             }
             cut = a.saturating_mul(2);
         }
+        self.prefix_of_whole(text, n)
+    }
+
+    /// [`Tokenizer::encode_prefix`] by tokenizing the whole text: the reference it must equal.
+    pub fn prefix_of_whole(&self, text: &str, n: usize) -> Result<Prefix> {
+        Ok(self.prefixes_of_whole(text, &[n])?.remove(0))
+    }
+
+    /// [`Tokenizer::prefix_of_whole`] for several lengths, tokenizing the text once.
+    pub fn prefixes_of_whole(&self, text: &str, ns: &[usize]) -> Result<Vec<Prefix>> {
         let all = self.encode_with_offsets(text)?;
         let whole = all.get_ids().len();
-        Ok(Prefix::of(&all, n, Some(whole)))
+        Ok(ns
+            .iter()
+            .map(|&n| Prefix::of(&all, n, Some(whole)))
+            .collect())
     }
 
     fn encode_with_offsets(&self, text: &str) -> Result<tokenizers::Encoding> {
@@ -78,6 +95,29 @@ impl Tokenizer {
             .encode(text, true)
             .map_err(|e| anyhow!("tokenization failed: {e}"))
     }
+}
+
+thread_local! {
+    /// Set while [`quietly`] runs: the panic hook then prints nothing.
+    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, turning a panic into an `Err` without the panic message on stderr (the caller
+/// reports the failure as one error line).
+fn quietly<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(|q| q.get()) {
+                previous(info)
+            }
+        }));
+    });
+    QUIET.with(|q| q.set(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(false));
+    r
 }
 
 /// Tokens past `n` that a prefix must also hold before its first `n` are trusted.

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod gguf_synth;
 pub mod trials;
 
 pub fn repo() -> PathBuf {

@@ -1,0 +1,370 @@
+//! A bounded mutation test of every parser a user's file reaches: the `.ninfer` reader (and
+//! loading and scoring what it accepts), the GGUF reader, the corpus manifest and the
+//! Hugging Face config. Valid inputs are flipped, truncated, extended and have header fields
+//! rewritten with hostile values (huge, negative, zero, wrong types), a few thousand cases
+//! from a fixed seed. Every case must end in `Ok` or in one error line, never a panic, and
+//! no case may allocate more than [`ALLOC_LIMIT`] bytes at once (a size taken from a header
+//! and believed would). The test prints how many inputs it tried.
+//!
+//! It runs as a single trial in its own test binary, so the allocation counter sees only it.
+
+mod common;
+
+use common::gguf_synth::{Rng, Synth, Val};
+use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
+use ninfer_perplexity::corpus::Manifest;
+use ninfer_perplexity::engine::{Engine, LoadOptions};
+use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::pack::{gguf, hf};
+use ninfer_perplexity::score::Protocol;
+use serde_json::Value;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+/// Most bytes live at once that one case may add to what was live before it.
+const ALLOC_LIMIT: usize = 256 << 20;
+
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; the counters are plain atomics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let p = System.alloc(l);
+        if !p.is_null() {
+            let now = LIVE.fetch_add(l.size(), Relaxed) + l.size();
+            PEAK.fetch_max(now, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l);
+        LIVE.fetch_sub(l.size(), Relaxed);
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        let q = System.realloc(p, l, new);
+        if !q.is_null() {
+            if new >= l.size() {
+                let now = LIVE.fetch_add(new - l.size(), Relaxed) + new - l.size();
+                PEAK.fetch_max(now, Relaxed);
+            } else {
+                LIVE.fetch_sub(l.size() - new, Relaxed);
+            }
+        }
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// What the cases came to.
+#[derive(Default)]
+struct Tally {
+    tried: usize,
+    accepted: usize,
+    failures: Vec<String>,
+}
+
+impl Tally {
+    /// Runs one case: `f` must not panic, must give one error line, must stay in bounds.
+    fn case(&mut self, what: &str, f: impl FnOnce() -> anyhow::Result<()>) {
+        self.tried += 1;
+        let before = LIVE.load(Relaxed);
+        PEAK.store(before, Relaxed);
+        let r = catch_unwind(AssertUnwindSafe(f));
+        let grew = PEAK.load(Relaxed).saturating_sub(before);
+        if grew > ALLOC_LIMIT {
+            self.failures
+                .push(format!("{what}: allocated {} MiB at once", grew >> 20));
+        }
+        match r {
+            Ok(Ok(())) => self.accepted += 1,
+            Ok(Err(e)) => {
+                let line = format!("{e:#}");
+                if line.contains('\n') || line.is_empty() {
+                    self.failures
+                        .push(format!("{what}: not one error line: {line:?}"));
+                }
+            }
+            Err(_) => self.failures.push(format!("{what}: panicked")),
+        }
+    }
+}
+
+/// Byte-level mutations of `base`: flips (mostly in the first `hot` bytes), truncations and
+/// extensions.
+fn byte_mutants(base: &[u8], hot: usize, n: usize, rng: &mut Rng) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut b = base.to_vec();
+        let what = match i % 4 {
+            0 | 1 => {
+                let flips = 1 + rng.next() as usize % 8;
+                for _ in 0..flips {
+                    let span = if rng.next() % 10 < 8 { hot } else { b.len() };
+                    let at = rng.next() as usize % span.max(1);
+                    b[at] ^= 1 << (rng.next() % 8);
+                }
+                format!("{flips} flipped bits")
+            }
+            2 => {
+                let len = rng.next() as usize % b.len();
+                b.truncate(len);
+                format!("truncated to {len}")
+            }
+            _ => {
+                let extra = 1 + rng.next() as usize % 1000;
+                b.extend(rng.bytes(extra));
+                format!("{extra} bytes appended")
+            }
+        };
+        out.push((what, b));
+    }
+    out
+}
+
+/// Hostile values for a JSON field.
+fn hostile(rng: &mut Rng) -> Value {
+    let choices = [
+        serde_json::json!(0),
+        serde_json::json!(-1),
+        serde_json::json!(1_000_000_000_000u64),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(i64::MIN),
+        serde_json::json!(1e308),
+        serde_json::json!(0.5),
+        serde_json::json!("many"),
+        serde_json::json!(null),
+        serde_json::json!([1, 2]),
+        serde_json::json!({"a": 1}),
+        serde_json::json!(true),
+        serde_json::json!(100_000),
+        serde_json::json!(4_294_967_296u64),
+    ];
+    choices[rng.next() as usize % choices.len()].clone()
+}
+
+/// Every path to a leaf or container of `v` (object keys and array indices).
+fn paths(v: &Value, at: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                at.push(k.clone());
+                out.push(at.clone());
+                paths(x, at, out);
+                at.pop();
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate().take(8) {
+                at.push(i.to_string());
+                out.push(at.clone());
+                paths(x, at, out);
+                at.pop();
+            }
+        }
+        _ => {}
+    }
+}
+
+fn set_at(v: &mut Value, path: &[String], new: Value) {
+    let mut cur = v;
+    for (i, k) in path.iter().enumerate() {
+        let next = match cur {
+            Value::Object(m) => m.get_mut(k),
+            Value::Array(a) => k.parse::<usize>().ok().and_then(|j| a.get_mut(j)),
+            _ => None,
+        };
+        let Some(n) = next else { return };
+        if i + 1 == path.len() {
+            *n = new;
+            return;
+        }
+        cur = n;
+    }
+}
+
+/// Field rewrites of a JSON document: one hostile value at a random place per mutant.
+fn json_mutants(base: &Value, n: usize, rng: &mut Rng) -> Vec<(String, Value)> {
+    let mut all = Vec::new();
+    paths(base, &mut Vec::new(), &mut all);
+    (0..n)
+        .map(|_| {
+            let p = &all[rng.next() as usize % all.len()];
+            let h = hostile(rng);
+            let mut v = base.clone();
+            set_at(&mut v, p, h.clone());
+            (format!("{} = {h}", p.join(".")), v)
+        })
+        .collect()
+}
+
+/// A tiny valid artifact (2 layers, byte tokenizer).
+fn tiny_ninfer(dir: &Path) -> Vec<u8> {
+    let mut c = preset("smollm2-135m").unwrap();
+    (
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_layers,
+    ) = (260, 32, 48, 2);
+    (
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.max_position_embeddings,
+    ) = (4, 2, 8, 512);
+    let p = dir.join("base.ninfer");
+    let spec = RandomSpec {
+        config: c,
+        seed: 3,
+        tokenizer_json: None,
+    };
+    write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
+    std::fs::read(p).unwrap()
+}
+
+/// Opens an artifact the way the evaluator does and scores a few tokens with it.
+fn load_and_score(p: &Path) -> anyhow::Result<()> {
+    let opts = LoadOptions {
+        threads: 2,
+        ..LoadOptions::default()
+    };
+    let e = Engine::load(p, &opts, &mut |_, _| {})?;
+    let ids = e.tokenizer.encode("hello mutation")?;
+    e.score(
+        &ids,
+        Protocol::new(8, 4)?,
+        KvDtype::Int8,
+        false,
+        &mut |_, _| {},
+    )?;
+    Ok(())
+}
+
+/// The header of a safetensors file as JSON, and where the data starts.
+fn header_of(b: &[u8]) -> (Value, usize) {
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    (serde_json::from_slice(&b[8..8 + n]).unwrap(), 8 + n)
+}
+
+fn with_header(h: &Value, data: &[u8]) -> Vec<u8> {
+    let mut j = serde_json::to_vec(h).unwrap();
+    while j.len() % 8 != 0 {
+        j.push(b' ');
+    }
+    let mut out = (j.len() as u64).to_le_bytes().to_vec();
+    out.extend(j);
+    out.extend_from_slice(data);
+    out
+}
+
+fn parsers_survive_mutated_inputs() {
+    let dir = common::tempdir();
+    let mut rng = Rng(0x5eed);
+    let mut t = Tally::default();
+    let case_path = dir.path().join("case");
+
+    // .ninfer: bytes, the safetensors header, and the config inside its metadata.
+    let base = tiny_ninfer(dir.path());
+    let (header, data_at) = header_of(&base);
+    let mut ninfer: Vec<(String, Vec<u8>)> = byte_mutants(&base, data_at, 1200, &mut rng);
+    for (what, h) in json_mutants(&header, 500, &mut rng) {
+        ninfer.push((format!("header {what}"), with_header(&h, &base[data_at..])));
+    }
+    let config: Value =
+        serde_json::from_str(header["__metadata__"]["config"].as_str().unwrap()).unwrap();
+    for (what, c) in json_mutants(&config, 600, &mut rng) {
+        let mut h = header.clone();
+        h["__metadata__"]["config"] = Value::String(c.to_string());
+        ninfer.push((format!("config {what}"), with_header(&h, &base[data_at..])));
+    }
+    let n_ninfer = ninfer.len();
+    for (what, bytes) in ninfer {
+        std::fs::write(&case_path, &bytes).unwrap();
+        t.case(&format!(".ninfer {what}"), || load_and_score(&case_path));
+    }
+
+    // GGUF: bytes and metadata values.
+    let synth = Synth::new(false);
+    let base = synth.bytes();
+    let mut ggufs = byte_mutants(&base, 4096, 1200, &mut rng);
+    let keys: Vec<String> = synth.kv.iter().map(|(k, _)| k.clone()).collect();
+    let values = [
+        Val::U32(u32::MAX),
+        Val::U64(u64::MAX),
+        Val::U64(1 << 40),
+        Val::U32(0),
+        Val::I32(-1),
+        Val::Str("x".repeat(300)),
+        Val::F32(f32::NAN),
+        Val::U32(100_000),
+        Val::Strs(vec![]),
+    ];
+    for i in 0..600 {
+        let mut s = Synth::new(false);
+        let k = &keys[rng.next() as usize % keys.len()];
+        let v = values[i % values.len()].clone();
+        s.set(k, v);
+        ggufs.push((format!("{k} rewritten"), s.bytes()));
+    }
+    let n_gguf = ggufs.len();
+    for (what, bytes) in ggufs {
+        std::fs::write(&case_path, &bytes).unwrap();
+        t.case(&format!("GGUF {what}"), || {
+            gguf::read_gguf(&case_path).map(drop)
+        });
+    }
+
+    // The corpus manifest and a Hugging Face config: text bytes and fields.
+    let manifest =
+        std::fs::read(common::repo().join("eval/corpora/perplexity-1m/manifest.json")).unwrap();
+    let hf_config =
+        std::fs::read(common::repo().join("eval/fixtures/tiny-qwen3/config.json")).unwrap();
+    let mut n_json = 0;
+    for (name, base) in [("manifest", &manifest), ("config.json", &hf_config)] {
+        let parse = |b: &[u8]| -> anyhow::Result<()> {
+            let text = String::from_utf8_lossy(b);
+            if name == "manifest" {
+                Manifest::parse(&text).map(drop)
+            } else {
+                hf::parse_config(&serde_json::from_str(&text)?).map(drop)
+            }
+        };
+        let mut cases = byte_mutants(base, base.len(), 500, &mut rng);
+        let v: Value = serde_json::from_slice(base).unwrap();
+        for (what, m) in json_mutants(&v, 700, &mut rng) {
+            cases.push((what, serde_json::to_vec(&m).unwrap()));
+        }
+        n_json += cases.len();
+        for (what, b) in cases {
+            t.case(&format!("{name} {what}"), || parse(&b));
+        }
+    }
+
+    println!(
+        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json); {} accepted, {} refused with one error line",
+        t.tried,
+        t.accepted,
+        t.tried - t.accepted - t.failures.len()
+    );
+    assert!(
+        t.failures.is_empty(),
+        "{} of {} cases misbehaved, first: {:#?}",
+        t.failures.len(),
+        t.tried,
+        &t.failures[..t.failures.len().min(10)]
+    );
+    assert!(
+        t.accepted > 0 && t.accepted < t.tried,
+        "the mutants must include valid and invalid inputs"
+    );
+}
+
+fn main() -> std::process::ExitCode {
+    common::trials::run(cases![Nothing parsers_survive_mutated_inputs])
+}
