@@ -173,7 +173,7 @@ fn main() {
         rows.push((
             "head + log-softmax",
             time(reps, || {
-                head::logprobs(&hn, D, &emb, VOCAB, &targets, &mut lp)
+                head::logprobs(&hn, D, &emb, VOCAB, &targets, &mut lp).expect("finite logits")
             }),
             gemm(scored, D, VOCAB),
         ));

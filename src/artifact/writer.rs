@@ -41,6 +41,16 @@ fn dtype_name(d: Dtype) -> &'static str {
 /// Encodes, checks and writes the artifact; returns its digest.
 pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Result<String> {
     src.config.validate()?;
+    // The evaluator refuses a tokenizer with ids past the vocabulary; so does the packer.
+    let tok =
+        crate::tokenizer::Tokenizer::from_json(&src.tokenizer_json).context("the tokenizer")?;
+    if tok.vocab_size() > src.config.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's vocabulary has {} (config `vocab_size`)",
+            tok.vocab_size(),
+            src.config.vocab_size
+        );
+    }
     let mut given: BTreeMap<&str, &crate::pack::SourceTensor> = BTreeMap::new();
     for t in &src.tensors {
         if given.insert(t.name.as_str(), t).is_some() {
@@ -99,16 +109,6 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
             src.config.family.name()
         );
     }
-    // The evaluator refuses a tokenizer with ids past the vocabulary; so does the packer.
-    let tok =
-        crate::tokenizer::Tokenizer::from_json(&src.tokenizer_json).context("the tokenizer")?;
-    if tok.vocab_size() > src.config.vocab_size {
-        bail!(
-            "the tokenizer has {} tokens but the model's vocabulary has {} (config `vocab_size`)",
-            tok.vocab_size(),
-            src.config.vocab_size
-        );
-    }
 
     let provenance = Provenance {
         packer: format!("ninfer-pack {}", env!("CARGO_PKG_VERSION")),
@@ -145,4 +145,30 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
         .map_err(|e| anyhow::anyhow!("{}: cannot write artifact: {e}", out.display()))?;
     crate::outfile::set_default_mode(out)?;
     Ok(digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::{Family, ModelConfig};
+
+    #[test]
+    fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
+        let src = PackSource {
+            config: ModelConfig::for_test(Family::Llama, 1, 8, 2, 1, 4, 8, 100),
+            tokenizer_json: crate::backend::cuda::random::byte_tokenizer_json(),
+            tensors: vec![],
+            source_kind: "test".into(),
+            source_files: vec![],
+            source_dtypes: BTreeMap::new(),
+        };
+        let out = tempfile::tempdir().unwrap();
+        let e = write_artifact(&src, WeightFormat::Bf16, &out.path().join("x.ninfer"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "the tokenizer has 256 tokens but the model's vocabulary has 100 (config `vocab_size`)"
+        );
+    }
 }
