@@ -65,12 +65,15 @@ fn run_with_deadline(bin: &str, args: &[&str], secs: u64) -> Output {
     }
 }
 
+/// A tensor's name and an edit of its bytes.
+type TensorEdit<'a> = (&'a str, &'a dyn Fn(&mut [u8]));
+
 /// A copy of the tiny f32 artifact with its safetensors header and tensor bytes edited.
 fn edited_artifact(
     dir: &Path,
     name: &str,
     edit_config: impl FnOnce(&mut Value),
-    edit_tensor: Option<(&str, &dyn Fn(&mut [u8]))>,
+    edit_tensor: Option<TensorEdit>,
 ) -> PathBuf {
     let base = common::tiny_artifact(dir);
     let b = std::fs::read(&base).unwrap();
@@ -90,7 +93,7 @@ fn edited_artifact(
         f(&mut data[a..z]);
     }
     let mut j = serde_json::to_vec(&header).unwrap();
-    while j.len() % 8 != 0 {
+    while !j.len().is_multiple_of(8) {
         j.push(b' ');
     }
     let mut out = (j.len() as u64).to_le_bytes().to_vec();

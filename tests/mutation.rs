@@ -254,7 +254,7 @@ fn header_of(b: &[u8]) -> (Value, usize) {
 
 fn with_header(h: &Value, data: &[u8]) -> Vec<u8> {
     let mut j = serde_json::to_vec(h).unwrap();
-    while j.len() % 8 != 0 {
+    while !j.len().is_multiple_of(8) {
         j.push(b' ');
     }
     let mut out = (j.len() as u64).to_le_bytes().to_vec();

@@ -62,6 +62,9 @@ fn fixed_report() -> Report {
             stride: 4,
             kv_dtype: "bf16".into(),
             kv_bytes_per_token_per_layer: 768,
+            kv_layers: 30,
+            kv_bytes_per_token: 30 * 768,
+            state_bytes_per_window: 0,
             quick: false,
             max_tokens: None,
             device: "cpu (2 threads)".into(),
@@ -96,6 +99,7 @@ fn fixed_report() -> Report {
                 qk_norm: false,
                 bos_token_id: None,
                 eos_token_id: None,
+                hybrid: None,
             },
         },
         tokenizer: TokenizerInfo {

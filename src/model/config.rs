@@ -23,14 +23,18 @@ pub const MAX_HEAD_DIM: usize = 1024;
 /// Largest trained context.
 pub const MAX_POSITIONS: usize = 1 << 26;
 
-/// Architecture family. The differences the engine cares about are small: qwen2 adds a
-/// bias to the q/k/v projections, qwen3 applies a per-head RMSNorm to q and k before RoPE.
+/// Architecture family. qwen2 adds a bias to the q/k/v projections, qwen3 applies a
+/// per-head RMSNorm to q and k before RoPE, and qwen3_5 is the hybrid text model: Gated
+/// DeltaNet layers with a recurrent State between gated full-attention layers, zero-centred
+/// norms (`1 + w`) and partial RoPE (see [`HybridConfig`] and `docs/hybrid.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
     Llama,
     Qwen2,
     Qwen3,
+    #[serde(rename = "qwen3_5")]
+    Qwen3_5,
 }
 
 impl Family {
@@ -39,7 +43,63 @@ impl Family {
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Qwen3_5 => "qwen3_5",
         }
+    }
+}
+
+/// What a layer mixes its tokens with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerKind {
+    /// Causal softmax attention over the Main KV.
+    FullAttention,
+    /// Gated DeltaNet: linear attention with a recurrent State.
+    LinearAttention,
+}
+
+/// The activation of the Gated DeltaNet output gate (`silu(z)` by default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputGate {
+    Silu,
+    Sigmoid,
+}
+
+/// The hybrid part of a qwen3_5 text model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HybridConfig {
+    /// One entry per layer.
+    pub layer_types: Vec<LayerKind>,
+    /// Leading dims of each full-attention head that RoPE rotates (the rest pass through).
+    pub rotary_dim: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    /// Width of the causal depthwise convolution over q|k|v.
+    pub linear_conv_kernel_dim: usize,
+    pub output_gate: OutputGate,
+}
+
+impl HybridConfig {
+    /// Channels the convolution runs over: q and k of every key head, v of every value head.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+    }
+
+    /// `Hv · Dv`: the width of the value heads (and of the z gate, and of out_proj's input).
+    pub fn value_dim(&self) -> usize {
+        self.linear_num_value_heads * self.linear_value_head_dim
+    }
+
+    /// f32 values of one Gated DeltaNet layer's State for a window: the `[Dk, Dv]` matrix
+    /// of every value head, and the last `K - 1` convolution inputs.
+    pub fn state_floats_per_layer(&self) -> usize {
+        self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+            + (self.linear_conv_kernel_dim - 1) * self.conv_dim()
     }
 }
 
@@ -77,6 +137,9 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     #[serde(default)]
     pub eos_token_id: Option<u32>,
+    /// The recurrent layers of a hybrid (qwen3_5) model; absent for the others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<HybridConfig>,
 }
 
 impl ModelConfig {
@@ -147,7 +210,115 @@ impl ModelConfig {
             Family::Qwen3 if !self.qk_norm => bail!("config: qwen3 requires qk_norm"),
             _ => {}
         }
+        match (&self.hybrid, self.family) {
+            (None, Family::Qwen3_5) => bail!("config: qwen3_5 needs its `hybrid` part"),
+            (Some(_), f) if f != Family::Qwen3_5 => {
+                bail!("config: `hybrid` is only for qwen3_5, not {}", f.name())
+            }
+            (Some(h), _) => self.validate_hybrid(h)?,
+            (None, _) => {}
+        }
         Ok(())
+    }
+
+    fn validate_hybrid(&self, h: &HybridConfig) -> Result<()> {
+        if !self.qk_norm || self.attention_bias {
+            bail!("config: qwen3_5 has q/k norm and no attention bias");
+        }
+        if h.layer_types.len() != self.num_layers {
+            bail!(
+                "config: `layer_types` has {} entries for {} layers",
+                h.layer_types.len(),
+                self.num_layers
+            );
+        }
+        let bounded = [
+            ("linear_num_key_heads", h.linear_num_key_heads, MAX_HEADS),
+            (
+                "linear_num_value_heads",
+                h.linear_num_value_heads,
+                MAX_HEADS,
+            ),
+            ("linear_key_head_dim", h.linear_key_head_dim, MAX_HEAD_DIM),
+            (
+                "linear_value_head_dim",
+                h.linear_value_head_dim,
+                MAX_HEAD_DIM,
+            ),
+            ("linear_conv_kernel_dim", h.linear_conv_kernel_dim, 64),
+            ("rotary_dim", h.rotary_dim, self.head_dim),
+        ];
+        for (name, v, max) in bounded {
+            if v == 0 {
+                bail!("config field `{name}` must be positive");
+            }
+            if v > max {
+                bail!("config field `{name}` is {v}, above the largest this engine takes ({max})");
+            }
+        }
+        if !h.rotary_dim.is_multiple_of(2) {
+            bail!(
+                "config: rotary_dim ({}) must be even for RoPE",
+                h.rotary_dim
+            );
+        }
+        if !h
+            .linear_num_value_heads
+            .is_multiple_of(h.linear_num_key_heads)
+        {
+            bail!(
+                "config: linear_num_value_heads ({}) is not a multiple of linear_num_key_heads ({})",
+                h.linear_num_value_heads,
+                h.linear_num_key_heads
+            );
+        }
+        if h.conv_dim() > MAX_WIDTH * 4 || h.value_dim() > MAX_WIDTH {
+            bail!("config: the Gated DeltaNet heads are wider than this engine takes");
+        }
+        Ok(())
+    }
+
+    /// What layer `i` mixes its tokens with.
+    pub fn layer_kind(&self, i: usize) -> LayerKind {
+        match &self.hybrid {
+            Some(h) => h.layer_types[i],
+            None => LayerKind::FullAttention,
+        }
+    }
+
+    /// Layers with a Main KV (the full-attention ones).
+    pub fn kv_layers(&self) -> usize {
+        (0..self.num_layers)
+            .filter(|&i| self.layer_kind(i) == LayerKind::FullAttention)
+            .count()
+    }
+
+    /// Gated DeltaNet layers.
+    pub fn state_layers(&self) -> usize {
+        self.num_layers - self.kv_layers()
+    }
+
+    /// Dims of each attention head that RoPE rotates.
+    pub fn rotary_dim(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.head_dim, |h| h.rotary_dim)
+    }
+
+    /// Whether the norms hold `w` with the scale `1 + w` (qwen3_5), rather than the scale.
+    pub fn zero_centred_norms(&self) -> bool {
+        self.family == Family::Qwen3_5
+    }
+
+    /// Whether attention's output is multiplied by `sigmoid(gate)`, the gate projected with
+    /// the query (qwen3_5).
+    pub fn attention_output_gate(&self) -> bool {
+        self.family == Family::Qwen3_5
+    }
+
+    /// Bytes of Recurrent State a window holds (f32, every Gated DeltaNet layer).
+    pub fn state_bytes_per_window(&self) -> usize {
+        self.hybrid
+            .as_ref()
+            .map_or(0, |h| 4 * h.state_floats_per_layer() * self.state_layers())
     }
 
     pub fn q_dim(&self) -> usize {
@@ -204,6 +375,7 @@ impl ModelConfig {
             qk_norm: family == Family::Qwen3,
             bos_token_id: None,
             eos_token_id: None,
+            hybrid: None,
         }
     }
 }

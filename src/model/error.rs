@@ -15,6 +15,8 @@ pub enum Part {
     Value,
     /// Attention's output (a score that overflowed shows up here).
     AttentionOutput,
+    /// A Gated DeltaNet's read-out of its recurrent State.
+    State,
 }
 
 impl Part {
@@ -24,6 +26,7 @@ impl Part {
             Part::Key => "key",
             Part::Value => "value",
             Part::AttentionOutput => "attention output",
+            Part::State => "State read-out",
         }
     }
 
@@ -32,6 +35,7 @@ impl Part {
         match self {
             Part::Key | Part::Value => "KV head",
             Part::Query | Part::AttentionOutput => "query head",
+            Part::State => "value head",
         }
     }
 }

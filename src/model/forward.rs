@@ -17,12 +17,13 @@ use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
+use crate::model::delta_net;
 use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::Faults;
 use crate::model::kv_store::{self, Stored};
 use crate::model::profile::{self, Laps, Phase};
 use crate::model::split::{Link, Split, Stop};
-use crate::model::weights::Weights;
+use crate::model::weights::{AttentionWeights, MixerWeights, Weights};
 use rayon::prelude::*;
 
 pub struct CpuModel {
@@ -38,7 +39,7 @@ pub struct CpuModel {
 impl CpuModel {
     pub fn new(config: ModelConfig, weights: Weights) -> CpuModel {
         let inv_freq = inv_freq(
-            config.head_dim,
+            config.rotary_dim(),
             config.rope_theta,
             config.rope_scaling.as_ref(),
         );
@@ -129,11 +130,11 @@ impl CpuModel {
         if let Some(e) = self.faults.embed_scale() {
             x.iter_mut().for_each(|v| *v *= 1.0 + e);
         }
-        let rope = RopeTable::new(&self.inv_freq, t_len);
+        let rope = RopeTable::partial(&self.inv_freq, t_len, c.head_dim);
         let shifted_rope = self
             .faults
             .rope_shift()
-            .then(|| rope_one_ahead(&self.inv_freq, t_len));
+            .then(|| rope_one_ahead(&self.inv_freq, t_len, c.head_dim));
         let pass = Pass {
             first_target,
             kv,
@@ -206,8 +207,9 @@ impl CpuModel {
 
     /// One decoder layer for rows `rows` of a window (`x` holds exactly those rows of the
     /// residual stream). After the last layer only the rows that predict a target are read,
-    /// so there attention output, o-projection and MLP run for rows `first_target - 1..`
-    /// only (every row still contributes its key and value); the same bits as for all rows.
+    /// so there the mixer's output projection and the MLP run for rows `first_target - 1..`
+    /// only (every row still contributes its key and value, or its State update); the same
+    /// bits as for all rows.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer(
         &self,
@@ -221,34 +223,96 @@ impl CpuModel {
     ) -> Result<(), Stop> {
         let c = &self.config;
         let l = &self.weights.layers[li];
-        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let qkv_w = qd + 2 * kvd;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
         let eps = c.rms_norm_eps;
         let (lo, hi) = (rows.start, rows.end);
         let m = hi - lo;
+        let r0 = if li + 1 == self.weights.layers.len() {
+            (pass.first_target - 1).max(lo)
+        } else {
+            lo
+        };
 
-        // Attention block.
         laps.lap(Phase::QkvPrep);
         rms_norm(x, &l.attn_norm, eps, &mut b.h[..m * d]);
         laps.lap(Phase::Norms);
-        matmul_wt(&b.h[..m * d], m, d, &l.wqkv, qkv_w, &mut b.qkv, false);
+        match &l.mixer {
+            MixerWeights::Attention(a) => {
+                self.attention(li, a, rows, r0, x, b, pass, link, laps)?;
+            }
+            MixerWeights::DeltaNet(g) => {
+                // Windows of hybrid models are never split: the whole window is here.
+                debug_assert!(lo == 0 && matches!(link, Link::Alone));
+                let hc = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
+                let xr = &mut x[(r0 - lo) * d..];
+                delta_net::mix(hc, g, &b.h[..m * d], d, r0 - lo, xr, li, eps)?;
+                laps.lap(Phase::Attention);
+            }
+        }
+        if r0 >= hi {
+            return Ok(());
+        }
+        let n = hi - r0;
+        let x = &mut x[(r0 - lo) * d..];
+
+        // MLP block.
+        let (h, gu, act) = (
+            &mut b.h[..n * d],
+            &mut b.gu[..n * 2 * f],
+            &mut b.act[..n * f],
+        );
+        rms_norm(x, &l.mlp_norm, eps, h);
+        laps.lap(Phase::Norms);
+        matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
+        laps.lap(Phase::GateUp);
+        swiglu(gu, f, act);
+        laps.lap(Phase::Swiglu);
+        matmul_wt(act, n, f, &l.wdown, d, x, true);
+        laps.lap(Phase::Down);
+        Ok(())
+    }
+
+    /// The attention block of rows `lo..hi` from their normed rows in `b.h`: adds
+    /// `o-proj(attention)` (gated: `· sigmoid(gate)`) to rows `r0..hi` of `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        li: usize,
+        l: &AttentionWeights,
+        rows: std::ops::Range<usize>,
+        r0: usize,
+        x: &mut [f32],
+        b: &mut Bufs,
+        pass: &Pass,
+        link: &Link,
+        laps: &mut Laps,
+    ) -> Result<(), Stop> {
+        let c = &self.config;
+        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let gate_w = if l.gated { qd } else { 0 };
+        let qkv_w = qd + 2 * kvd + gate_w;
+        let eps = c.rms_norm_eps;
+        let (lo, hi) = (rows.start, rows.end);
+        let m = hi - lo;
+        let qkv = &mut b.qkv[..m * qkv_w];
+        matmul_wt(&b.h[..m * d], m, d, &l.wqkv, qkv_w, qkv, false);
         laps.lap(Phase::Qkv);
         if let Some(bias) = &l.bqkv {
-            b.qkv
-                .par_chunks_mut(qkv_w)
+            qkv.par_chunks_mut(qkv_w)
                 .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
         }
-        // Split qkv[m, q+2kv] into rows lo..hi of q[hi, Hq, D], k[hi, Hkv, D], v[hi, Hkv, D].
+        // Split qkv[m, q+2kv(+q)] into rows lo..hi of q[hi, Hq, D], k[hi, Hkv, D],
+        // v[hi, Hkv, D] (the gate, if any, stays in qkv).
         let (q, k, v) = (
             &mut b.q[lo * qd..hi * qd],
             &mut b.k[lo * kvd..hi * kvd],
             &mut b.v[lo * kvd..hi * kvd],
         );
-        for (t, r) in b.qkv.chunks(qkv_w).enumerate() {
+        for (t, r) in qkv.chunks(qkv_w).enumerate() {
             q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
             k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
-            v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
+            v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..qd + 2 * kvd]);
         }
         if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
             rms_norm_inplace(q, qn, eps);
@@ -267,11 +331,6 @@ impl CpuModel {
             Link::Give(to) => to.give(li, &b.k, &b.v),
             Link::Take(from) => from.take(li, &mut b.k[..lo * kvd], &mut b.v[..lo * kvd])?,
         }
-        let r0 = if li + 1 == self.weights.layers.len() {
-            (pass.first_target - 1).max(lo)
-        } else {
-            lo
-        };
         laps.lap(Phase::QkvPrep);
         if r0 >= hi {
             return Ok(());
@@ -292,34 +351,30 @@ impl CpuModel {
             li,
             r0,
         )?;
+        if l.gated {
+            let attn = &mut b.attn[r0 * qd..hi * qd];
+            attn.par_chunks_mut(qd)
+                .zip(qkv[(r0 - lo) * qkv_w..].par_chunks(qkv_w))
+                .for_each(|(a, r)| {
+                    for (o, &gv) in a.iter_mut().zip(&r[qd + 2 * kvd..]) {
+                        *o *= 1.0 / (1.0 + crate::backend::cpu::exp::exp(-gv));
+                    }
+                });
+        }
         laps.lap(Phase::Attention);
         let x = &mut x[(r0 - lo) * d..];
         matmul_wt(&b.attn[r0 * qd..], n, qd, &l.wo, d, x, true);
         laps.lap(Phase::OProj);
-
-        // MLP block.
-        let (h, gu, act) = (
-            &mut b.h[..n * d],
-            &mut b.gu[..n * 2 * f],
-            &mut b.act[..n * f],
-        );
-        rms_norm(x, &l.mlp_norm, eps, h);
-        laps.lap(Phase::Norms);
-        matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
-        laps.lap(Phase::GateUp);
-        swiglu(gu, f, act);
-        laps.lap(Phase::Swiglu);
-        matmul_wt(act, n, f, &l.wdown, d, x, true);
-        laps.lap(Phase::Down);
         Ok(())
     }
 }
 
 /// The `rope-shift` fault's table: position `t` rotated as `t + 1`.
-fn rope_one_ahead(inv_freq: &[f64], t_len: usize) -> RopeTable {
-    let t = RopeTable::new(inv_freq, t_len + 1);
+fn rope_one_ahead(inv_freq: &[f64], t_len: usize, head_dim: usize) -> RopeTable {
+    let t = RopeTable::partial(inv_freq, t_len + 1, head_dim);
     RopeTable {
         half: t.half,
+        head_dim: t.head_dim,
         cos: t.cos[t.half..].to_vec(),
         sin: t.sin[t.half..].to_vec(),
     }
@@ -338,7 +393,7 @@ pub(crate) struct Pass<'a> {
 pub(crate) struct Bufs {
     /// h[hi-lo, d]: normed rows.
     h: Vec<f32>,
-    /// qkv[hi-lo, Hq·D + 2·Hkv·D]
+    /// qkv[hi-lo, Hq·D + 2·Hkv·D (+ Hq·D of output gate)]
     qkv: Vec<f32>,
     /// q[hi, Hq, D]: rows lo.. are this part's (the rest are never read).
     q: Vec<f32>,
@@ -355,10 +410,11 @@ pub(crate) struct Bufs {
 impl Bufs {
     pub(crate) fn new(c: &ModelConfig, lo: usize, hi: usize) -> Bufs {
         let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let gate = if c.attention_output_gate() { qd } else { 0 };
         let m = hi - lo;
         Bufs {
             h: vec![0.0; m * d],
-            qkv: vec![0.0; m * (qd + 2 * kvd)],
+            qkv: vec![0.0; m * (qd + 2 * kvd + gate)],
             q: vec![0.0; hi * qd],
             k: vec![0.0; hi * kvd],
             v: vec![0.0; hi * kvd],
@@ -395,6 +451,13 @@ mod tests {
         }
     }
 
+    fn attention_mut(m: &mut CpuModel, layer: usize) -> &mut AttentionWeights {
+        match &mut m.weights.layers[layer].mixer {
+            MixerWeights::Attention(a) => a,
+            MixerWeights::DeltaNet(_) => unreachable!("the synthetic model has attention only"),
+        }
+    }
+
     #[test]
     fn non_finite_values_fail_the_window_with_where_they_are() {
         let tokens: Vec<u32> = (0..100).map(|i| ((i * 7919) % 290) as u32).collect();
@@ -412,7 +475,7 @@ mod tests {
         );
         // An infinite query: layer 1's query projection (rows 0..Hq·D of the stacked qkv).
         let mut m = synthetic_model();
-        m.weights.layers[1].wqkv[8 * d] = f32::INFINITY; // query head 1, first row
+        attention_mut(&mut m, 1).wqkv[8 * d] = f32::INFINITY; // query head 1, first row
         let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
         assert!(
             matches!(
@@ -432,7 +495,7 @@ mod tests {
         );
         // Finite queries and keys whose scores overflow: attention's output is refused.
         let mut m = synthetic_model();
-        let qkv = &mut m.weights.layers[0].wqkv;
+        let qkv = &mut attention_mut(&mut m, 0).wqkv;
         qkv[..(4 + 2) * 8 * d].iter_mut().for_each(|w| *w *= 1e20);
         let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
         assert!(
@@ -446,6 +509,32 @@ mod tests {
             ),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn a_hybrid_model_scores_fewer_targets_with_the_same_bits() {
+        // Gated DeltaNet layers run the whole window; the skipped rows of the last layer
+        // and the head are the same as for attention models.
+        let m = crate::model::synthetic::synthetic_hybrid_model();
+        let tokens: Vec<u32> = (0..200).map(|i| ((i * 7919) % 300) as u32).collect();
+        let all = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap();
+        assert!(all.iter().all(|x| x.is_finite() && *x <= 0.0));
+        for first in [2, 64, 65, 150, 199] {
+            let part = m.window_logprobs(&tokens, first, KvDtype::Bf16).unwrap();
+            assert!(
+                part.iter()
+                    .zip(&all[first - 1..])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "first target {first}"
+            );
+        }
+        // The KV format reaches the full-attention layer only, and does change its result.
+        let int8 = m.window_logprobs(&tokens, 1, KvDtype::Nvfp4).unwrap();
+        assert!(int8.iter().zip(&all).any(|(a, b)| a != b));
+        // Splits are never offered for hybrid windows (the State is sequential).
+        let long: Vec<u32> = (0..700).map(|i| ((i * 31) % 300) as u32).collect();
+        m.window_logprobs_with(&long, 1, KvDtype::Bf16, &|| -> bool { unreachable!() })
+            .unwrap();
     }
 
     #[test]

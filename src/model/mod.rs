@@ -7,6 +7,7 @@
 //! ([`kv_store`]), the phase timer ([`profile`]) and the test-only perturbations ([`fault`]).
 
 pub mod config;
+pub mod delta_net;
 pub mod error;
 pub mod fault;
 pub mod flops;

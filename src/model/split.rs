@@ -79,6 +79,10 @@ impl CpuModel {
         t_len: usize,
         first_target: usize,
     ) -> Option<usize> {
+        if self.config.hybrid.is_some() {
+            // A Gated DeltaNet's State runs through the whole window in order: no split.
+            return None;
+        }
         match *split {
             Split::Never => None,
             Split::At { layer, rows } => (layer == li).then_some(rows),

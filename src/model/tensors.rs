@@ -7,10 +7,10 @@
 //! [`ModelTensors::expected`], the CPU weights and the CUDA loader both build their fused
 //! matrices from [`Fused`] groups, so a new tensor or a new fusion is written once.
 //!
-//! Layers are described as an attention mixer plus an MLP so that other mixers (a recurrent
-//! State layer) and other MLPs (mixtures of experts) can be added as variants beside them.
+//! A layer is a token mixer (softmax attention, or a Gated DeltaNet with a recurrent State)
+//! plus an MLP, so that other MLPs (mixtures of experts) can be added as variants beside them.
 
-use crate::model::config::ModelConfig;
+use crate::model::config::{LayerKind, ModelConfig};
 
 /// Several row-major tensors stacked along their first dimension into one matrix (or, for
 /// 1-D tensors, one vector), in this order.
@@ -37,10 +37,12 @@ impl Fused {
 /// A self-attention block's tensors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionTensors {
-    /// RMSNorm weight before the block, `[d]`.
-    pub norm: String,
-    /// q, k, v projections stacked: `[Hq·D + 2·Hkv·D, d]`.
+    /// q, k, v projections stacked: `[Hq·D + 2·Hkv·D, d]`. With `gated`, the query
+    /// projection holds `2·Hq·D` rows, each head's D query rows followed by its D gate rows;
+    /// the backends stack them as `[q | k | v | gate]` ([`split_query_gate`]).
     pub qkv: Fused,
+    /// The attention output is multiplied by `sigmoid(gate)` (qwen3_5).
+    pub gated: bool,
     /// Their biases stacked, `[Hq·D + 2·Hkv·D]` (qwen2).
     pub qkv_bias: Option<Fused>,
     /// Per-head RMSNorm weights of q and k, `[D]` each (qwen3).
@@ -48,6 +50,29 @@ pub struct AttentionTensors {
     pub k_norm: Option<String>,
     /// Output projection, `[d, Hq·D]`.
     pub o_proj: Fused,
+}
+
+/// A Gated DeltaNet block's tensors (`linear_attn.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeltaNetTensors {
+    /// q|k|v, z, b and a projections stacked: `[conv_dim + Hv·Dv + 2·Hv, d]`.
+    pub in_proj: Fused,
+    /// Depthwise causal convolution over q|k|v, `[conv_dim, 1, K]`.
+    pub conv: String,
+    /// `[Hv]` each.
+    pub dt_bias: String,
+    pub a_log: String,
+    /// Plain (not zero-centred) RMSNorm weight of the gated output norm, `[Dv]`.
+    pub norm: String,
+    /// Output projection, `[d, Hv·Dv]`.
+    pub out_proj: Fused,
+}
+
+/// What a layer mixes its tokens with.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MixerTensors {
+    Attention(AttentionTensors),
+    DeltaNet(DeltaNetTensors),
 }
 
 /// A SwiGLU MLP block's tensors.
@@ -64,7 +89,9 @@ pub struct MlpTensors {
 /// One decoder layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerTensors {
-    pub attention: AttentionTensors,
+    /// RMSNorm weight before the mixer, `[d]`.
+    pub norm: String,
+    pub mixer: MixerTensors,
     pub mlp: MlpTensors,
 }
 
@@ -93,27 +120,57 @@ impl ModelTensors {
     pub fn of(c: &ModelConfig) -> ModelTensors {
         let (d, f, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (q, kv) = (c.q_dim(), c.kv_dim());
+        let gated = c.attention_output_gate();
         let layer = |i: usize| {
             let p = format!("model.layers.{i}");
-            let proj = |n: &str| format!("{p}.self_attn.{n}_proj.weight");
-            let bias = |n: &str| format!("{p}.self_attn.{n}_proj.bias");
+            let mixer = match c.layer_kind(i) {
+                LayerKind::FullAttention => {
+                    let proj = |n: &str| format!("{p}.self_attn.{n}_proj.weight");
+                    let bias = |n: &str| format!("{p}.self_attn.{n}_proj.bias");
+                    let q_rows = if gated { 2 * q } else { q };
+                    MixerTensors::Attention(AttentionTensors {
+                        qkv: Fused {
+                            parts: vec![proj("q"), proj("k"), proj("v")],
+                            rows: q_rows + 2 * kv,
+                            cols: d,
+                        },
+                        gated,
+                        qkv_bias: c.attention_bias.then(|| Fused {
+                            parts: vec![bias("q"), bias("k"), bias("v")],
+                            rows: q + 2 * kv,
+                            cols: 1,
+                        }),
+                        q_norm: c.qk_norm.then(|| format!("{p}.self_attn.q_norm.weight")),
+                        k_norm: c.qk_norm.then(|| format!("{p}.self_attn.k_norm.weight")),
+                        o_proj: Fused::one(proj("o"), d, q),
+                    })
+                }
+                LayerKind::LinearAttention => {
+                    let h = c
+                        .hybrid
+                        .as_ref()
+                        .expect("a linear-attention layer is hybrid");
+                    let la = |n: &str| format!("{p}.linear_attn.{n}");
+                    let hv = h.linear_num_value_heads;
+                    MixerTensors::DeltaNet(DeltaNetTensors {
+                        in_proj: Fused {
+                            parts: ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+                                .map(|n| la(&format!("{n}.weight")))
+                                .to_vec(),
+                            rows: h.conv_dim() + h.value_dim() + 2 * hv,
+                            cols: d,
+                        },
+                        conv: la("conv1d.weight"),
+                        dt_bias: la("dt_bias"),
+                        a_log: la("A_log"),
+                        norm: la("norm.weight"),
+                        out_proj: Fused::one(la("out_proj.weight"), d, h.value_dim()),
+                    })
+                }
+            };
             LayerTensors {
-                attention: AttentionTensors {
-                    norm: format!("{p}.input_layernorm.weight"),
-                    qkv: Fused {
-                        parts: vec![proj("q"), proj("k"), proj("v")],
-                        rows: q + 2 * kv,
-                        cols: d,
-                    },
-                    qkv_bias: c.attention_bias.then(|| Fused {
-                        parts: vec![bias("q"), bias("k"), bias("v")],
-                        rows: q + 2 * kv,
-                        cols: 1,
-                    }),
-                    q_norm: c.qk_norm.then(|| format!("{p}.self_attn.q_norm.weight")),
-                    k_norm: c.qk_norm.then(|| format!("{p}.self_attn.k_norm.weight")),
-                    o_proj: Fused::one(proj("o"), d, q),
-                },
+                norm: format!("{p}.input_layernorm.weight"),
+                mixer,
                 mlp: MlpTensors {
                     norm: format!("{p}.post_attention_layernorm.weight"),
                     gate_up: Fused {
@@ -148,20 +205,42 @@ impl ModelTensors {
         );
         let mut t = vec![(EMBED.to_string(), vec![c.vocab_size, d])];
         for l in ModelTensors::of(c).layers {
-            let a = l.attention;
-            t.push((a.norm, vec![d]));
-            for (name, rows) in a.qkv.parts.into_iter().zip([q, kv, kv]) {
-                t.push((name, vec![rows, d]));
-            }
-            if let Some(b) = a.qkv_bias {
-                for (name, rows) in b.parts.into_iter().zip([q, kv, kv]) {
-                    t.push((name, vec![rows]));
+            t.push((l.norm, vec![d]));
+            match l.mixer {
+                MixerTensors::Attention(a) => {
+                    let q_rows = if a.gated { 2 * q } else { q };
+                    for (name, rows) in a.qkv.parts.into_iter().zip([q_rows, kv, kv]) {
+                        t.push((name, vec![rows, d]));
+                    }
+                    if let Some(b) = a.qkv_bias {
+                        for (name, rows) in b.parts.into_iter().zip([q, kv, kv]) {
+                            t.push((name, vec![rows]));
+                        }
+                    }
+                    for n in [a.q_norm, a.k_norm].into_iter().flatten() {
+                        t.push((n, vec![hd]));
+                    }
+                    t.extend(a.o_proj.parts.into_iter().map(|n| (n, vec![d, q])));
+                }
+                MixerTensors::DeltaNet(g) => {
+                    let h = c.hybrid.as_ref().expect("hybrid");
+                    let hv = h.linear_num_value_heads;
+                    let rows = [h.conv_dim(), h.value_dim(), hv, hv];
+                    for (name, r) in g.in_proj.parts.into_iter().zip(rows) {
+                        t.push((name, vec![r, d]));
+                    }
+                    t.push((g.conv, vec![h.conv_dim(), 1, h.linear_conv_kernel_dim]));
+                    t.push((g.dt_bias, vec![hv]));
+                    t.push((g.a_log, vec![hv]));
+                    t.push((g.norm, vec![h.linear_value_head_dim]));
+                    t.extend(
+                        g.out_proj
+                            .parts
+                            .into_iter()
+                            .map(|n| (n, vec![d, h.value_dim()])),
+                    );
                 }
             }
-            for n in [a.q_norm, a.k_norm].into_iter().flatten() {
-                t.push((n, vec![hd]));
-            }
-            t.extend(a.o_proj.parts.into_iter().map(|n| (n, vec![d, q])));
             t.push((l.mlp.norm, vec![d]));
             for n in l.mlp.gate_up.parts {
                 t.push((n, vec![f, d]));
@@ -178,12 +257,32 @@ impl ModelTensors {
     /// How many tensors [`ModelTensors::expected`] lists, computed without building the list
     /// (for bounds checks and progress totals).
     pub fn count(c: &ModelConfig) -> usize {
-        let per_layer = 9 + 3 * usize::from(c.attention_bias) + 2 * usize::from(c.qk_norm);
+        let attention = 9 + 3 * usize::from(c.attention_bias) + 2 * usize::from(c.qk_norm);
+        let delta_net = 14; // norm, 4 projections, conv, dt_bias, A_log, norm, out_proj, MLP 4
+        let layers = c
+            .kv_layers()
+            .saturating_mul(attention)
+            .saturating_add(c.state_layers().saturating_mul(delta_net));
         let head = usize::from(!c.tie_word_embeddings);
-        c.num_layers
-            .saturating_mul(per_layer)
-            .saturating_add(2 + head)
+        layers.saturating_add(2 + head)
     }
+}
+
+/// Splits a gated query projection (`[2·heads·head_dim, cols]`, each head's `head_dim` query
+/// rows followed by its `head_dim` gate rows) into the query rows and the gate rows, each
+/// `[heads·head_dim, cols]` in head order: a reordering of rows, no arithmetic.
+pub fn split_query_gate(w: &[f32], heads: usize, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
+    let block = w.len() / (2 * heads); // one head's query (or gate) rows, all columns
+    debug_assert!(block.is_multiple_of(head_dim));
+    let (mut q, mut g) = (
+        Vec::with_capacity(w.len() / 2),
+        Vec::with_capacity(w.len() / 2),
+    );
+    for h in w.chunks(2 * block) {
+        q.extend_from_slice(&h[..block]);
+        g.extend_from_slice(&h[block..]);
+    }
+    (q, g)
 }
 
 #[cfg(test)]
@@ -207,13 +306,16 @@ mod tests {
                 fused.extend(&t.lm_head);
                 let mut seen = vec![t.final_norm.clone()];
                 for l in &t.layers {
-                    fused.extend([&l.attention.qkv, &l.attention.o_proj]);
-                    fused.extend(&l.attention.qkv_bias);
+                    let MixerTensors::Attention(a) = &l.mixer else {
+                        panic!("no hybrid family here")
+                    };
+                    fused.extend([&a.qkv, &a.o_proj]);
+                    fused.extend(&a.qkv_bias);
                     fused.extend([&l.mlp.gate_up, &l.mlp.down]);
-                    seen.push(l.attention.norm.clone());
+                    seen.push(l.norm.clone());
                     seen.push(l.mlp.norm.clone());
-                    seen.extend(l.attention.q_norm.iter().cloned());
-                    seen.extend(l.attention.k_norm.iter().cloned());
+                    seen.extend(a.q_norm.iter().cloned());
+                    seen.extend(a.k_norm.iter().cloned());
                 }
                 for f in fused {
                     let rows: usize = f

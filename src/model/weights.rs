@@ -1,23 +1,50 @@
 //! Weights widened to f32 and laid out for the CPU kernels.
 //!
-//! The stacked matrices (q/k/v into one `[q + 2·kv, d]`, gate/up into one `[2·f, d]`) are
-//! the groups [`super::tensors`] defines, so each block does two large GEMMs instead of five
-//! small ones.
+//! The stacked matrices (q/k/v into one `[q + 2·kv, d]`, gate/up into one `[2·f, d]`, a Gated
+//! DeltaNet's four input projections into one) are the groups [`super::tensors`] defines, so
+//! each block does a few large GEMMs instead of many small ones. Zero-centred norm weights
+//! (qwen3_5 stores `w` for the scale `1 + w`) are turned into their scale here, once, in f32,
+//! exactly the value the reference computes per call, so the forward pass has one RMSNorm.
 
 use crate::artifact::Artifact;
-use crate::model::tensors::{Fused, ModelTensors};
+use crate::model::tensors::{split_query_gate, Fused, MixerTensors, ModelTensors};
 use anyhow::Result;
 
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,      // [d]
-    pub wqkv: Vec<f32>,           // [q + 2kv, d]
+/// Softmax attention's weights.
+pub struct AttentionWeights {
+    /// `[q + 2kv, d]`, or `[q + 2kv + q, d]` with the output gate's rows last.
+    pub wqkv: Vec<f32>,
     pub bqkv: Option<Vec<f32>>,   // [q + 2kv]
     pub q_norm: Option<Vec<f32>>, // [head_dim]
     pub k_norm: Option<Vec<f32>>, // [head_dim]
     pub wo: Vec<f32>,             // [d, q]
-    pub mlp_norm: Vec<f32>,       // [d]
-    pub wgu: Vec<f32>,            // [2f, d]
-    pub wdown: Vec<f32>,          // [d, f]
+    /// Attention's output is multiplied by `sigmoid(gate)`.
+    pub gated: bool,
+}
+
+/// A Gated DeltaNet's weights.
+pub struct DeltaNetWeights {
+    /// `[conv_dim + Hv·Dv + 2·Hv, d]`: q|k|v, z, b, a.
+    pub w_in: Vec<f32>,
+    /// `[conv_dim, K]`: tap `K - 1` multiplies the current token.
+    pub conv: Vec<f32>,
+    pub dt_bias: Vec<f32>, // [Hv]
+    pub a_log: Vec<f32>,   // [Hv]
+    pub norm: Vec<f32>,    // [Dv], plain
+    pub w_out: Vec<f32>,   // [d, Hv·Dv]
+}
+
+pub enum MixerWeights {
+    Attention(AttentionWeights),
+    DeltaNet(DeltaNetWeights),
+}
+
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>, // [d]
+    pub mixer: MixerWeights,
+    pub mlp_norm: Vec<f32>, // [d]
+    pub wgu: Vec<f32>,      // [2f, d]
+    pub wdown: Vec<f32>,    // [d, f]
 }
 
 pub struct Weights {
@@ -35,25 +62,55 @@ impl Weights {
 
     /// Loads every tensor; `progress` is called with (tensors done, tensors total).
     pub fn load(a: &Artifact, progress: &mut dyn FnMut(usize, usize)) -> Result<Weights> {
-        let names = ModelTensors::of(&a.config);
+        let c = &a.config;
+        let names = ModelTensors::of(c);
         let mut r = Reader {
             a,
             done: 0,
-            total: ModelTensors::count(&a.config),
+            total: ModelTensors::count(c),
             progress,
+            zero_centred: c.zero_centred_norms(),
         };
         let embed = r.fused(&names.embed)?;
         let mut layers = Vec::with_capacity(names.layers.len());
         for l in &names.layers {
-            let at = &l.attention;
+            let mixer = match &l.mixer {
+                MixerTensors::Attention(at) => {
+                    let wqkv = if at.gated {
+                        // q_proj interleaves each head's query and gate rows: stack them as
+                        // [q | k | v | gate] so one GEMM gives all four.
+                        let qp = r.one(&at.qkv.parts[0])?;
+                        let (q, gate) = split_query_gate(&qp, c.num_heads, c.head_dim);
+                        let mut w = q;
+                        w.extend(r.one(&at.qkv.parts[1])?);
+                        w.extend(r.one(&at.qkv.parts[2])?);
+                        w.extend(gate);
+                        w
+                    } else {
+                        r.fused(&at.qkv)?
+                    };
+                    MixerWeights::Attention(AttentionWeights {
+                        wqkv,
+                        bqkv: at.qkv_bias.as_ref().map(|f| r.fused(f)).transpose()?,
+                        q_norm: at.q_norm.as_ref().map(|n| r.norm(n)).transpose()?,
+                        k_norm: at.k_norm.as_ref().map(|n| r.norm(n)).transpose()?,
+                        wo: r.fused(&at.o_proj)?,
+                        gated: at.gated,
+                    })
+                }
+                MixerTensors::DeltaNet(g) => MixerWeights::DeltaNet(DeltaNetWeights {
+                    w_in: r.fused(&g.in_proj)?,
+                    conv: r.one(&g.conv)?, // [conv_dim, 1, K] is [conv_dim, K] row-major
+                    dt_bias: r.one(&g.dt_bias)?,
+                    a_log: r.one(&g.a_log)?,
+                    norm: r.one(&g.norm)?, // the gated norm is plain
+                    w_out: r.fused(&g.out_proj)?,
+                }),
+            };
             layers.push(LayerWeights {
-                attn_norm: r.one(&at.norm)?,
-                wqkv: r.fused(&at.qkv)?,
-                bqkv: at.qkv_bias.as_ref().map(|f| r.fused(f)).transpose()?,
-                q_norm: at.q_norm.as_ref().map(|n| r.one(n)).transpose()?,
-                k_norm: at.k_norm.as_ref().map(|n| r.one(n)).transpose()?,
-                wo: r.fused(&at.o_proj)?,
-                mlp_norm: r.one(&l.mlp.norm)?,
+                attn_norm: r.norm(&l.norm)?,
+                mixer,
+                mlp_norm: r.norm(&l.mlp.norm)?,
                 wgu: r.fused(&l.mlp.gate_up)?,
                 wdown: r.fused(&l.mlp.down)?,
             });
@@ -61,7 +118,7 @@ impl Weights {
         Ok(Weights {
             embed,
             layers,
-            final_norm: r.one(&names.final_norm)?,
+            final_norm: r.norm(&names.final_norm)?,
             lm_head: names.lm_head.as_ref().map(|f| r.fused(f)).transpose()?,
         })
     }
@@ -73,6 +130,7 @@ struct Reader<'a> {
     done: usize,
     total: usize,
     progress: &'a mut dyn FnMut(usize, usize),
+    zero_centred: bool,
 }
 
 impl Reader<'_> {
@@ -81,6 +139,15 @@ impl Reader<'_> {
         self.done += 1;
         (self.progress)(self.done, self.total);
         Ok(t)
+    }
+
+    /// An RMSNorm's scale: the weight, or `1 + w` for zero-centred norms.
+    fn norm(&mut self, name: &str) -> Result<Vec<f32>> {
+        let mut w = self.one(name)?;
+        if self.zero_centred {
+            w.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(w)
     }
 
     /// A stacked matrix: its parts' rows, one after another.

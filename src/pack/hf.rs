@@ -176,6 +176,7 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
         qk_norm: family == Family::Qwen3,
         bos_token_id: first_id(c, "bos_token_id")?,
         eos_token_id: first_id(c, "eos_token_id")?,
+        hybrid: None,
     };
     cfg.validate().context("config.json")?;
     Ok(cfg)

@@ -52,6 +52,15 @@ pub struct Settings {
     pub stride: usize,
     pub kv_dtype: String,
     pub kv_bytes_per_token_per_layer: usize,
+    /// Layers with a Main KV (all of them, except a hybrid model's Gated DeltaNet layers).
+    #[serde(default)]
+    pub kv_layers: usize,
+    /// Main KV bytes per token over those layers.
+    #[serde(default)]
+    pub kv_bytes_per_token: usize,
+    /// Recurrent State a window holds (f32, every Gated DeltaNet layer); 0 without any.
+    #[serde(default)]
+    pub state_bytes_per_window: usize,
     pub quick: bool,
     /// Per-stream token cap (smoke runs); `null` when every token is scored.
     pub max_tokens: Option<usize>,

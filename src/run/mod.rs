@@ -166,11 +166,30 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         c.vocab_size,
         a.weight_format.name()
     ));
-    ui::info(format!(
-        "kv         {} ({} bytes per token per layer)",
-        cfg.kv.name(),
-        cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim)
-    ));
+    let per_layer = cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
+    if c.hybrid.is_some() {
+        ui::info(format!(
+            "layers     {} linear attention (Gated DeltaNet) + {} full attention",
+            c.state_layers(),
+            c.kv_layers()
+        ));
+        ui::info(format!(
+            "kv         {} ({per_layer} bytes per token per layer, {} per token over the {} full-attention layers)",
+            cfg.kv.name(),
+            per_layer * c.kv_layers(),
+            c.kv_layers()
+        ));
+        ui::info(format!(
+            "state      {:.1} MiB per window (f32, {} Gated DeltaNet layers; zero at every window's start)",
+            c.state_bytes_per_window() as f64 / (1u64 << 20) as f64,
+            c.state_layers()
+        ));
+    } else {
+        ui::info(format!(
+            "kv         {} ({per_layer} bytes per token per layer)",
+            cfg.kv.name()
+        ));
+    }
     ui::info(format!(
         "device     {}, {} arithmetic",
         engine.device.describe(),

@@ -53,6 +53,10 @@ pub fn build(
             kv_bytes_per_token_per_layer: cfg
                 .kv
                 .bytes_per_token_per_layer(c.num_kv_heads, c.head_dim),
+            kv_layers: c.kv_layers(),
+            kv_bytes_per_token: c.kv_layers()
+                * cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim),
+            state_bytes_per_window: c.state_bytes_per_window(),
             quick: matches!(cfg.input, Input::Corpus { quick: true, .. }),
             max_tokens: cfg.max_tokens,
             device: engine.device.describe(),

@@ -3,6 +3,7 @@
 //! count.
 
 pub mod attention;
+pub mod delta_rule;
 pub mod exp;
 pub mod head;
 pub mod isa;

@@ -115,8 +115,14 @@ impl CudaModel {
         precision: Precision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel> {
-        let gpu = Gpu::open(ordinal)?;
         let c = a.config.clone();
+        if c.hybrid.is_some() {
+            bail!(
+                "the CUDA backend does not run {} (hybrid) models yet; use --device cpu",
+                c.family.name()
+            );
+        }
+        let gpu = Gpu::open(ordinal)?;
         if c.head_dim > plan::MAX_HEAD_DIM {
             bail!(
                 "head_dim {} is larger than the CUDA kernels take ({})",

@@ -42,6 +42,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         qk_norm: true,
         bos_token_id: None,
         eos_token_id: None,
+        hybrid: None,
     };
     Ok(match name {
         "qwen3-8b" => base,

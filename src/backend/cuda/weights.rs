@@ -5,7 +5,7 @@
 use super::device::{DevBuf, Gpu};
 use super::plan::Precision;
 use crate::artifact::Artifact;
-use crate::model::tensors::{Fused, ModelTensors};
+use crate::model::tensors::{Fused, MixerTensors, ModelTensors};
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -73,9 +73,18 @@ impl DevWeights {
         let embed = matrix(&names.embed, &mut tick)?;
         let mut layers = Vec::with_capacity(names.layers.len());
         for l in &names.layers {
-            let at = &l.attention;
+            let MixerTensors::Attention(at) = &l.mixer else {
+                anyhow::bail!(
+                    "the CUDA backend does not run hybrid (Gated DeltaNet) layers yet; use --device cpu"
+                );
+            };
+            if at.gated {
+                anyhow::bail!(
+                    "the CUDA backend does not run gated attention (qwen3_5) yet; use --device cpu"
+                );
+            }
             layers.push(LayerW {
-                attn_norm: one(&at.norm, &mut tick)?,
+                attn_norm: one(&l.norm, &mut tick)?,
                 wqkv: matrix(&at.qkv, &mut tick)?,
                 bqkv: at
                     .qkv_bias

@@ -1,0 +1,147 @@
+//! A Gated DeltaNet layer's token mixer (qwen3_5 `linear_attn`), over one whole window.
+//!
+//! ```text
+//! [q|k|v, z, b, a] = h · W_inᵀ                       (one GEMM over the stacked projections)
+//! c = silu(causal depthwise conv over q|k|v)        (width K, zero left padding, tap K-1 = now)
+//! q, k = L2-normalised per key head; q ·= Dk^-1/2
+//! beta = sigmoid(b);  g = −exp(A_log) · softplus(a + dt_bias)
+//! o = gated delta rule(q, k, v, beta, g)            (State zero at the window's start)
+//! y = rmsnorm(o per value head; plain weight) · act(z)    (act: silu, or sigmoid)
+//! out = y · W_outᵀ
+//! ```
+//!
+//! The State never leaves f32 and is not a Main KV representation. A non-finite value in the
+//! mixer's output (the State's read-out) fails the window like a non-finite key does.
+
+use crate::backend::cpu::delta_rule::{chunked, DeltaShape};
+use crate::backend::cpu::exp;
+use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::norm::rms_norm_row;
+use crate::model::config::{HybridConfig, OutputGate};
+use crate::model::error::{check_finite, ForwardError, Part};
+use crate::model::weights::DeltaNetWeights;
+use rayon::prelude::*;
+
+/// `x[r0.., d] += out` for rows `r0..T` of the window, from the normed rows `h[T, d]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mix(
+    hc: &HybridConfig,
+    w: &DeltaNetWeights,
+    h: &[f32],
+    d: usize,
+    r0: usize,
+    x: &mut [f32],
+    layer: usize,
+    eps: f64,
+) -> Result<(), ForwardError> {
+    let t_len = h.len() / d;
+    let (hk, hv) = (hc.linear_num_key_heads, hc.linear_num_value_heads);
+    let (dk, dv) = (hc.linear_key_head_dim, hc.linear_value_head_dim);
+    let (conv_dim, vdim, kw) = (hc.conv_dim(), hc.value_dim(), hc.linear_conv_kernel_dim);
+    let width = conv_dim + vdim + 2 * hv;
+
+    // proj[T, conv_dim + Hv·Dv + 2·Hv] = [q|k|v, z, b, a]
+    let mut proj = vec![0.0f32; t_len * width];
+    matmul_wt(h, t_len, d, &w.w_in, width, &mut proj, false);
+
+    // c[T, conv_dim] = silu(conv(q|k|v)).
+    let mut c = vec![0.0f32; t_len * conv_dim];
+    c.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
+        for (ch, o) in row.iter_mut().enumerate() {
+            let taps = &w.conv[ch * kw..(ch + 1) * kw];
+            let mut acc = 0.0f32;
+            for (j, &tap) in taps.iter().enumerate() {
+                // Tap j reads token t − (K − 1) + j; earlier than the window is zero.
+                if let Some(src) = (t + j).checked_sub(kw - 1) {
+                    acc += tap * proj[src * width + ch];
+                }
+            }
+            *o = silu(acc);
+        }
+    });
+
+    // Split c into q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv]; normalise q and k.
+    let kd = hk * dk;
+    let (mut q, mut k, mut v) = (
+        Vec::with_capacity(t_len * kd),
+        Vec::with_capacity(t_len * kd),
+        Vec::with_capacity(t_len * vdim),
+    );
+    for row in c.chunks(conv_dim) {
+        q.extend_from_slice(&row[..kd]);
+        k.extend_from_slice(&row[kd..2 * kd]);
+        v.extend_from_slice(&row[2 * kd..]);
+    }
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    q.par_chunks_mut(dk).for_each(|x| l2_normalize(x, q_scale));
+    k.par_chunks_mut(dk).for_each(|x| l2_normalize(x, 1.0));
+
+    // beta[T, Hv], g[T, Hv] from b and a.
+    let (mut beta, mut g) = (vec![0.0f32; t_len * hv], vec![0.0f32; t_len * hv]);
+    for t in 0..t_len {
+        let r = &proj[t * width + conv_dim + vdim..(t + 1) * width];
+        let (b, a) = r.split_at(hv);
+        for j in 0..hv {
+            beta[t * hv + j] = sigmoid(b[j]);
+            g[t * hv + j] = -w.a_log[j].exp() * softplus(a[j] + w.dt_bias[j]);
+        }
+    }
+
+    let shape = DeltaShape {
+        tokens: t_len,
+        key_heads: hk,
+        value_heads: hv,
+        key_dim: dk,
+        value_dim: dv,
+    };
+    let mut o = vec![0.0f32; t_len * vdim];
+    chunked(&q, &k, &v, &beta, &g, &shape, &mut o);
+    check_finite(&o, hv, dv, Part::State, layer, 0)?;
+
+    // y = rmsnorm(o) · act(z), per value head, for the rows that are read on.
+    let n = t_len - r0;
+    let mut y = vec![0.0f32; n * vdim];
+    y.par_chunks_mut(vdim).enumerate().for_each(|(i, yr)| {
+        let t = r0 + i;
+        let z = &proj[t * width + conv_dim..t * width + conv_dim + vdim];
+        for ((yh, oh), zh) in yr
+            .chunks_mut(dv)
+            .zip(o[t * vdim..(t + 1) * vdim].chunks(dv))
+            .zip(z.chunks(dv))
+        {
+            rms_norm_row(oh, &w.norm, eps, yh);
+            for (a, &zv) in yh.iter_mut().zip(zh) {
+                *a *= match hc.output_gate {
+                    OutputGate::Silu => silu(zv),
+                    OutputGate::Sigmoid => sigmoid(zv),
+                };
+            }
+        }
+    });
+    matmul_wt(&y, n, vdim, &w.w_out, d, x, true);
+    Ok(())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp::exp(-x))
+}
+
+fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `log(1 + e^x)`, as torch's softplus: `x` itself above 20.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x ← x · scale / sqrt(Σx² + 1e-6)`.
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let ss: f32 = x.iter().map(|a| a * a).sum();
+    let f = scale / (ss + 1e-6).sqrt();
+    x.iter_mut().for_each(|a| *a *= f);
+}
