@@ -175,7 +175,15 @@ fn tiny_qwen2_matches_transformers() {
     );
 }
 
+fn tiny_qwen3_5_hybrid_matches_transformers() {
+    tiny(
+        "eval/fixtures/tiny-qwen3_5",
+        "eval/fixtures/tiny_qwen3_5_logprobs.json",
+    );
+}
+
 test_main! {
+    Prepared tiny_qwen3_5_hybrid_matches_transformers,
     Prepared smollm2_f32_matches_transformers,
     Prepared smollm2_bf16_stays_within_measured_bound,
     Prepared tiny_qwen3_matches_transformers,

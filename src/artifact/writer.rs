@@ -161,6 +161,7 @@ mod tests {
             source_kind: "test".into(),
             source_files: vec![],
             source_dtypes: BTreeMap::new(),
+            notes: vec![],
         };
         let out = tempfile::tempdir().unwrap();
         let e = write_artifact(&src, WeightFormat::Bf16, &out.path().join("x.ninfer"))

@@ -111,6 +111,9 @@ fn pack(
     let format = WeightFormat::parse(weights).context("--weights")?;
     ninfer_perplexity::outfile::check_output(output, &inputs)?;
     let src = read()?;
+    for n in &src.notes {
+        eprintln!("{n}");
+    }
     let digest = write_artifact(&src, format, output)?;
     let c = &src.config;
     eprintln!(

@@ -1,9 +1,12 @@
 //! Hugging Face directory reader: `config.json`, `*.safetensors`, `tokenizer.json`.
 //!
-//! Supports `LlamaForCausalLM`, `Qwen2ForCausalLM` and `Qwen3ForCausalLM`. Tensor names
-//! are already the ones the artifact uses and RoPE is already rotate-half, so the work is
-//! reading the config faithfully (including the defaults transformers applies) and
-//! widening the weights to f32.
+//! Supports `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and the Qwen3.5
+//! hybrid (`Qwen3_5ForConditionalGeneration`, `Qwen3_5ForCausalLM`; see [`super::qwen3_5`]).
+//! Tensor names are (after Qwen3.5's prefix) the ones the artifact uses and RoPE is already
+//! rotate-half, so the work is reading the config faithfully (including the defaults
+//! transformers applies) and widening the weights to f32 from whatever dtype each tensor's
+//! header gives. Every `*.safetensors` file of the directory is read; an index, when
+//! present, is checked against them.
 
 use super::{PackSource, SourceFile, SourceTensor};
 use crate::model::config::{Family, ModelConfig, RopeScaling};
@@ -44,7 +47,7 @@ pub fn source_file(path: &Path) -> Result<SourceFile> {
     })
 }
 
-fn get_usize(c: &Value, key: &str) -> Result<Option<usize>> {
+pub(crate) fn get_usize(c: &Value, key: &str) -> Result<Option<usize>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -54,11 +57,11 @@ fn get_usize(c: &Value, key: &str) -> Result<Option<usize>> {
     }
 }
 
-fn need_usize(c: &Value, key: &str) -> Result<usize> {
+pub(crate) fn need_usize(c: &Value, key: &str) -> Result<usize> {
     get_usize(c, key)?.ok_or_else(|| anyhow!("config.json: `{key}` is missing"))
 }
 
-fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
+pub(crate) fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -70,7 +73,7 @@ fn get_f64(c: &Value, key: &str) -> Result<Option<f64>> {
 
 /// A token id field (a number, or a list whose first entry is used); one that does not fit
 /// a token id is an error, never a truncated id.
-fn first_id(c: &Value, key: &str) -> Result<Option<u32>> {
+pub(crate) fn first_id(c: &Value, key: &str) -> Result<Option<u32>> {
     let n = match c.get(key) {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Array(a)) => match a.first() {
@@ -92,12 +95,17 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
         .and_then(|a| a.get(0))
         .and_then(|a| a.as_str())
         .ok_or_else(|| anyhow!("config.json: `architectures` is missing"))?;
+    if super::qwen3_5::ARCHITECTURES.contains(&arch) {
+        let cfg = super::qwen3_5::parse_config(c, arch)?;
+        cfg.validate().context("config.json")?;
+        return Ok(cfg);
+    }
     let family = match arch {
         "LlamaForCausalLM" => Family::Llama,
         "Qwen2ForCausalLM" => Family::Qwen2,
         "Qwen3ForCausalLM" => Family::Qwen3,
         other => bail!(
-            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM)"
         ),
     };
     if c.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
@@ -235,8 +243,11 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         bail!("{}: no *.safetensors files", dir.display());
     }
     let mut source_files = vec![source_file(&cfg_path)?, source_file(&tok_path)?];
+    let hybrid = config.family == Family::Qwen3_5;
     let mut tensors = Vec::new();
     let mut source_dtypes = BTreeMap::new();
+    let mut dropped: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
     for shard in &shards {
         source_files.push(source_file(shard)?);
         let file = std::fs::File::open(shard)
@@ -246,7 +257,25 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
             .with_context(|| format!("{}: cannot map", shard.display()))?;
         let st = SafeTensors::deserialize(&mmap)
             .map_err(|e| anyhow!("{}: invalid safetensors: {e}", shard.display()))?;
-        for (name, view) in st.tensors() {
+        for (stored, view) in st.tensors() {
+            if let Some(first) = seen.insert(stored.clone(), shard.clone()) {
+                bail!(
+                    "{}: tensor `{stored}` is also in {}",
+                    shard.display(),
+                    first.display()
+                );
+            }
+            let name = if hybrid {
+                match super::qwen3_5::tensor_name(&stored) {
+                    super::qwen3_5::Rename::Keep(n) => n,
+                    super::qwen3_5::Rename::Drop(part) => {
+                        *dropped.entry(part).or_insert(0) += 1;
+                        continue;
+                    }
+                }
+            } else {
+                stored
+            };
             if config.tie_word_embeddings && name == "lm_head.weight" {
                 continue; // a tied head saved twice
             }
@@ -271,6 +300,14 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
             });
         }
     }
+    if hybrid && tensors.iter().all(|t| !t.name.starts_with("model.")) && !dropped.is_empty() {
+        bail!("{}: the checkpoint has a vision tower but no text model (no model.language_model.* tensors)", dir.display());
+    }
+    check_index(dir, &seen)?;
+    let notes = dropped
+        .iter()
+        .map(|(part, n)| format!("dropped {n} tensors of {part}"))
+        .collect();
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(PackSource {
         config,
@@ -279,7 +316,43 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         source_kind: "huggingface".into(),
         source_files,
         source_dtypes,
+        notes,
     })
+}
+
+/// When the directory has a `model.safetensors.index.json`, every tensor it maps must be in
+/// the shard it names (a missing or stale shard is an error naming both).
+fn check_index(dir: &Path, seen: &BTreeMap<String, PathBuf>) -> Result<()> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Ok(());
+    }
+    let bytes = crate::corpus::read_bounded(&index, "index", 64 << 20)
+        .with_context(|| index.display().to_string())?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| anyhow!("{}: invalid JSON: {e}", index.display()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| anyhow!("{}: `weight_map` is missing", index.display()))?;
+    for (name, shard) in map {
+        let shard = shard
+            .as_str()
+            .ok_or_else(|| anyhow!("{}: `weight_map.{name}` is not a file name", index.display()))?;
+        match seen.get(name) {
+            Some(p) if p.file_name().is_some_and(|f| f == shard) => {}
+            Some(p) => bail!(
+                "{}: maps `{name}` to {shard}, but it is in {}",
+                index.display(),
+                p.display()
+            ),
+            None => bail!(
+                "{}: maps `{name}` to {shard}, which does not hold it",
+                index.display()
+            ),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

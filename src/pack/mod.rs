@@ -7,6 +7,7 @@
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hf;
+pub mod qwen3_5;
 
 use crate::model::config::ModelConfig;
 use serde::{Deserialize, Serialize};
@@ -40,4 +41,7 @@ pub struct PackSource {
     pub source_files: Vec<SourceFile>,
     /// The original tensor types seen in the input, e.g. {"Q4_1": 211, "F32": 61}.
     pub source_dtypes: std::collections::BTreeMap<String, usize>,
+    /// What the reader left out or changed, for the packer to say on stderr
+    /// (e.g. "dropped 15 tensors of mtp.* (the multi-token-prediction head)").
+    pub notes: Vec<String>,
 }

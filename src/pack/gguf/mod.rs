@@ -300,6 +300,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
             bytes: gguf.bytes().len() as u64,
         }],
         source_dtypes,
+        notes: Vec::new(),
     })
 }
 
