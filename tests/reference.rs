@@ -182,8 +182,31 @@ fn tiny_qwen3_5_hybrid_matches_transformers() {
     );
 }
 
+/// Each classic mistake of the hybrid math, planted alone, must fail the bound above (by a
+/// wide margin: the reference moves 0.1 to 22 nats for them).
+fn every_planted_hybrid_pitfall_fails_the_reference() {
+    use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    let src = read_hf_dir(&common::repo().join("eval/fixtures/tiny-qwen3_5"), Some(&tok)).unwrap();
+    let tmp = common::tempdir();
+    let art = tmp.path().join("tiny.ninfer");
+    write_artifact(&src, WeightFormat::F32, &art).unwrap();
+    let mut e = load(&art, 0);
+    let fixture = common::read_json("eval/fixtures/tiny_qwen3_5_logprobs.json");
+    for p in Pitfall::ALL {
+        e.set_faults(Faults::of(Fault::Pitfall(p))).unwrap();
+        let d = compare(&e, &fixture);
+        eprintln!("pitfall {}: max |Δ logprob| {:.3e}", p.name(), d.max_abs_logprob);
+        assert!(d.max_abs_logprob > 1e-2, "pitfall {} went unnoticed: {d:?}", p.name());
+    }
+    // Removed again, the model is back within the bound.
+    e.set_faults(Faults::NONE).unwrap();
+    assert!(compare(&e, &fixture).max_abs_logprob <= 2e-4);
+}
+
 test_main! {
     Prepared tiny_qwen3_5_hybrid_matches_transformers,
+    Prepared every_planted_hybrid_pitfall_fails_the_reference,
     Prepared smollm2_f32_matches_transformers,
     Prepared smollm2_bf16_stays_within_measured_bound,
     Prepared tiny_qwen3_matches_transformers,

@@ -130,6 +130,17 @@ impl Engine {
         })
     }
 
+    /// Runs the CPU model with `faults` from now on (tests of the `fault-injection` build).
+    #[cfg(feature = "fault-injection")]
+    pub fn set_faults(&mut self, faults: Faults) -> Result<()> {
+        match &mut self.model {
+            Model::Cpu(m) => m.set_faults(faults),
+            Model::Cuda(_) => anyhow::bail!("test faults apply to the CPU backend only"),
+        }
+        self.faults = faults;
+        Ok(())
+    }
+
     /// The class results are compared within (baselines are kept per class): the device
     /// class, and for CUDA the precision too (`cuda-sm90-bf16`), since it changes results.
     pub fn result_class(&self) -> String {

@@ -19,12 +19,40 @@ use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::rms_norm_row;
 use crate::model::config::{HybridConfig, OutputGate};
 use crate::model::error::{check_finite, ForwardError, Part};
+use crate::model::fault::{Faults, Pitfall};
 use crate::model::weights::DeltaNetWeights;
 use rayon::prelude::*;
 
-/// `x[r0.., d] += out` for rows `r0..T` of the window, from the normed rows `h[T, d]`.
+/// One Gated DeltaNet layer of a model.
+pub(crate) struct Mix<'a> {
+    pub hc: &'a HybridConfig,
+    pub w: &'a DeltaNetWeights,
+    /// Hidden size.
+    pub d: usize,
+    pub layer: usize,
+    /// The gated output norm's epsilon.
+    pub eps: f64,
+    /// Test-only pitfalls ([`crate::model::fault`]).
+    pub faults: Faults,
+}
+
+impl Mix<'_> {
+    /// `x[r0.., d] += out` for rows `r0..T` of the window, from the normed rows `h[T, d]`.
+    pub(crate) fn run(&self, h: &[f32], r0: usize, x: &mut [f32]) -> Result<(), ForwardError> {
+        let Mix {
+            hc,
+            w,
+            d,
+            layer,
+            eps,
+            faults,
+        } = *self;
+        mix(hc, w, h, d, r0, x, layer, eps, faults)
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn mix(
+fn mix(
     hc: &HybridConfig,
     w: &DeltaNetWeights,
     h: &[f32],
@@ -33,6 +61,7 @@ pub(crate) fn mix(
     x: &mut [f32],
     layer: usize,
     eps: f64,
+    faults: Faults,
 ) -> Result<(), ForwardError> {
     let t_len = h.len() / d;
     let (hk, hv) = (hc.linear_num_key_heads, hc.linear_num_value_heads);
@@ -47,10 +76,12 @@ pub(crate) fn mix(
     // c[T, conv_dim] = silu(conv(q|k|v)).
     let mut c = vec![0.0f32; t_len * conv_dim];
     c.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
+        let reversed = faults.pitfall(Pitfall::ConvReversed);
         for (ch, o) in row.iter_mut().enumerate() {
             let taps = &w.conv[ch * kw..(ch + 1) * kw];
             let mut acc = 0.0f32;
-            for (j, &tap) in taps.iter().enumerate() {
+            for j in 0..kw {
+                let tap = if reversed { taps[kw - 1 - j] } else { taps[j] };
                 // Tap j reads token t − (K − 1) + j; earlier than the window is zero.
                 if let Some(src) = (t + j).checked_sub(kw - 1) {
                     acc += tap * proj[src * width + ch];
@@ -72,7 +103,11 @@ pub(crate) fn mix(
         k.extend_from_slice(&row[kd..2 * kd]);
         v.extend_from_slice(&row[2 * kd..]);
     }
-    let q_scale = 1.0 / (dk as f32).sqrt();
+    let q_scale = if faults.pitfall(Pitfall::NoKeyScale) {
+        1.0
+    } else {
+        1.0 / (dk as f32).sqrt()
+    };
     q.par_chunks_mut(dk).for_each(|x| l2_normalize(x, q_scale));
     k.par_chunks_mut(dk).for_each(|x| l2_normalize(x, 1.0));
 
@@ -87,6 +122,17 @@ pub(crate) fn mix(
         }
     }
 
+    let (q, k, hk) = if faults.pitfall(Pitfall::KeysTiled) {
+        // Value head j given key head j % Hk: expand the key heads to one per value head.
+        let tile = |x: &[f32]| -> Vec<f32> {
+            x.chunks(kd)
+                .flat_map(|row| (0..hv).flat_map(move |j| row[(j % hk) * dk..][..dk].to_vec()))
+                .collect()
+        };
+        (tile(&q), tile(&k), hv)
+    } else {
+        (q, k, hk)
+    };
     let shape = DeltaShape {
         tokens: t_len,
         key_heads: hk,

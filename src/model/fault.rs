@@ -12,7 +12,9 @@
 //! * `rope-shift`: layer 0's keys are rotated one position too far;
 //! * `skip-final-norm`: the output head reads the un-normalized residual stream;
 //! * `embed-scale=E`: the embeddings are multiplied by `1 + E` (E = 1e-7 is far below float32
-//!   model noise).
+//!   model noise);
+//! * `pitfall=NAME`: one of the classic mistakes in the hybrid (qwen3_5) math ([`Pitfall`]),
+//!   which the reference test must catch.
 
 /// The environment variable that selects a fault in `fault-injection` builds.
 pub const ENV: &str = "NINFER_TEST_FAULT";
@@ -23,11 +25,63 @@ pub enum Fault {
     RopeShift,
     SkipFinalNorm,
     EmbedScale(f32),
+    Pitfall(Pitfall),
+}
+
+/// Mistakes in the hybrid model's math that each move a tiny model's log-probabilities far
+/// beyond the reference bound (`eval/reference/make_hybrid_fixtures.py --pitfalls` measures
+/// them in transformers' terms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pitfall {
+    /// Zero-centred norms read as the scale `w` instead of `1 + w`.
+    NormPlain,
+    /// SiLU instead of sigmoid on the attention output gate.
+    GateSilu,
+    /// q/k norm after RoPE instead of before.
+    QkNormAfterRope,
+    /// Key heads tiled (`j % Hk`) instead of repeat-interleaved (`j / (Hv/Hk)`).
+    KeysTiled,
+    /// The convolution's taps reversed.
+    ConvReversed,
+    /// No `Dk^-1/2` on the Gated DeltaNet queries.
+    NoKeyScale,
+}
+
+impl Pitfall {
+    pub const ALL: [Pitfall; 6] = [
+        Pitfall::NormPlain,
+        Pitfall::GateSilu,
+        Pitfall::QkNormAfterRope,
+        Pitfall::KeysTiled,
+        Pitfall::ConvReversed,
+        Pitfall::NoKeyScale,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pitfall::NormPlain => "norm-plain",
+            Pitfall::GateSilu => "gate-silu",
+            Pitfall::QkNormAfterRope => "qk-norm-after-rope",
+            Pitfall::KeysTiled => "keys-tiled",
+            Pitfall::ConvReversed => "conv-reversed",
+            Pitfall::NoKeyScale => "no-key-scale",
+        }
+    }
 }
 
 impl Fault {
     /// Parses `rope-shift`, `skip-final-norm` or `embed-scale=E` (E finite).
     pub fn parse(s: &str) -> Result<Fault, String> {
+        if let Some(p) = s.strip_prefix("pitfall=") {
+            return Pitfall::ALL
+                .into_iter()
+                .find(|x| x.name() == p)
+                .map(Fault::Pitfall)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = Pitfall::ALL.iter().map(|x| x.name()).collect();
+                    format!("{ENV}={s:?}: unknown pitfall (valid: {})", names.join(", "))
+                });
+        }
         match s {
             "rope-shift" => Ok(Fault::RopeShift),
             "skip-final-norm" => Ok(Fault::SkipFinalNorm),
@@ -47,6 +101,7 @@ impl Fault {
             Fault::RopeShift => "rope-shift".into(),
             Fault::SkipFinalNorm => "skip-final-norm".into(),
             Fault::EmbedScale(e) => format!("embed-scale={e:e}"),
+            Fault::Pitfall(p) => format!("pitfall={}", p.name()),
         }
     }
 }
@@ -95,6 +150,10 @@ impl Faults {
         self.active() == Some(Fault::SkipFinalNorm)
     }
 
+    pub fn pitfall(&self, p: Pitfall) -> bool {
+        self.active() == Some(Fault::Pitfall(p))
+    }
+
     pub fn embed_scale(&self) -> Option<f32> {
         match self.active() {
             Some(Fault::EmbedScale(e)) => Some(e),
@@ -123,5 +182,10 @@ mod tests {
             );
         }
         assert_eq!(Fault::EmbedScale(1e-7).describe(), "embed-scale=1e-7");
+        assert_eq!(
+            Fault::parse("pitfall=keys-tiled"),
+            Ok(Fault::Pitfall(Pitfall::KeysTiled))
+        );
+        assert!(Fault::parse("pitfall=nope").unwrap_err().contains("keys-tiled"));
     }
 }

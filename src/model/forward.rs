@@ -19,7 +19,7 @@ use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
 use crate::model::delta_net;
 use crate::model::error::{check_finite, ForwardError, Part};
-use crate::model::fault::Faults;
+use crate::model::fault::{Faults, Pitfall};
 use crate::model::kv_store::{self, Stored};
 use crate::model::profile::{self, Laps, Phase};
 use crate::model::split::{Link, Split, Stop};
@@ -54,8 +54,34 @@ impl CpuModel {
 
     /// The same model run with `faults` (only `fault-injection` builds have any).
     pub fn with_faults(mut self, faults: Faults) -> CpuModel {
-        self.faults = faults;
+        self.set_faults(faults);
         self
+    }
+
+    /// Replaces the model's faults (a zero-centred norm pitfall edits the norm scales).
+    pub fn set_faults(&mut self, faults: Faults) {
+        let plain = |f: &Faults| f.pitfall(Pitfall::NormPlain) && self.config.zero_centred_norms();
+        let delta = match (plain(&self.faults), plain(&faults)) {
+            (false, true) => -1.0,
+            (true, false) => 1.0,
+            _ => 0.0,
+        };
+        if delta != 0.0 {
+            let w = &mut self.weights;
+            let mut norms: Vec<&mut Vec<f32>> = vec![&mut w.final_norm];
+            for l in &mut w.layers {
+                norms.push(&mut l.attn_norm);
+                norms.push(&mut l.mlp_norm);
+                if let MixerWeights::Attention(a) = &mut l.mixer {
+                    norms.extend(a.q_norm.iter_mut());
+                    norms.extend(a.k_norm.iter_mut());
+                }
+            }
+            for n in norms {
+                n.iter_mut().for_each(|x| *x += delta);
+            }
+        }
+        self.faults = faults;
     }
 
     /// Bytes of working memory one call of [`CpuModel::window_logprobs`] holds at its peak
@@ -245,7 +271,15 @@ impl CpuModel {
                 debug_assert!(lo == 0 && matches!(link, Link::Alone));
                 let hc = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
                 let xr = &mut x[(r0 - lo) * d..];
-                delta_net::mix(hc, g, &b.h[..m * d], d, r0 - lo, xr, li, eps)?;
+                let mix = delta_net::Mix {
+                    hc,
+                    w: g,
+                    d,
+                    layer: li,
+                    eps,
+                    faults: self.faults,
+                };
+                mix.run(&b.h[..m * d], r0 - lo, xr)?;
                 laps.lap(Phase::Attention);
             }
         }
@@ -314,16 +348,25 @@ impl CpuModel {
             k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
             v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..qd + 2 * kvd]);
         }
-        if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-            rms_norm_inplace(q, qn, eps);
-            rms_norm_inplace(k, kn, eps);
+        let norm_after_rope = self.faults.pitfall(Pitfall::QkNormAfterRope);
+        let qk_norm = |q: &mut [f32], k: &mut [f32]| {
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                rms_norm_inplace(q, qn, eps);
+                rms_norm_inplace(k, kn, eps);
+            }
+        };
+        if !norm_after_rope {
+            qk_norm(q, k);
         }
         pass.rope.apply_from(q, hq, lo);
-        check_finite(q, hq, hd, Part::Query, li, lo)?;
         match pass.shifted_rope {
             Some(shifted) if li == 0 => shifted.apply_from(k, hkv, lo),
             _ => pass.rope.apply_from(k, hkv, lo),
         }
+        if norm_after_rope {
+            qk_norm(q, k);
+        }
+        check_finite(q, hq, hd, Part::Query, li, lo)?;
         kv_store::store(k, hkv, hd, pass.kv, Stored::Key, li, lo)?;
         kv_store::store(v, hkv, hd, pass.kv, Stored::Value, li, lo)?;
         match link {
@@ -352,12 +395,14 @@ impl CpuModel {
             r0,
         )?;
         if l.gated {
+            let silu = self.faults.pitfall(Pitfall::GateSilu);
             let attn = &mut b.attn[r0 * qd..hi * qd];
             attn.par_chunks_mut(qd)
                 .zip(qkv[(r0 - lo) * qkv_w..].par_chunks(qkv_w))
                 .for_each(|(a, r)| {
                     for (o, &gv) in a.iter_mut().zip(&r[qd + 2 * kvd..]) {
-                        *o *= 1.0 / (1.0 + crate::backend::cpu::exp::exp(-gv));
+                        let sig = 1.0 / (1.0 + crate::backend::cpu::exp::exp(-gv));
+                        *o *= if silu { gv * sig } else { sig };
                     }
                 });
         }
