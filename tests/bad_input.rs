@@ -505,6 +505,96 @@ fn the_packer_names_the_shard_of_a_bad_tensor() {
     );
 }
 
+/// A copy of the tiny Qwen3.5 checkpoint with its text config edited.
+fn hybrid_copy(dir: &Path, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let fixture = common::repo().join("eval/fixtures/tiny-qwen3_5");
+    let hf = dir.join("qwen3_5");
+    std::fs::create_dir_all(&hf).unwrap();
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        fixture.join("model.safetensors"),
+        hf.join("model.safetensors"),
+    )
+    .unwrap();
+    hf
+}
+
+fn hybrid_configs_that_contradict_their_tensors_are_refused() {
+    let tmp = common::tempdir();
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    let out = tmp.path().join("x.ninfer");
+    let pack_hf = |hf: &Path| pack(&["hf", s(hf), "--tokenizer", s(&tok), "-o", s(&out)]);
+    // Layer 0 claimed to be full attention: its self_attn tensors do not exist.
+    let hf = hybrid_copy(tmp.path(), |c| {
+        c["text_config"]["layer_types"][0] = "full_attention".into();
+    });
+    assert_error(
+        &pack_hf(&hf),
+        &[
+            "tensor `model.layers.0.self_attn.q_proj.weight` is missing from",
+            "model.safetensors",
+        ],
+    );
+    // Twice the value heads: the projections have the wrong shapes.
+    let hf = hybrid_copy(tmp.path(), |c| {
+        c["text_config"]["linear_num_value_heads"] = 12.into()
+    });
+    assert_error(
+        &pack_hf(&hf),
+        &["model.safetensors: tensor `model.layers.0.linear_attn.in_proj_qkv.weight` has shape [68, 16], the config implies [104, 16]"],
+    );
+    // Value heads not a multiple of key heads, a layer kind that does not exist, a gate
+    // activation that does not exist.
+    let hf = hybrid_copy(tmp.path(), |c| {
+        c["text_config"]["linear_num_value_heads"] = 5.into()
+    });
+    assert_error(
+        &pack_hf(&hf),
+        &[
+            "config.json",
+            "linear_num_value_heads (5) is not a multiple of linear_num_key_heads (2)",
+        ],
+    );
+    let hf = hybrid_copy(tmp.path(), |c| {
+        c["text_config"]["layer_types"][2] = "mamba".into()
+    });
+    assert_error(
+        &pack_hf(&hf),
+        &["config.json", "`text_config.layer_types[2]` is \"mamba\""],
+    );
+    let hf = hybrid_copy(tmp.path(), |c| {
+        c["text_config"]["output_gate_type"] = "tanh".into()
+    });
+    assert_error(
+        &pack_hf(&hf),
+        &["`text_config.output_gate_type` is `tanh` (supported: silu, swish, sigmoid)"],
+    );
+    assert!(!out.exists());
+
+    // A checkpoint with a vision tower and no text model.
+    let vis = tmp.path().join("vision-only");
+    std::fs::create_dir(&vis).unwrap();
+    std::fs::copy(hf.join("config.json"), vis.join("config.json")).unwrap();
+    let cfg = hybrid_copy(tmp.path(), |_| {});
+    std::fs::copy(cfg.join("config.json"), vis.join("config.json")).unwrap();
+    let data = vec![0u8; 8];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
+    safetensors::serialize_to_file(
+        [("model.visual.patch_embed.proj.weight", view)],
+        None,
+        &vis.join("model.safetensors"),
+    )
+    .unwrap();
+    assert_error(
+        &pack_hf(&vis),
+        &["vision-only", "a vision tower but no text model"],
+    );
+}
+
 fn windows_past_the_trained_context_are_warned_about_and_recorded() {
     let tmp = common::tempdir();
     let art = edited_artifact(
@@ -697,6 +787,7 @@ test_main! {
     Prepared the_packer_checks_its_output_first_and_never_replaces_an_input,
     Prepared the_packer_names_the_shard_of_a_bad_tensor,
     Prepared windows_past_the_trained_context_are_warned_about_and_recorded,
+    Prepared hybrid_configs_that_contradict_their_tensors_are_refused,
     Prepared a_registered_name_means_the_registered_bytes,
     Prepared reports_and_artifacts_get_the_usual_mode,
     Prepared a_capped_run_tokenizes_only_its_prefix_and_gets_the_same_tokens,

@@ -3,7 +3,7 @@
 //! covers window-level concurrency as well as the kernels' own splits; with 16 threads every
 //! window of the stream is in flight at once and the threads left over steal the windows'
 //! column blocks and attention tasks (more threads than this machine has cores: the bits
-//! must not care).
+//! must not care). The hybrid (qwen3_5) model is held to the same.
 
 mod common;
 
@@ -16,8 +16,18 @@ fn score(threads: usize, kv: KvDtype, tokens: &[u32]) -> StreamScore {
 }
 
 fn score_with(threads: usize, kv: KvDtype, tokens: &[u32], protocol: Protocol) -> StreamScore {
+    score_model("smollm2-135m-bf16.ninfer", threads, kv, tokens, protocol)
+}
+
+fn score_model(
+    artifact: &str,
+    threads: usize,
+    kv: KvDtype,
+    tokens: &[u32],
+    protocol: Protocol,
+) -> StreamScore {
     let e = Engine::load(
-        &common::artifact("smollm2-135m-bf16.ninfer"),
+        &common::artifact(artifact),
         &LoadOptions {
             threads,
             ..Default::default()
@@ -109,7 +119,23 @@ fn windows_split_between_threads_give_the_same_bits() {
     }
 }
 
+fn a_hybrid_model_gives_identical_bits_for_any_thread_count() {
+    // Gated DeltaNet value heads run as parallel tasks, windows in flight together; windows
+    // of 160 tokens cross the chunked rule's 64-token chunks.
+    let tokens: Vec<u32> = tokens(20_000, 900).iter().map(|t| t % 150_000).collect();
+    let protocol = Protocol::new(160, 80).unwrap();
+    for kv in [KvDtype::F32, KvDtype::K8v4] {
+        let one = score_model("tiny-qwen3_5-f32.ninfer", 1, kv, &tokens, protocol);
+        let reference = bits(&one);
+        for threads in [2, 3, 16] {
+            let s = score_model("tiny-qwen3_5-f32.ninfer", threads, kv, &tokens, protocol);
+            assert_eq!(bits(&s), reference, "{} with {threads} threads", kv.name());
+        }
+    }
+}
+
 test_main! {
+    Prepared a_hybrid_model_gives_identical_bits_for_any_thread_count,
     Prepared identical_bits_for_1_2_3_and_16_threads_and_repeated_runs,
     Prepared windows_split_between_threads_give_the_same_bits,
 }

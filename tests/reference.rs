@@ -187,7 +187,11 @@ fn tiny_qwen3_5_hybrid_matches_transformers() {
 fn every_planted_hybrid_pitfall_fails_the_reference() {
     use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
     let tok = common::cache_file("qwen3-tokenizer.json");
-    let src = read_hf_dir(&common::repo().join("eval/fixtures/tiny-qwen3_5"), Some(&tok)).unwrap();
+    let src = read_hf_dir(
+        &common::repo().join("eval/fixtures/tiny-qwen3_5"),
+        Some(&tok),
+    )
+    .unwrap();
     let tmp = common::tempdir();
     let art = tmp.path().join("tiny.ninfer");
     write_artifact(&src, WeightFormat::F32, &art).unwrap();
@@ -196,8 +200,16 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
     for p in Pitfall::ALL {
         e.set_faults(Faults::of(Fault::Pitfall(p))).unwrap();
         let d = compare(&e, &fixture);
-        eprintln!("pitfall {}: max |Δ logprob| {:.3e}", p.name(), d.max_abs_logprob);
-        assert!(d.max_abs_logprob > 1e-2, "pitfall {} went unnoticed: {d:?}", p.name());
+        eprintln!(
+            "pitfall {}: max |Δ logprob| {:.3e}",
+            p.name(),
+            d.max_abs_logprob
+        );
+        assert!(
+            d.max_abs_logprob > 1e-2,
+            "pitfall {} went unnoticed: {d:?}",
+            p.name()
+        );
     }
     // Removed again, the model is back within the bound.
     e.set_faults(Faults::NONE).unwrap();

@@ -186,6 +186,8 @@ mod tests {
             Fault::parse("pitfall=keys-tiled"),
             Ok(Fault::Pitfall(Pitfall::KeysTiled))
         );
-        assert!(Fault::parse("pitfall=nope").unwrap_err().contains("keys-tiled"));
+        assert!(Fault::parse("pitfall=nope")
+            .unwrap_err()
+            .contains("keys-tiled"));
     }
 }

@@ -583,6 +583,20 @@ mod tests {
     }
 
     #[test]
+    fn a_non_finite_state_fails_the_window() {
+        let mut m = crate::model::synthetic::synthetic_hybrid_model();
+        if let MixerWeights::DeltaNet(g) = &mut m.weights.layers[2].mixer {
+            g.dt_bias[4] = f32::NAN;
+        }
+        let tokens: Vec<u32> = (0..80).map(|i| ((i * 7919) % 300) as u32).collect();
+        let e = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "non-finite State read-out at layer 2, window position 0, value head 4"
+        );
+    }
+
+    #[test]
     fn every_fault_changes_the_result_and_none_is_the_clean_model() {
         let tokens: Vec<u32> = (0..200).map(|i| ((i * 7919) % 300) as u32).collect();
         let clean = synthetic_model()

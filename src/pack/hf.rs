@@ -336,9 +336,12 @@ fn check_index(dir: &Path, seen: &BTreeMap<String, PathBuf>) -> Result<()> {
         .and_then(|m| m.as_object())
         .ok_or_else(|| anyhow!("{}: `weight_map` is missing", index.display()))?;
     for (name, shard) in map {
-        let shard = shard
-            .as_str()
-            .ok_or_else(|| anyhow!("{}: `weight_map.{name}` is not a file name", index.display()))?;
+        let shard = shard.as_str().ok_or_else(|| {
+            anyhow!(
+                "{}: `weight_map.{name}` is not a file name",
+                index.display()
+            )
+        })?;
         match seen.get(name) {
             Some(p) if p.file_name().is_some_and(|f| f == shard) => {}
             Some(p) => bail!(

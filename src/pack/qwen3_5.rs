@@ -11,9 +11,7 @@
 //! defaults (10000, 0.25); for text-only input the multimodal RoPE is plain RoPE.
 
 use super::hf::{get_f64, get_usize, need_usize};
-use crate::model::config::{
-    Family, HybridConfig, LayerKind, ModelConfig, OutputGate, MAX_LAYERS,
-};
+use crate::model::config::{Family, HybridConfig, LayerKind, ModelConfig, OutputGate, MAX_LAYERS};
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
@@ -32,21 +30,37 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
     } else {
         c
     };
-    let key = |k: &str| if multimodal { format!("text_config.{k}") } else { k.to_string() };
+    let key = |k: &str| {
+        if multimodal {
+            format!("text_config.{k}")
+        } else {
+            k.to_string()
+        }
+    };
     let field = |k: &str| -> Result<usize> {
-        need_usize(tc, k).map_err(|_| anyhow!("config.json: `{}` is missing or not a whole number", key(k)))
+        need_usize(tc, k)
+            .map_err(|_| anyhow!("config.json: `{}` is missing or not a whole number", key(k)))
     };
     if let Some(act) = tc.get("hidden_act").and_then(|v| v.as_str()) {
         if act != "silu" {
-            bail!("config.json: `{}` is `{act}`; qwen3_5 is read with silu only", key("hidden_act"));
+            bail!(
+                "config.json: `{}` is `{act}`; qwen3_5 is read with silu only",
+                key("hidden_act")
+            );
         }
     }
     if tc.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
-        bail!("config.json: `{}: true` is not supported for qwen3_5", key("attention_bias"));
+        bail!(
+            "config.json: `{}: true` is not supported for qwen3_5",
+            key("attention_bias")
+        );
     }
     let layers = field("num_hidden_layers")?;
     if layers > MAX_LAYERS {
-        bail!("config.json: `{}` is {layers}, above the largest this engine takes ({MAX_LAYERS})", key("num_hidden_layers"));
+        bail!(
+            "config.json: `{}` is {layers}, above the largest this engine takes ({MAX_LAYERS})",
+            key("num_hidden_layers")
+        );
     }
     let layer_types = match tc.get("layer_types") {
         Some(Value::Array(a)) => a
@@ -92,7 +106,9 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
     };
     if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))) {
         if kind.as_str() != Some("default") {
-            bail!("config.json: RoPE type {kind} is not supported for qwen3_5 (supported: default)");
+            bail!(
+                "config.json: RoPE type {kind} is not supported for qwen3_5 (supported: default)"
+            );
         }
     }
     let rope_theta = rope_f64("rope_theta")?.unwrap_or(10000.0);
@@ -213,14 +229,24 @@ mod tests {
 
     #[test]
     fn bad_fields_are_named() {
-        let e = parse_config(&text(r#","layer_types":["linear_attention","mamba","x","y"]"#), "x")
+        let e = parse_config(
+            &text(r#","layer_types":["linear_attention","mamba","x","y"]"#),
+            "x",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`layer_types[1]`") && e.contains("mamba"), "{e}");
+        let e = parse_config(&text(r#","output_gate_type":"tanh""#), "x")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("`layer_types[1]`") && e.contains("mamba"), "{e}");
-        let e = parse_config(&text(r#","output_gate_type":"tanh""#), "x").unwrap_err().to_string();
         assert!(e.contains("`output_gate_type` is `tanh`"), "{e}");
-        let vlm: Value = serde_json::from_str(r#"{"architectures":["Qwen3_5ForConditionalGeneration"],"vision_config":{}}"#).unwrap();
-        let e = parse_config(&vlm, "Qwen3_5ForConditionalGeneration").unwrap_err().to_string();
+        let vlm: Value = serde_json::from_str(
+            r#"{"architectures":["Qwen3_5ForConditionalGeneration"],"vision_config":{}}"#,
+        )
+        .unwrap();
+        let e = parse_config(&vlm, "Qwen3_5ForConditionalGeneration")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("without a text model"), "{e}");
         let c = parse_config(&text(r#","linear_num_value_heads":5"#), "x").unwrap();
         let e = c.validate().unwrap_err().to_string();
@@ -233,9 +259,18 @@ mod tests {
             tensor_name("model.language_model.layers.0.linear_attn.A_log"),
             Rename::Keep("model.layers.0.linear_attn.A_log".into())
         );
-        assert_eq!(tensor_name("lm_head.weight"), Rename::Keep("lm_head.weight".into()));
-        assert_eq!(tensor_name("model.norm.weight"), Rename::Keep("model.norm.weight".into()));
-        assert!(matches!(tensor_name("model.visual.blocks.0.attn.qkv.weight"), Rename::Drop(_)));
+        assert_eq!(
+            tensor_name("lm_head.weight"),
+            Rename::Keep("lm_head.weight".into())
+        );
+        assert_eq!(
+            tensor_name("model.norm.weight"),
+            Rename::Keep("model.norm.weight".into())
+        );
+        assert!(matches!(
+            tensor_name("model.visual.blocks.0.attn.qkv.weight"),
+            Rename::Drop(_)
+        ));
         assert!(matches!(tensor_name("mtp.fc.weight"), Rename::Drop(_)));
     }
 }

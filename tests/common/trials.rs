@@ -21,8 +21,9 @@ pub enum Needs {
 }
 
 /// The prepared inputs, relative to the repository root.
-pub const PREPARED: [&str; 5] = [
+pub const PREPARED: [&str; 6] = [
     "models/smollm2-135m-bf16.ninfer",
+    "models/tiny-qwen3_5-f32.ninfer",
     "models/smollm2-135m-f32.ninfer",
     "models/cache/SmolLM2-135M-Instruct.Q4_1.gguf",
     "models/cache/qwen3-tokenizer.json",

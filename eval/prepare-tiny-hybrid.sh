@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Packs the committed tiny Qwen3.5 hybrid checkpoint (eval/fixtures/tiny-qwen3_5, written by
+# eval/reference/make_hybrid_fixtures.py) with the pinned Qwen3 tokenizer into
+# models/tiny-qwen3_5-f32.ninfer, the hybrid model of the harness's CPU tier.
+#
+# Idempotent: an artifact whose digest equals the one eval/registry.json pins is kept.
+# Packing is deterministic, so the pinned digest also proves the packer still produces the
+# same bytes.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+tok="$(bash eval/fetch-qwen3-tokenizer.sh | tail -n 1)"
+cargo build --release --quiet --bin ninfer-pack
+pack=target/release/ninfer-pack
+name=tiny-qwen3_5-f32
+out="models/$name.ninfer"
+want="$(python3 - "$name" <<'PY'
+import json, sys
+for a in json.load(open("eval/registry.json"))["artifacts"]:
+    if a["name"] == sys.argv[1]:
+        print(a.get("digest") or "")
+PY
+)"
+digest() { "$pack" inspect "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["digest"])'; }
+if [ -f "$out" ] && [ -n "$want" ] && [ "$(digest "$out" 2>/dev/null || true)" = "$want" ]; then
+  echo "prepare-tiny-hybrid: $out is up to date ($want)" >&2
+  exit 0
+fi
+mkdir -p models
+"$pack" hf eval/fixtures/tiny-qwen3_5 --tokenizer "$tok" --weights f32 -o "$out"
+have="$(digest "$out")"
+if [ -n "$want" ] && [ "$have" != "$want" ]; then
+  echo "prepare-tiny-hybrid: warning: $out has digest $have but eval/registry.json pins $want" >&2
+  echo "prepare-tiny-hybrid: (the packer's output changed: review, then update the registry)" >&2
+fi
