@@ -1,7 +1,8 @@
 """Benchmark peer: transformers float32 scoring exactly the windows the Rust bench scores.
 
 Usage: eval/.venv/bin/python eval/bench/peer_transformers.py WORK.json [--gemm-only]
-WORK.json: {"gguf": path, "threads": int, "tokens": [...], "windows": [[begin, start, end], ...]}
+WORK.json: {"gguf": path | "model_dir": path, "threads": int, "tokens": [...],
+            "windows": [[begin, start, end], ...]}
 Prints one JSON line: seconds, processed/scored token counts, nll_sum, and torch's float32
 GEMM rate (fastest of five 2048^3 products, same thread count) measured just before the
 scoring starts (`gemm_before_gflops`) and just after it ends (`gemm_gflops`). The bench uses
@@ -40,10 +41,13 @@ def main():
 
     from transformers import AutoModelForCausalLM
 
-    gguf = work["gguf"]
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
-    )
+    if "model_dir" in work:
+        model = AutoModelForCausalLM.from_pretrained(work["model_dir"], dtype=torch.float32)
+    else:
+        gguf = work["gguf"]
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+        )
     model.eval()
     tokens = torch.tensor(work["tokens"], dtype=torch.long)
     windows = work["windows"]

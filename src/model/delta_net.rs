@@ -21,6 +21,7 @@ use crate::model::config::{HybridConfig, OutputGate};
 use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::{Faults, Pitfall};
 use crate::model::weights::DeltaNetWeights;
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// One Gated DeltaNet layer of a model.
@@ -72,24 +73,19 @@ fn mix(
     // proj[T, conv_dim + Hv·Dv + 2·Hv] = [q|k|v, z, b, a]
     let mut proj = vec![0.0f32; t_len * width];
     matmul_wt(h, t_len, d, &w.w_in, width, &mut proj, false);
+    // The fast exp below clamps a NaN: non-finite values are caught before it can.
+    check_finite(&proj, 1, width, Part::DeltaNetInput, layer, 0)?;
 
     // c[T, conv_dim] = silu(conv(q|k|v)).
     let mut c = vec![0.0f32; t_len * conv_dim];
-    c.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
-        let reversed = faults.pitfall(Pitfall::ConvReversed);
-        for (ch, o) in row.iter_mut().enumerate() {
-            let taps = &w.conv[ch * kw..(ch + 1) * kw];
-            let mut acc = 0.0f32;
-            for j in 0..kw {
-                let tap = if reversed { taps[kw - 1 - j] } else { taps[j] };
-                // Tap j reads token t − (K − 1) + j; earlier than the window is zero.
-                if let Some(src) = (t + j).checked_sub(kw - 1) {
-                    acc += tap * proj[src * width + ch];
-                }
-            }
-            *o = silu(acc);
-        }
-    });
+    let conv: std::borrow::Cow<[f32]> = if faults.pitfall(Pitfall::ConvReversed) {
+        w.conv.chunks(conv_dim).rev().flatten().copied().collect()
+    } else {
+        (&w.conv[..]).into()
+    };
+    c.par_chunks_mut(conv_dim)
+        .enumerate()
+        .for_each(|(t, row)| conv_silu_row(&proj, width, &conv, kw, t, row));
 
     // Split c into q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv]; normalise q and k.
     let kd = hk * dk;
@@ -133,6 +129,8 @@ fn mix(
     } else {
         (q, k, hk)
     };
+    check_finite(&g, hv, 1, Part::DeltaNetGate, layer, 0)?;
+    check_finite(&beta, hv, 1, Part::DeltaNetGate, layer, 0)?;
     let shape = DeltaShape {
         tokens: t_len,
         key_heads: hk,
@@ -156,22 +154,50 @@ fn mix(
             .zip(z.chunks(dv))
         {
             rms_norm_row(oh, &w.norm, eps, yh);
-            for (a, &zv) in yh.iter_mut().zip(zh) {
-                *a *= match hc.output_gate {
-                    OutputGate::Silu => silu(zv),
-                    OutputGate::Sigmoid => sigmoid(zv),
-                };
-            }
+            gate_row(yh, zh, hc.output_gate);
         }
     });
     matmul_wt(&y, n, vdim, &w.w_out, d, x, true);
     Ok(())
 }
 
+/// Row `t` of `silu(conv)`: `row[ch] = silu(Σ_j conv[j, ch] · proj[t − (K − 1) + j, ch])`
+/// (`conv` tap-major `[K, conv_dim]`), rows before the window's start being zero. Compiled
+/// for AVX2+FMA too (same bits).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn conv_silu_row(proj: &[f32], width: usize, conv: &[f32], kw: usize, t: usize, row: &mut [f32]) {
+    let ch = row.len();
+    row.fill(0.0);
+    for j in 0..kw {
+        // Tap j reads token t − (K − 1) + j.
+        let Some(src) = (t + j).checked_sub(kw - 1) else {
+            continue;
+        };
+        let x = &proj[src * width..src * width + ch];
+        for ((o, &v), &tap) in row.iter_mut().zip(x).zip(&conv[j * ch..(j + 1) * ch]) {
+            *o += tap * v;
+        }
+    }
+    row.iter_mut().for_each(|o| *o = silu(*o));
+}
+
+/// `y ·= act(z)` elementwise. Compiled for AVX2+FMA too (same bits).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn gate_row(y: &mut [f32], z: &[f32], gate: OutputGate) {
+    for (a, &zv) in y.iter_mut().zip(z) {
+        *a *= match gate {
+            OutputGate::Silu => silu(zv),
+            OutputGate::Sigmoid => sigmoid(zv),
+        };
+    }
+}
+
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp::exp(-x))
 }
 
+#[inline(always)]
 fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }

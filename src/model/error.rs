@@ -15,6 +15,10 @@ pub enum Part {
     Value,
     /// Attention's output (a score that overflowed shows up here).
     AttentionOutput,
+    /// A Gated DeltaNet's projections of its input (q|k|v, z, b, a).
+    DeltaNetInput,
+    /// A Gated DeltaNet's decay `g` or write strength `beta`.
+    DeltaNetGate,
     /// A Gated DeltaNet's read-out of its recurrent State.
     State,
 }
@@ -26,6 +30,8 @@ impl Part {
             Part::Key => "key",
             Part::Value => "value",
             Part::AttentionOutput => "attention output",
+            Part::DeltaNetInput => "Gated DeltaNet projection",
+            Part::DeltaNetGate => "Gated DeltaNet decay or write gate",
             Part::State => "State read-out",
         }
     }
@@ -35,7 +41,8 @@ impl Part {
         match self {
             Part::Key | Part::Value => "KV head",
             Part::Query | Part::AttentionOutput => "query head",
-            Part::State => "value head",
+            Part::DeltaNetInput => "channel",
+            Part::DeltaNetGate | Part::State => "value head",
         }
     }
 }

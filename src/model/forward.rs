@@ -583,7 +583,7 @@ mod tests {
     }
 
     #[test]
-    fn a_non_finite_state_fails_the_window() {
+    fn a_non_finite_gated_delta_net_value_fails_the_window() {
         let mut m = crate::model::synthetic::synthetic_hybrid_model();
         if let MixerWeights::DeltaNet(g) = &mut m.weights.layers[2].mixer {
             g.dt_bias[4] = f32::NAN;
@@ -592,7 +592,7 @@ mod tests {
         let e = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "non-finite State read-out at layer 2, window position 0, value head 4"
+            "non-finite Gated DeltaNet decay or write gate at layer 2, window position 0, value head 4"
         );
     }
 

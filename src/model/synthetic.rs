@@ -82,7 +82,7 @@ pub(crate) fn synthetic_hybrid_model() -> CpuModel {
             }),
             LayerKind::LinearAttention => MixerWeights::DeltaNet(DeltaNetWeights {
                 w_in: gen((hc.conv_dim() + hc.value_dim() + 12) * d, 0.3),
-                conv: gen(hc.conv_dim() * 4, 0.5),
+                conv: gen(4 * hc.conv_dim(), 0.5), // [K, conv_dim]
                 dt_bias: gen(6, 1.0),
                 a_log: gen(6, 1.0),
                 norm: gen(4, 0.3).iter().map(|x| 1.0 + x).collect(),

@@ -26,7 +26,8 @@ pub struct AttentionWeights {
 pub struct DeltaNetWeights {
     /// `[conv_dim + Hv·Dv + 2·Hv, d]`: q|k|v, z, b, a.
     pub w_in: Vec<f32>,
-    /// `[conv_dim, K]`: tap `K - 1` multiplies the current token.
+    /// `[K, conv_dim]` (tap-major, transposed from the checkpoint's `[conv_dim, 1, K]`): tap
+    /// `K - 1` multiplies the current token.
     pub conv: Vec<f32>,
     pub dt_bias: Vec<f32>, // [Hv]
     pub a_log: Vec<f32>,   // [Hv]
@@ -100,7 +101,15 @@ impl Weights {
                 }
                 MixerTensors::DeltaNet(g) => MixerWeights::DeltaNet(DeltaNetWeights {
                     w_in: r.fused(&g.in_proj)?,
-                    conv: r.one(&g.conv)?, // [conv_dim, 1, K] is [conv_dim, K] row-major
+                    conv: {
+                        let h = c.hybrid.as_ref().expect("hybrid");
+                        let (ch, kw) = (h.conv_dim(), h.linear_conv_kernel_dim);
+                        let w = r.one(&g.conv)?; // [conv_dim, 1, K]
+                        (0..kw)
+                            .flat_map(|j| (0..ch).map(move |i| (i, j)))
+                            .map(|(i, j)| w[i * kw + j])
+                            .collect()
+                    },
                     dt_bias: r.one(&g.dt_bias)?,
                     a_log: r.one(&g.a_log)?,
                     norm: r.one(&g.norm)?, // the gated norm is plain

@@ -9,13 +9,19 @@
 //! `delta = beta·(v − Sᵀk)`, `S = S + k·deltaᵀ`, `o = Sᵀq`. [`chunked`] computes the same
 //! function a chunk of [`CHUNK`] tokens at a time (the WY form fast implementations use for
 //! prefill): within a chunk the rule is a lower-triangular system solved by forward
-//! substitution, and the State is carried from chunk to chunk. It is the production path;
-//! the two agree to float32 rounding (tested), not bit for bit.
+//! substitution, the chunk's products run on the crate's GEMM, and the State is carried from
+//! chunk to chunk. It is the production path; the two agree to float32 rounding (tested),
+//! not bit for bit. Exponentials use the crate's [`exp::exp`] (relative error below 3e-7),
+//! and denormals are flushed to zero ([`FlushDenormals`]): a State that decays fast would
+//! otherwise spend most of its time in the slow denormal range.
 //!
 //! Value heads are independent and each is computed by one task in a fixed order, so the
 //! result does not depend on the thread count.
 
+use super::exp;
+use super::matmul::{sgemm_block, Gemm};
 use super::SendPtr;
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Tokens per chunk of [`chunked`] (a window split between threads would have to cut at a
@@ -164,8 +170,9 @@ pub fn chunked(
     s.check(q, k, v, beta, g, o);
     let (t, dk, dv) = (s.tokens, s.key_dim, s.value_dim);
     per_head(o, s, |j| {
+        let _ftz = FlushDenormals::new();
         let h = gather(q, k, v, beta, g, s, j);
-        let mut st = vec![0.0f32; dk * dv]; // S[Dk, Dv], carried between chunks
+        let mut st = vec![0.0f32; dv * dk]; // Sᵀ[Dv, Dk], carried between chunks
         let mut out = vec![0.0f32; t * dv];
         let mut c = ChunkScratch::new(dk, dv);
         for c0 in (0..t).step_by(CHUNK) {
@@ -185,38 +192,124 @@ pub fn chunked(
     });
 }
 
-/// Work buffers of one chunk.
+/// Flushes denormal results and inputs to zero on this thread while alive (x86-64 MXCSR
+/// FTZ and DAZ), restoring the previous mode on drop. A State that decays fast drifts into
+/// denormal magnitudes (below 1.2e-38), where x86 arithmetic is 10-100 times slower; such
+/// values are far below anything that reaches a logit. Elsewhere a no-op.
+struct FlushDenormals {
+    #[cfg(target_arch = "x86_64")]
+    saved: u32,
+}
+
+impl FlushDenormals {
+    #[allow(deprecated)] // _mm_getcsr/_mm_setcsr: the documented way to reach MXCSR
+    fn new() -> FlushDenormals {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
+            // SAFETY: reading and writing MXCSR's FTZ (bit 15) and DAZ (bit 6) bits only
+            // changes how this thread rounds tiny floats; the previous value is restored.
+            let saved = unsafe { _mm_getcsr() };
+            unsafe { _mm_setcsr(saved | (1 << 15) | (1 << 6)) };
+            FlushDenormals { saved }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        FlushDenormals {}
+    }
+}
+
+impl Drop for FlushDenormals {
+    #[allow(deprecated)]
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: restores the mode read in `new`.
+        unsafe {
+            std::arch::x86_64::_mm_setcsr(self.saved)
+        };
+    }
+}
+
+/// Work buffers of one chunk (`n ≤ CHUNK` tokens).
 struct ChunkScratch {
     /// Cumulative log decay within the chunk, `[n]`.
     gc: Vec<f32>,
-    /// The triangular system, `[n, n]`.
+    /// `exp(gc_i − gc_j)` for `j ≤ i`, `[n, n]`.
+    decay: Vec<f32>,
+    /// `K·Kᵀ`, then the triangular system `A` `[n, n]`; `Q·Kᵀ` masked and decayed `[n, n]`.
     a: Vec<f32>,
-    /// `A·(beta·v)` `[n, Dv]` and `A·(beta·k·exp(gc))` `[n, Dk]`.
+    p: Vec<f32>,
+    /// `(beta·v)ᵀ [Dv, n]`, `(beta·k·exp(gc))ᵀ [Dk, n]`, `(k·exp(gc_last − gc))ᵀ [Dk, n]`.
+    vbt: Vec<f32>,
+    kbt: Vec<f32>,
+    kft: Vec<f32>,
+    /// `q·exp(gc)` `[n, Dk]`.
+    qe: Vec<f32>,
+    /// `u = A·(beta·v)` `[n, Dv]`, `w = A·(beta·k·exp(gc))` `[n, Dk]`, `w·S` `[n, Dv]`.
     u: Vec<f32>,
     w: Vec<f32>,
-    /// `u − w·S`, `[n, Dv]`.
+    ws: Vec<f32>,
+    /// `v_new = u − w·S` `[n, Dv]` and its transpose.
     v_new: Vec<f32>,
+    v_new_t: Vec<f32>,
 }
 
 impl ChunkScratch {
     fn new(dk: usize, dv: usize) -> ChunkScratch {
+        let z = |n: usize| vec![0.0f32; n];
         ChunkScratch {
-            gc: vec![0.0; CHUNK],
-            a: vec![0.0; CHUNK * CHUNK],
-            u: vec![0.0; CHUNK * dv],
-            w: vec![0.0; CHUNK * dk],
-            v_new: vec![0.0; CHUNK * dv],
+            gc: z(CHUNK),
+            decay: z(CHUNK * CHUNK),
+            a: z(CHUNK * CHUNK),
+            p: z(CHUNK * CHUNK),
+            vbt: z(dv * CHUNK),
+            kbt: z(dk * CHUNK),
+            kft: z(dk * CHUNK),
+            qe: z(CHUNK * dk),
+            u: z(CHUNK * dv),
+            w: z(CHUNK * dk),
+            ws: z(CHUNK * dv),
+            v_new: z(CHUNK * dv),
+            v_new_t: z(dv * CHUNK),
         }
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+/// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ` on one thread (the chunks' small products; the tasks
+/// are already one per value head).
+fn mm(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accumulate: bool) {
+    assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n);
+    // SAFETY: the slices hold [m, k], [n, k] and [m, n] (asserted); `out` is exclusively
+    // borrowed.
+    unsafe {
+        sgemm_block(
+            Gemm::configured(),
+            m,
+            k,
+            n,
+            x.as_ptr(),
+            w.as_ptr(),
+            out.as_mut_ptr(),
+            n,
+            accumulate,
+        )
+    }
+}
+
+/// `dst[c, r] = src[r, c]` for `src[rows, cols]`.
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    for r in 0..rows {
+        for c in 0..cols {
+            dst[c * rows + r] = src[r * cols + c];
+        }
+    }
 }
 
 /// Tokens `c0..c1` of one value head: writes their outputs into `out[n, Dv]` and carries the
-/// State `st[Dk, Dv]` past the chunk.
+/// State, held transposed as `st[Dv, Dk]` (`Sᵀ`), past the chunk. Compiled for AVX2+FMA as
+/// well (run-time dispatch): the same operations in the same order, so the same bits, but
+/// `mul_add` and the loops run natively instead of through libm's `fmaf`.
 #[allow(clippy::too_many_arguments)]
+#[multiversion(targets("x86_64+avx2+fma"))]
 fn chunk(
     h: &Head,
     c0: usize,
@@ -228,31 +321,43 @@ fn chunk(
     c: &mut ChunkScratch,
 ) {
     let n = c1 - c0;
-    let key = |i: usize| &h.k[(c0 + i) * dk..(c0 + i + 1) * dk];
-    let query = |i: usize| &h.q[(c0 + i) * dk..(c0 + i + 1) * dk];
-    let value = |i: usize| &h.v[(c0 + i) * dv..(c0 + i + 1) * dv];
-    let beta = |i: usize| h.beta[c0 + i];
+    let (q, k, v) = (
+        &h.q[c0 * dk..c1 * dk],
+        &h.k[c0 * dk..c1 * dk],
+        &h.v[c0 * dv..c1 * dv],
+    );
+    let beta = &h.beta[c0..c1];
     let mut acc = 0.0f32;
     for i in 0..n {
         acc += h.g[c0 + i];
         c.gc[i] = acc;
     }
     let gc = &c.gc[..n];
+    let last = gc[n - 1];
+
     // A[i, j] = −beta_i·(k_i·k_j)·exp(gc_i − gc_j) for j < i, then the forward substitution
     // that turns it into the inverse of the chunk's (I − strictly lower) system, plus I.
+    // decay[i, j] = exp(gc_i − gc_j) for j ≤ i (one exponential each, shared below).
+    let decay = &mut c.decay[..n * n];
+    for i in 0..n {
+        for j in 0..=i {
+            decay[i * n + j] = exp::exp(gc[i] - gc[j]);
+        }
+    }
     let a = &mut c.a[..n * n];
+    mm(k, n, dk, k, n, a, false);
     for i in 0..n {
         for j in 0..n {
             a[i * n + j] = if j < i {
-                -beta(i) * dot(key(i), key(j)) * (gc[i] - gc[j]).exp()
+                -beta[i] * a[i * n + j] * decay[i * n + j]
             } else {
                 0.0
             };
         }
     }
-    let mut row = vec![0.0f32; n];
+    let mut row = [0.0f32; CHUNK];
     for i in 1..n {
-        row.copy_from_slice(&a[i * n..(i + 1) * n]);
+        row[..n].copy_from_slice(&a[i * n..(i + 1) * n]);
         for j in 0..i {
             let mut add = 0.0f32;
             for m in j + 1..i {
@@ -264,68 +369,68 @@ fn chunk(
     for i in 0..n {
         a[i * n + i] = 1.0;
     }
+
     // u = A·(beta·v), w = A·(beta·k·exp(gc)).
+    let (vbt, kbt) = (&mut c.vbt[..dv * n], &mut c.kbt[..dk * n]);
+    for i in 0..n {
+        let e = beta[i] * exp::exp(gc[i]);
+        for d in 0..dv {
+            vbt[d * n + i] = beta[i] * v[i * dv + d];
+        }
+        for d in 0..dk {
+            kbt[d * n + i] = e * k[i * dk + d];
+        }
+    }
     let (u, w) = (&mut c.u[..n * dv], &mut c.w[..n * dk]);
-    u.fill(0.0);
-    w.fill(0.0);
-    for i in 0..n {
-        for j in 0..=i {
-            let aij = a[i * n + j];
-            if aij == 0.0 {
-                continue;
-            }
-            let bv = aij * beta(j);
-            for (x, &y) in u[i * dv..(i + 1) * dv].iter_mut().zip(value(j)) {
-                *x += bv * y;
-            }
-            let bk = bv * gc[j].exp();
-            for (x, &y) in w[i * dk..(i + 1) * dk].iter_mut().zip(key(j)) {
-                *x += bk * y;
-            }
-        }
-    }
+    mm(a, n, n, vbt, dv, u, false);
+    mm(a, n, n, kbt, dk, w, false);
+
     // v_new = u − w·S (the values less what the State carried in already predicts).
+    let ws = &mut c.ws[..n * dv];
+    mm(w, n, dk, st, dv, ws, false);
     let v_new = &mut c.v_new[..n * dv];
-    v_new.copy_from_slice(u);
-    for i in 0..n {
-        let vi = &mut v_new[i * dv..(i + 1) * dv];
-        for (&wk, srow) in w[i * dk..(i + 1) * dk].iter().zip(st.chunks(dv)) {
-            for (x, &sv) in vi.iter_mut().zip(srow) {
-                *x -= wk * sv;
-            }
-        }
+    for ((x, &uu), &y) in v_new.iter_mut().zip(u.iter()).zip(ws.iter()) {
+        *x = uu - y;
     }
+    let v_new_t = &mut c.v_new_t[..dv * n];
+    transpose(v_new, n, dv, v_new_t);
+
     // o_i = exp(gc_i)·(q_i·S) + Σ_{j≤i} (q_i·k_j)·exp(gc_i − gc_j)·v_new_j.
+    let qe = &mut c.qe[..n * dk];
     for i in 0..n {
-        let oi = &mut out[i * dv..(i + 1) * dv];
-        oi.fill(0.0);
-        let e = gc[i].exp();
-        for (&qv, srow) in query(i).iter().zip(st.chunks(dv)) {
-            let qe = qv * e;
-            for (x, &sv) in oi.iter_mut().zip(srow) {
-                *x += qe * sv;
-            }
-        }
-        for j in 0..=i {
-            let p = dot(query(i), key(j)) * (gc[i] - gc[j]).exp();
-            for (x, &y) in oi.iter_mut().zip(&v_new[j * dv..(j + 1) * dv]) {
-                *x += p * y;
-            }
+        let e = exp::exp(gc[i]);
+        for (x, &y) in qe[i * dk..(i + 1) * dk]
+            .iter_mut()
+            .zip(&q[i * dk..(i + 1) * dk])
+        {
+            *x = e * y;
         }
     }
-    // S = exp(gc_last)·S + Σ_i (k_i·exp(gc_last − gc_i)) v_new_iᵀ.
-    let last = gc[n - 1];
-    let decay = last.exp();
-    st.iter_mut().for_each(|x| *x *= decay);
+    mm(qe, n, dk, st, dv, out, false);
+    let p = &mut c.p[..n * n];
+    mm(q, n, dk, k, n, p, false);
     for i in 0..n {
-        let f = (last - gc[i]).exp();
-        for (&kv, srow) in key(i).iter().zip(st.chunks_mut(dv)) {
-            let kf = kv * f;
-            for (sv, &y) in srow.iter_mut().zip(&v_new[i * dv..(i + 1) * dv]) {
-                *sv += kf * y;
-            }
+        for j in 0..n {
+            p[i * n + j] = if j <= i {
+                p[i * n + j] * decay[i * n + j]
+            } else {
+                0.0
+            };
         }
     }
+    mm(p, n, n, v_new_t, dv, out, true);
+
+    // S = exp(gc_last)·S + Σ_i (k_i·exp(gc_last − gc_i)) v_new_iᵀ, as Sᵀ += v_newᵀ·(k·f).
+    let carry = exp::exp(last);
+    st.iter_mut().for_each(|x| *x *= carry);
+    let kft = &mut c.kft[..dk * n];
+    for i in 0..n {
+        let f = exp::exp(last - gc[i]);
+        for d in 0..dk {
+            kft[d * n + i] = f * k[i * dk + d];
+        }
+    }
+    mm(v_new_t, dv, n, kft, dk, st, true);
 }
 
 #[cfg(test)]
@@ -386,6 +491,27 @@ mod tests {
             );
             assert!(scale > 0.01, "the test needs non-trivial outputs");
         }
+    }
+
+    #[test]
+    fn flushing_denormals_is_local_to_the_chunked_rule() {
+        // The mode is restored afterwards: plain arithmetic on this thread still keeps
+        // denormals.
+        let s = DeltaShape {
+            tokens: 70,
+            key_heads: 1,
+            value_heads: 1,
+            key_dim: 4,
+            value_dim: 4,
+        };
+        let [q, k, v, beta, g] = inputs(&s, 2);
+        let mut o = vec![0.0; 70 * 4];
+        chunked(&q, &k, &v, &beta, &g, &s, &mut o);
+        let tiny = std::hint::black_box(f32::MIN_POSITIVE);
+        assert!(
+            std::hint::black_box(tiny / 4.0) > 0.0,
+            "denormals survive outside"
+        );
     }
 
     #[test]
