@@ -24,6 +24,27 @@ use crate::model::weights::DeltaNetWeights;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+/// Work buffers of the Gated DeltaNet layers of one window, kept across its layers (a
+/// window's buffers are hundreds of MB at long contexts; allocating them per layer costs a
+/// page fault per 4 KiB).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    proj: Vec<f32>,
+    c: Vec<f32>,
+    beta: Vec<f32>,
+    g: Vec<f32>,
+    o: Vec<f32>,
+    y: Vec<f32>,
+}
+
+/// `v[..n]`, grown to `n` first (contents unspecified).
+fn take(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
 /// One Gated DeltaNet layer of a model.
 pub(crate) struct Mix<'a> {
     pub hc: &'a HybridConfig,
@@ -39,7 +60,13 @@ pub(crate) struct Mix<'a> {
 
 impl Mix<'_> {
     /// `x[r0.., d] += out` for rows `r0..T` of the window, from the normed rows `h[T, d]`.
-    pub(crate) fn run(&self, h: &[f32], r0: usize, x: &mut [f32]) -> Result<(), ForwardError> {
+    pub(crate) fn run(
+        &self,
+        h: &[f32],
+        r0: usize,
+        x: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<(), ForwardError> {
         let Mix {
             hc,
             w,
@@ -48,117 +75,96 @@ impl Mix<'_> {
             eps,
             faults,
         } = *self;
-        mix(hc, w, h, d, r0, x, layer, eps, faults)
-    }
-}
+        let t_len = h.len() / d;
+        let (hk, hv) = (hc.linear_num_key_heads, hc.linear_num_value_heads);
+        let (dk, dv) = (hc.linear_key_head_dim, hc.linear_value_head_dim);
+        let (conv_dim, vdim, kw) = (hc.conv_dim(), hc.value_dim(), hc.linear_conv_kernel_dim);
+        let width = conv_dim + vdim + 2 * hv;
 
-#[allow(clippy::too_many_arguments)]
-fn mix(
-    hc: &HybridConfig,
-    w: &DeltaNetWeights,
-    h: &[f32],
-    d: usize,
-    r0: usize,
-    x: &mut [f32],
-    layer: usize,
-    eps: f64,
-    faults: Faults,
-) -> Result<(), ForwardError> {
-    let t_len = h.len() / d;
-    let (hk, hv) = (hc.linear_num_key_heads, hc.linear_num_value_heads);
-    let (dk, dv) = (hc.linear_key_head_dim, hc.linear_value_head_dim);
-    let (conv_dim, vdim, kw) = (hc.conv_dim(), hc.value_dim(), hc.linear_conv_kernel_dim);
-    let width = conv_dim + vdim + 2 * hv;
+        // proj[T, conv_dim + Hv·Dv + 2·Hv] = [q|k|v, z, b, a]
+        let proj = take(&mut sc.proj, t_len * width);
+        matmul_wt(h, t_len, d, &w.w_in, width, proj, false);
+        // The fast exp below clamps a NaN: non-finite values are caught before it can.
+        check_finite(proj, 1, width, Part::DeltaNetInput, layer, 0)?;
+        let proj = &*proj;
 
-    // proj[T, conv_dim + Hv·Dv + 2·Hv] = [q|k|v, z, b, a]
-    let mut proj = vec![0.0f32; t_len * width];
-    matmul_wt(h, t_len, d, &w.w_in, width, &mut proj, false);
-    // The fast exp below clamps a NaN: non-finite values are caught before it can.
-    check_finite(&proj, 1, width, Part::DeltaNetInput, layer, 0)?;
-
-    // c[T, conv_dim] = silu(conv(q|k|v)).
-    let mut c = vec![0.0f32; t_len * conv_dim];
-    let conv: std::borrow::Cow<[f32]> = if faults.pitfall(Pitfall::ConvReversed) {
-        w.conv.chunks(conv_dim).rev().flatten().copied().collect()
-    } else {
-        (&w.conv[..]).into()
-    };
-    c.par_chunks_mut(conv_dim)
-        .enumerate()
-        .for_each(|(t, row)| conv_silu_row(&proj, width, &conv, kw, t, row));
-
-    // Split c into q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv]; normalise q and k.
-    let kd = hk * dk;
-    let (mut q, mut k, mut v) = (
-        Vec::with_capacity(t_len * kd),
-        Vec::with_capacity(t_len * kd),
-        Vec::with_capacity(t_len * vdim),
-    );
-    for row in c.chunks(conv_dim) {
-        q.extend_from_slice(&row[..kd]);
-        k.extend_from_slice(&row[kd..2 * kd]);
-        v.extend_from_slice(&row[2 * kd..]);
-    }
-    let q_scale = if faults.pitfall(Pitfall::NoKeyScale) {
-        1.0
-    } else {
-        1.0 / (dk as f32).sqrt()
-    };
-    q.par_chunks_mut(dk).for_each(|x| l2_normalize(x, q_scale));
-    k.par_chunks_mut(dk).for_each(|x| l2_normalize(x, 1.0));
-
-    // beta[T, Hv], g[T, Hv] from b and a.
-    let (mut beta, mut g) = (vec![0.0f32; t_len * hv], vec![0.0f32; t_len * hv]);
-    for t in 0..t_len {
-        let r = &proj[t * width + conv_dim + vdim..(t + 1) * width];
-        let (b, a) = r.split_at(hv);
-        for j in 0..hv {
-            beta[t * hv + j] = sigmoid(b[j]);
-            g[t * hv + j] = -w.a_log[j].exp() * softplus(a[j] + w.dt_bias[j]);
-        }
-    }
-
-    let (q, k, hk) = if faults.pitfall(Pitfall::KeysTiled) {
-        // Value head j given key head j % Hk: expand the key heads to one per value head.
-        let tile = |x: &[f32]| -> Vec<f32> {
-            x.chunks(kd)
-                .flat_map(|row| (0..hv).flat_map(move |j| row[(j % hk) * dk..][..dk].to_vec()))
-                .collect()
+        // c[T, conv_dim] = silu(conv(q|k|v)); then q and k L2-normalised in place.
+        let c = take(&mut sc.c, t_len * conv_dim);
+        let conv: std::borrow::Cow<[f32]> = if faults.pitfall(Pitfall::ConvReversed) {
+            w.conv.chunks(conv_dim).rev().flatten().copied().collect()
+        } else {
+            (&w.conv[..]).into()
         };
-        (tile(&q), tile(&k), hv)
-    } else {
-        (q, k, hk)
-    };
-    check_finite(&g, hv, 1, Part::DeltaNetGate, layer, 0)?;
-    check_finite(&beta, hv, 1, Part::DeltaNetGate, layer, 0)?;
-    let shape = DeltaShape {
-        tokens: t_len,
-        key_heads: hk,
-        value_heads: hv,
-        key_dim: dk,
-        value_dim: dv,
-    };
-    let mut o = vec![0.0f32; t_len * vdim];
-    chunked(&q, &k, &v, &beta, &g, &shape, &mut o);
-    check_finite(&o, hv, dv, Part::State, layer, 0)?;
+        let kd = hk * dk;
+        let q_scale = if faults.pitfall(Pitfall::NoKeyScale) {
+            1.0
+        } else {
+            1.0 / (dk as f32).sqrt()
+        };
+        c.par_chunks_mut(conv_dim).enumerate().for_each(|(t, row)| {
+            conv_silu_row(proj, width, &conv, kw, t, row);
+            let (q, k) = row[..2 * kd].split_at_mut(kd);
+            q.chunks_mut(dk).for_each(|x| l2_normalize(x, q_scale));
+            k.chunks_mut(dk).for_each(|x| l2_normalize(x, 1.0));
+        });
 
-    // y = rmsnorm(o) · act(z), per value head, for the rows that are read on.
-    let n = t_len - r0;
-    let mut y = vec![0.0f32; n * vdim];
-    y.par_chunks_mut(vdim).enumerate().for_each(|(i, yr)| {
-        let t = r0 + i;
-        let z = &proj[t * width + conv_dim..t * width + conv_dim + vdim];
-        for ((yh, oh), zh) in yr
-            .chunks_mut(dv)
-            .zip(o[t * vdim..(t + 1) * vdim].chunks(dv))
-            .zip(z.chunks(dv))
-        {
-            rms_norm_row(oh, &w.norm, eps, yh);
-            gate_row(yh, zh, hc.output_gate);
+        // beta[T, Hv], g[T, Hv] from b and a.
+        let beta = take(&mut sc.beta, t_len * hv);
+        let g = take(&mut sc.g, t_len * hv);
+        for t in 0..t_len {
+            let r = &proj[t * width + conv_dim + vdim..(t + 1) * width];
+            let (b, a) = r.split_at(hv);
+            for j in 0..hv {
+                beta[t * hv + j] = sigmoid(b[j]);
+                g[t * hv + j] = -w.a_log[j].exp() * softplus(a[j] + w.dt_bias[j]);
+            }
         }
-    });
-    matmul_wt(&y, n, vdim, &w.w_out, d, x, true);
-    Ok(())
+        check_finite(g, hv, 1, Part::DeltaNetGate, layer, 0)?;
+        check_finite(beta, hv, 1, Part::DeltaNetGate, layer, 0)?;
+
+        let c = &*c;
+        let o = take(&mut sc.o, t_len * vdim);
+        if faults.pitfall(Pitfall::KeysTiled) {
+            // Value head j given key head j % Hk: expand the key heads to one per value head.
+            let tile = |off: usize| -> Vec<f32> {
+                c.chunks(conv_dim)
+                    .flat_map(|row| {
+                        (0..hv).flat_map(move |j| row[off + (j % hk) * dk..][..dk].to_vec())
+                    })
+                    .collect()
+            };
+            let (q, k) = (tile(0), tile(kd));
+            let v: Vec<f32> = c.chunks(conv_dim).flat_map(|r| r[2 * kd..].to_vec()).collect();
+            let shape = DeltaShape::dense(t_len, hv, hv, dk, dv);
+            chunked(&q, &k, &v, beta, g, &shape, o);
+        } else {
+            let shape = DeltaShape {
+                strides: [conv_dim; 3],
+                ..DeltaShape::dense(t_len, hk, hv, dk, dv)
+            };
+            chunked(c, &c[kd..], &c[2 * kd..], beta, g, &shape, o);
+        }
+        check_finite(o, hv, dv, Part::State, layer, 0)?;
+
+        // y = rmsnorm(o) · act(z), per value head, for the rows that are read on.
+        let n = t_len - r0;
+        let y = take(&mut sc.y, n * vdim);
+        let o = &*o;
+        y.par_chunks_mut(vdim).enumerate().for_each(|(i, yr)| {
+            let t = r0 + i;
+            let z = &proj[t * width + conv_dim..t * width + conv_dim + vdim];
+            for ((yh, oh), zh) in yr
+                .chunks_mut(dv)
+                .zip(o[t * vdim..(t + 1) * vdim].chunks(dv))
+                .zip(z.chunks(dv))
+            {
+                rms_norm_row(oh, &w.norm, eps, yh);
+                gate_row(yh, zh, hc.output_gate);
+            }
+        });
+        matmul_wt(y, n, vdim, &w.w_out, d, x, true);
+        Ok(())
+    }
 }
 
 /// Row `t` of `silu(conv)`: `row[ch] = silu(Σ_j conv[j, ch] · proj[t − (K − 1) + j, ch])`

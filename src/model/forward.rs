@@ -94,7 +94,15 @@ impl CpuModel {
         let qkv_w = qd + 2 * kvd;
         // x, h, final-norm rows: 3d; qkv; q and attn: 2qd; k, v and their packed copies:
         // 4kvd; gu and act: 3f; cos and sin: head_dim.
-        let per_token = 3 * d + qkv_w + 2 * qd + 4 * kvd + 3 * f + c.head_dim;
+        let mut per_token = 3 * d + qkv_w + 2 * qd + 4 * kvd + 3 * f + c.head_dim;
+        if let Some(h) = &c.hybrid {
+            // Gated DeltaNet: projections, conv output, gates, State read-out and its norm
+            // (the State itself is per head and task, not per token).
+            let hv = h.linear_num_value_heads;
+            per_token += (h.conv_dim() + h.value_dim() + 2 * hv) + h.conv_dim() + 2 * hv
+                + 2 * h.value_dim()
+                + if c.attention_output_gate() { qd } else { 0 };
+        }
         tokens * per_token * std::mem::size_of::<f32>()
     }
 
@@ -279,7 +287,7 @@ impl CpuModel {
                     eps,
                     faults: self.faults,
                 };
-                mix.run(&b.h[..m * d], r0 - lo, xr)?;
+                mix.run(&b.h[..m * d], r0 - lo, xr, &mut b.delta_net)?;
                 laps.lap(Phase::Attention);
             }
         }
@@ -450,6 +458,8 @@ pub(crate) struct Bufs {
     /// gu[hi-lo, 2F], act[hi-lo, F]
     gu: Vec<f32>,
     act: Vec<f32>,
+    /// The Gated DeltaNet layers' buffers (allocated at the first such layer).
+    delta_net: delta_net::Scratch,
 }
 
 impl Bufs {
@@ -466,6 +476,7 @@ impl Bufs {
             attn: vec![0.0; hi * qd],
             gu: vec![0.0; m * 2 * f],
             act: vec![0.0; m * f],
+            delta_net: Default::default(),
         }
     }
 }

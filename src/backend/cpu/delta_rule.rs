@@ -28,7 +28,10 @@ use rayon::prelude::*;
 /// multiple of it).
 pub const CHUNK: usize = 64;
 
-/// The sizes of one call.
+/// The sizes of one call, and where the rows of q, k and v lie: row `i` of `q` starts at
+/// `q[i · q_stride]` (its `Hk·Dk` values contiguous), likewise `k` and `v`. Dense inputs have
+/// strides `Hk·Dk`, `Hk·Dk`, `Hv·Dv` ([`DeltaShape::dense`]); the layer passes its one
+/// q|k|v buffer with all three strides equal to its width, no copies.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaShape {
     pub tokens: usize,
@@ -36,9 +39,23 @@ pub struct DeltaShape {
     pub value_heads: usize,
     pub key_dim: usize,
     pub value_dim: usize,
+    /// Row strides of q, k and v.
+    pub strides: [usize; 3],
 }
 
 impl DeltaShape {
+    /// A shape whose q, k and v are dense `[T, H, D]` tensors.
+    pub fn dense(tokens: usize, key_heads: usize, value_heads: usize, dk: usize, dv: usize) -> Self {
+        DeltaShape {
+            tokens,
+            key_heads,
+            value_heads,
+            key_dim: dk,
+            value_dim: dv,
+            strides: [key_heads * dk, key_heads * dk, value_heads * dv],
+        }
+    }
+
     fn check(&self, q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], o: &[f32]) {
         let (t, hk, hv, dk, dv) = (
             self.tokens,
@@ -51,9 +68,12 @@ impl DeltaShape {
             hk > 0 && hv % hk == 0,
             "value heads are a multiple of key heads"
         );
-        assert_eq!(q.len(), t * hk * dk, "q shape");
-        assert_eq!(k.len(), t * hk * dk, "k shape");
-        assert_eq!(v.len(), t * hv * dv, "v shape");
+        let rows = |len: usize, stride: usize, width: usize| {
+            t == 0 || (stride >= width && len >= (t - 1) * stride + width)
+        };
+        assert!(rows(q.len(), self.strides[0], hk * dk), "q shape");
+        assert!(rows(k.len(), self.strides[1], hk * dk), "k shape");
+        assert!(rows(v.len(), self.strides[2], hv * dv), "v shape");
         assert_eq!(beta.len(), t * hv, "beta shape");
         assert_eq!(g.len(), t * hv, "g shape");
         assert_eq!(o.len(), t * hv * dv, "o shape");
@@ -79,6 +99,7 @@ fn gather(
     j: usize,
 ) -> Head {
     let (t, hk, hv, dk, dv) = (s.tokens, s.key_heads, s.value_heads, s.key_dim, s.value_dim);
+    let [qs, ks, vs] = s.strides;
     let kh = j / (hv / hk);
     let mut h = Head {
         q: Vec::with_capacity(t * dk),
@@ -88,9 +109,9 @@ fn gather(
         g: Vec::with_capacity(t),
     };
     for i in 0..t {
-        h.q.extend_from_slice(&q[(i * hk + kh) * dk..(i * hk + kh + 1) * dk]);
-        h.k.extend_from_slice(&k[(i * hk + kh) * dk..(i * hk + kh + 1) * dk]);
-        h.v.extend_from_slice(&v[(i * hv + j) * dv..(i * hv + j + 1) * dv]);
+        h.q.extend_from_slice(&q[i * qs + kh * dk..][..dk]);
+        h.k.extend_from_slice(&k[i * ks + kh * dk..][..dk]);
+        h.v.extend_from_slice(&v[i * vs + j * dv..][..dv]);
         h.beta.push(beta[i * hv + j]);
         h.g.push(g[i * hv + j]);
     }
@@ -168,27 +189,51 @@ pub fn chunked(
     o: &mut [f32],
 ) {
     s.check(q, k, v, beta, g, o);
-    let (t, dk, dv) = (s.tokens, s.key_dim, s.value_dim);
-    per_head(o, s, |j| {
+    let (t, hk, hv, dk, dv) = (s.tokens, s.key_heads, s.value_heads, s.key_dim, s.value_dim);
+    let [qs, ks, vs] = s.strides;
+    let out = SendPtr(o.as_mut_ptr());
+    (0..hv).into_par_iter().for_each(|j| {
         let _ftz = FlushDenormals::new();
-        let h = gather(q, k, v, beta, g, s, j);
+        let kh = j / (hv / hk);
+        // One chunk of this head's inputs at a time (no copy of the whole window per head).
+        let mut h = Head {
+            q: Vec::with_capacity(CHUNK * dk),
+            k: Vec::with_capacity(CHUNK * dk),
+            v: Vec::with_capacity(CHUNK * dv),
+            beta: Vec::with_capacity(CHUNK),
+            g: Vec::with_capacity(CHUNK),
+        };
         let mut st = vec![0.0f32; dv * dk]; // Sᵀ[Dv, Dk], carried between chunks
-        let mut out = vec![0.0f32; t * dv];
+        let mut oc = vec![0.0f32; CHUNK * dv];
         let mut c = ChunkScratch::new(dk, dv);
         for c0 in (0..t).step_by(CHUNK) {
             let c1 = (c0 + CHUNK).min(t);
-            chunk(
-                &h,
-                c0,
-                c1,
-                dk,
-                dv,
-                &mut st,
-                &mut out[c0 * dv..c1 * dv],
-                &mut c,
-            );
+            let n = c1 - c0;
+            h.q.clear();
+            h.k.clear();
+            h.v.clear();
+            h.beta.clear();
+            h.g.clear();
+            for i in c0..c1 {
+                h.q.extend_from_slice(&q[i * qs + kh * dk..][..dk]);
+                h.k.extend_from_slice(&k[i * ks + kh * dk..][..dk]);
+                h.v.extend_from_slice(&v[i * vs + j * dv..][..dv]);
+                h.beta.push(beta[i * hv + j]);
+                h.g.push(g[i * hv + j]);
+            }
+            chunk(&h, 0, n, dk, dv, &mut st, &mut oc[..n * dv], &mut c);
+            for (i, row) in oc[..n * dv].chunks(dv).enumerate() {
+                // SAFETY: head j writes o[c0 + i, j, ..] only, which no other task touches;
+                // the shapes were checked above.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        out.get().add(((c0 + i) * hv + j) * dv),
+                        dv,
+                    )
+                };
+            }
         }
-        out
     });
 }
 
@@ -468,13 +513,7 @@ mod tests {
     fn the_chunked_form_computes_the_recurrence() {
         // Partial last chunks, several chunks, value heads sharing key heads (3:1).
         for tokens in [1, 5, 64, 65, 150, 257] {
-            let s = DeltaShape {
-                tokens,
-                key_heads: 2,
-                value_heads: 6,
-                key_dim: 16,
-                value_dim: 8,
-            };
+            let s = DeltaShape::dense(tokens, 2, 6, 16, 8);
             let [q, k, v, beta, g] = inputs(&s, tokens as u64 + 1);
             let n = tokens * 6 * 8;
             let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
@@ -497,13 +536,7 @@ mod tests {
     fn flushing_denormals_is_local_to_the_chunked_rule() {
         // The mode is restored afterwards: plain arithmetic on this thread still keeps
         // denormals.
-        let s = DeltaShape {
-            tokens: 70,
-            key_heads: 1,
-            value_heads: 1,
-            key_dim: 4,
-            value_dim: 4,
-        };
+        let s = DeltaShape::dense(70, 1, 1, 4, 4);
         let [q, k, v, beta, g] = inputs(&s, 2);
         let mut o = vec![0.0; 70 * 4];
         chunked(&q, &k, &v, &beta, &g, &s, &mut o);
@@ -517,13 +550,7 @@ mod tests {
     #[test]
     fn a_hand_computed_state() {
         // One head, Dk = Dv = 1: S_t = e^g·S + beta·(v − e^g·S·k)·k, o = S·q.
-        let s = DeltaShape {
-            tokens: 2,
-            key_heads: 1,
-            value_heads: 1,
-            key_dim: 1,
-            value_dim: 1,
-        };
+        let s = DeltaShape::dense(2, 1, 1, 1, 1);
         let (q, k, v, beta, g) = ([2.0, 3.0], [1.0, 0.5], [4.0, 1.0], [0.5, 1.0], [0.0, -1.0]);
         let mut o = [0.0; 2];
         recurrent(&q, &k, &v, &beta, &g, &s, &mut o);
@@ -541,13 +568,7 @@ mod tests {
     fn value_heads_read_their_key_head_by_repeat_interleave() {
         // Hv = 4, Hk = 2: value heads 0 and 1 read key head 0, 2 and 3 key head 1. Moving
         // key head 1 changes value heads 2 and 3 only.
-        let s = DeltaShape {
-            tokens: 10,
-            key_heads: 2,
-            value_heads: 4,
-            key_dim: 4,
-            value_dim: 3,
-        };
+        let s = DeltaShape::dense(10, 2, 4, 4, 3);
         let [q, mut k, v, beta, g] = inputs(&s, 9);
         let mut a = vec![0.0; 10 * 4 * 3];
         chunked(&q, &k, &v, &beta, &g, &s, &mut a);
