@@ -21,6 +21,7 @@ pub mod kv;
 pub mod model;
 pub mod outfile;
 pub mod pack;
+pub mod quant;
 pub mod registry;
 pub mod report;
 pub mod run;
