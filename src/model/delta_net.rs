@@ -134,7 +134,10 @@ impl Mix<'_> {
                     .collect()
             };
             let (q, k) = (tile(0), tile(kd));
-            let v: Vec<f32> = c.chunks(conv_dim).flat_map(|r| r[2 * kd..].to_vec()).collect();
+            let v: Vec<f32> = c
+                .chunks(conv_dim)
+                .flat_map(|r| r[2 * kd..].to_vec())
+                .collect();
             let shape = DeltaShape::dense(t_len, hv, hv, dk, dv);
             chunked(&q, &k, &v, beta, g, &shape, o);
         } else {

@@ -99,7 +99,9 @@ impl CpuModel {
             // Gated DeltaNet: projections, conv output, gates, State read-out and its norm
             // (the State itself is per head and task, not per token).
             let hv = h.linear_num_value_heads;
-            per_token += (h.conv_dim() + h.value_dim() + 2 * hv) + h.conv_dim() + 2 * hv
+            per_token += (h.conv_dim() + h.value_dim() + 2 * hv)
+                + h.conv_dim()
+                + 2 * hv
                 + 2 * h.value_dim()
                 + if c.attention_output_gate() { qd } else { 0 };
         }

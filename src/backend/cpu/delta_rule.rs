@@ -45,7 +45,13 @@ pub struct DeltaShape {
 
 impl DeltaShape {
     /// A shape whose q, k and v are dense `[T, H, D]` tensors.
-    pub fn dense(tokens: usize, key_heads: usize, value_heads: usize, dk: usize, dv: usize) -> Self {
+    pub fn dense(
+        tokens: usize,
+        key_heads: usize,
+        value_heads: usize,
+        dk: usize,
+        dv: usize,
+    ) -> Self {
         DeltaShape {
             tokens,
             key_heads,
