@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares the project's default real artifacts: fetches the pinned SmolLM2-135M GGUF
-# (sha256-checked) and packs it into models/smollm2-135m-{bf16,f32}.ninfer.
+# (sha256-checked) and packs it into models/smollm2-135m-{bf16,f32,fp8,nvfp4}.ninfer (fp8 and
+# nvfp4: the decoder linears quantized by the packer, the rest bf16).
 #
 # Idempotent: an artifact whose digest already equals the one pinned in eval/registry.json
 # is kept; anything else is (re)packed. Packing is deterministic, so the pinned digest
@@ -23,7 +24,7 @@ for a in reg["artifacts"]:
 PY
 }
 
-for fmt in bf16 f32; do
+for fmt in bf16 f32 fp8 nvfp4; do
   name="smollm2-135m-$fmt"
   out="models/$name.ninfer"
   want="$(pinned_digest "$name")"

@@ -31,6 +31,16 @@ pub struct Entry {
     /// uses the harness defaults (docs/harness.md).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tolerance: BTreeMap<String, Tolerance>,
+    /// The Main KV formats the harness runs this artifact with; empty: every format.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_dtypes: Vec<String>,
+}
+
+impl Entry {
+    /// Whether the harness runs this artifact with KV format `kv` (its name).
+    pub fn runs_kv(&self, kv: &str) -> bool {
+        self.kv_dtypes.is_empty() || self.kv_dtypes.iter().any(|k| k == kv)
+    }
 }
 
 /// The test tiers an artifact can belong to.
@@ -147,7 +157,7 @@ fn check_shape(v: &Value) -> Result<()> {
         Some(other) => bail!("`artifacts`: expected an array, found {}", kind(other)),
         None => bail!("missing field `artifacts`"),
     };
-    const FIELDS: [&str; 7] = [
+    const FIELDS: [&str; 8] = [
         "name",
         "path",
         "digest",
@@ -155,6 +165,7 @@ fn check_shape(v: &Value) -> Result<()> {
         "tiers",
         "description",
         "tolerance",
+        "kv_dtypes",
     ];
     for (i, a) in arts.iter().enumerate() {
         let at = |f: &str| format!("`artifacts[{i}].{f}`");
@@ -209,6 +220,23 @@ fn check_shape(v: &Value) -> Result<()> {
             Some(other) => bail!(
                 "{}: expected an array of tier names, found {}",
                 at("tiers"),
+                kind(other)
+            ),
+        }
+        match obj.get("kv_dtypes") {
+            None => {}
+            Some(Value::Array(kvs)) => {
+                for (j, k) in kvs.iter().enumerate() {
+                    let kat = at(&format!("kv_dtypes[{j}]"));
+                    let k = k.as_str().ok_or_else(|| {
+                        anyhow!("{kat}: expected a KV format name, found {}", kind(k))
+                    })?;
+                    crate::kv::KvDtype::parse(k).map_err(|e| anyhow!("{kat}: {e}"))?;
+                }
+            }
+            Some(other) => bail!(
+                "{}: expected an array of KV format names, found {}",
+                at("kv_dtypes"),
                 kind(other)
             ),
         }

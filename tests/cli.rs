@@ -68,13 +68,18 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     assert!(o.status.success(), "{err}");
     let stdout = String::from_utf8(o.stdout).unwrap();
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 2, "header + one row: {stdout}");
+    assert_eq!(lines.len(), 3, "title + header + one row: {stdout}");
     assert!(
-        lines[0].starts_with("domain")
-            && lines[0].contains("ppl 95% CI")
-            && lines[0].contains("bits/byte")
+        lines[0].starts_with("# weights ")
+            && lines[0].contains(" | kv bf16 | context 32 stride 16"),
+        "{stdout}"
     );
-    assert!(lines[1].starts_with("overall"));
+    assert!(
+        lines[1].starts_with("domain")
+            && lines[1].contains("ppl 95% CI")
+            && lines[1].contains("bits/byte")
+    );
+    assert!(lines[2].starts_with("overall"));
     for needle in [
         "artifact",
         "digest sha256:",

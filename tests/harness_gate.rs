@@ -282,13 +282,31 @@ fn harness_flags_from_the_environment() {
         .lines()
         .filter(|l| l.ends_with(": test"))
         .collect();
-    assert_eq!(names.len(), 16, "{}", run.show());
+    // One trial per stream for every CPU-tier artifact that runs k8v4.
+    let reg = common::read_json("eval/registry.json");
+    let artifacts = reg["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| {
+            let has = |key: &str, v: &str| {
+                a[key]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|x| x == v))
+            };
+            has("tiers", "cpu") && (a.get("kv_dtypes").is_none() || has("kv_dtypes", "k8v4"))
+        })
+        .count();
+    assert!(artifacts >= 2, "the registry's CPU tier");
+    assert_eq!(names.len(), 16 * artifacts, "{}", run.show());
     assert!(
         names
             .iter()
             .all(|n| n.ends_with("/k8v4: test") && !n.starts_with("cuda/")),
         "{names:?}"
     );
+    // An artifact whose registry entry limits its KV formats gets no k8v4 trial.
+    assert!(!names.iter().any(|n| n.starts_with("smollm2-135m-nvfp4/")));
     let run = run_harness(&["--list"], &[("NINFER_HARNESS_FLAGS", "--exact")]);
     assert_eq!(run.code, 2, "{}", run.show());
     assert!(

@@ -285,11 +285,11 @@ fn synthetic_parse_rename_and_values() {
             assert_eq!(t.shape, want_shape, "{hf}");
             let decoded = ref_decode(raw.ty, &raw.bytes);
             let got = if hf.ends_with("q_proj.weight") {
-                permute_rows(&t.data, t.shape[0], t.shape[1], HEADS)
+                permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], HEADS)
             } else if hf.ends_with("k_proj.weight") {
-                permute_rows(&t.data, t.shape[0], t.shape[1], KV_HEADS)
+                permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], KV_HEADS)
             } else {
-                t.data.clone()
+                t.data.values().unwrap().to_vec()
             };
             assert_eq!(got.len(), decoded.len(), "{hf}");
             assert!(
@@ -299,7 +299,11 @@ fn synthetic_parse_rename_and_values() {
                 "{hf} values differ"
             );
             if hf.contains("_proj") && (hf.contains("q_proj") || hf.contains("k_proj")) {
-                assert_ne!(t.data, decoded, "{hf} should have been un-permuted");
+                assert_ne!(
+                    t.data.values().unwrap(),
+                    &decoded[..],
+                    "{hf} should have been un-permuted"
+                );
             }
         }
 
@@ -589,20 +593,29 @@ fn real_smollm2_config_and_tensors() {
     assert_eq!(shapes, c.expected_tensors());
     for t in &src.tensors {
         assert!(
-            t.data.iter().all(|v| v.is_finite()),
+            t.data.values().unwrap().iter().all(|v| v.is_finite()),
             "{} has non-finite values",
             t.name
         );
     }
     // The embedding row of `<|im_start|>` is not all zeros, and norms look like norms.
     let emb = &src.tensors[0];
-    assert!(emb.data[576..1152].iter().any(|&v| v != 0.0));
+    assert!(emb.data.values().unwrap()[576..1152]
+        .iter()
+        .any(|&v| v != 0.0));
     let norm = src
         .tensors
         .iter()
         .find(|t| t.name == "model.norm.weight")
         .unwrap();
-    let mean = norm.data.iter().map(|&v| v as f64).sum::<f64>() / 576.0;
+    let mean = norm
+        .data
+        .values()
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .sum::<f64>()
+        / 576.0;
     assert!(mean > 0.1 && mean < 10.0, "final norm mean {mean}");
 }
 
@@ -633,9 +646,9 @@ fn real_smollm2_q_k_match_an_independent_decode() {
         let decoded = ref_decode(info.ggml_type.0, g.tensor_data(info).unwrap());
         let t = src.tensors.iter().find(|t| t.name == hf_name).unwrap();
         let got = if heads > 0 {
-            permute_rows(&t.data, t.shape[0], t.shape[1], heads)
+            permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], heads)
         } else {
-            t.data.clone()
+            t.data.values().unwrap().to_vec()
         };
         assert!(
             got.iter()
@@ -682,7 +695,7 @@ fn real_smollm2_weights_match_transformers_bit_for_bit() {
     for (name, want) in SMOLLM2_TRANSFORMERS_SHA256 {
         let t = src.tensors.iter().find(|t| t.name == name).unwrap();
         let mut h = sha2::Sha256::new();
-        for v in &t.data {
+        for v in t.data.values().unwrap() {
             h.update(v.to_le_bytes());
         }
         assert_eq!(

@@ -81,6 +81,7 @@ fn fixed_report() -> Report {
             family: "llama".into(),
             params: 1,
             weight_format: "bf16".into(),
+            quantization: None,
             config: ModelConfig {
                 family: Family::Llama,
                 vocab_size: 10,

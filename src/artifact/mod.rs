@@ -9,19 +9,22 @@
 //! | `format_version` | `"1"`                                                           |
 //! | `config`         | [`ModelConfig`] as JSON                                         |
 //! | `tokenizer`      | a Hugging Face `tokenizer.json`, verbatim                       |
-//! | `weight_format`  | `"f32"` or `"bf16"`                                             |
+//! | `weight_format`  | `"f32"` or `"bf16"`: how the dense matrices are stored          |
+//! | `quantization`   | only with quantized matrices: [`crate::quant::Imported`] as JSON |
 //! | `provenance`     | [`Provenance`] as JSON (packer, source files with sha256, ...)  |
 //! | `digest`         | `sha256:<hex>` over everything else (see [`digest`])            |
 //!
 //! Tensors use Hugging Face names and row-major shapes; RoPE rows are in the rotate-half
-//! layout. Norm weights are always stored as f32; matrices in the weight format.
+//! layout. Norm weights are always stored as f32; matrices in the weight format, or quantized
+//! (fp8 or nvfp4, per matrix, scales beside the payload: see [`quantized`]).
 
 pub mod digest;
+pub mod quantized;
 pub mod reader;
 pub mod writer;
 
-pub use reader::Artifact;
-pub use writer::write_artifact;
+pub use reader::{Artifact, FormatUse};
+pub use writer::{write_artifact, WeightPlan};
 
 use crate::pack::SourceFile;
 use anyhow::{bail, Result};

@@ -6,9 +6,11 @@
 //! recorded at pack time is trusted unless [`Artifact::verify_digest`] is called.
 
 use super::digest::DigestBuilder;
+use super::quantized::{self, Layout, Stored};
 use super::{is_vector_tensor, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
 use crate::model::config::ModelConfig;
 use crate::model::tensors::ModelTensors;
+use crate::quant::{select, Imported};
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensorError};
@@ -30,8 +32,13 @@ pub struct Artifact {
     mmap: Mmap,
     meta: BTreeMap<String, String>,
     tensors: BTreeMap<String, TensorEntry>,
+    /// Matrices stored quantized, with their logical `[rows, cols]`.
+    layouts: BTreeMap<String, (Layout, usize, usize)>,
     pub config: ModelConfig,
+    /// How the dense (not quantized) matrices are stored.
     pub weight_format: WeightFormat,
+    /// Present when some matrices are quantized.
+    pub quantization: Option<Imported>,
     pub provenance: Provenance,
     pub digest: String,
     pub file_bytes: u64,
@@ -125,20 +132,43 @@ impl Artifact {
                 },
             );
         }
-        // Counted before any name is built (the config is bounded, this is cheaper still).
+        // Counted before any name is built (the config is bounded, this is cheaper still);
+        // a quantized matrix has at most three tensors.
         let count = ModelTensors::count(&config);
-        if tensors.len() > count {
+        if tensors.len() > 3 * count {
             bail!(
-                "holds {} tensors, but a {} model with this config has {count}",
+                "holds {} tensors, but a {} model with this config has at most {}",
                 tensors.len(),
-                config.family.name()
+                config.family.name(),
+                3 * count
             );
         }
         let expected = ModelTensors::expected(&config);
+        let mut layouts = BTreeMap::new();
+        let mut known: std::collections::HashSet<String> = std::collections::HashSet::new();
         for (name, shape) in &expected {
             let t = tensors
                 .get(name)
                 .with_context(|| format!("tensor `{name}` is missing"))?;
+            known.insert(name.clone());
+            if shape.len() == 2 && !is_vector_tensor(name, shape) {
+                let stored = |n: &str| {
+                    tensors.get(n).map(|e| Stored {
+                        dtype: e.dtype,
+                        shape: &e.shape,
+                    })
+                };
+                let payload = Stored {
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                };
+                if let Some(layout) = quantized::detect(name, shape[0], shape[1], payload, stored)?
+                {
+                    known.extend(layout.companions(name));
+                    layouts.insert(name.clone(), (layout, shape[0], shape[1]));
+                    continue;
+                }
+            }
             if &t.shape != shape {
                 bail!(
                     "tensor `{name}` has shape {:?} but the config implies {:?}",
@@ -160,26 +190,37 @@ impl Artifact {
                 );
             }
         }
-        if tensors.len() != expected.len() {
-            let known: std::collections::HashSet<&str> =
-                expected.iter().map(|(n, _)| n.as_str()).collect();
-            let extra = tensors
-                .keys()
-                .find(|k| !known.contains(k.as_str()))
-                .cloned()
-                .unwrap_or_default();
+        if let Some(extra) = tensors.keys().find(|k| !known.contains(k.as_str())) {
             bail!(
                 "tensor `{extra}` is not part of a {} model with this config",
                 config.family.name()
             );
+        }
+        let quantization: Option<Imported> = match meta.get("quantization") {
+            Some(q) => Some(
+                serde_json::from_str(q)
+                    .map_err(|e| anyhow!("metadata `quantization` is invalid: {e}"))?,
+            ),
+            None => None,
+        };
+        match (&quantization, layouts.keys().next()) {
+            (Some(_), None) => {
+                bail!("metadata `quantization` is present, but no tensor is quantized")
+            }
+            (None, Some(n)) => {
+                bail!("tensor `{n}` is quantized, but the metadata has no `quantization` key")
+            }
+            _ => {}
         }
         Ok(Artifact {
             path: path.to_path_buf(),
             mmap,
             meta,
             tensors,
+            layouts,
             config,
             weight_format,
+            quantization,
             provenance,
             digest,
             file_bytes,
@@ -200,6 +241,17 @@ impl Artifact {
         self.tensors.keys().map(|s| s.as_str())
     }
 
+    /// A stored tensor as it is in the file: dtype name (safetensors spelling), shape, bytes.
+    pub fn tensor_raw(&self, name: &str) -> Option<(String, &[usize], &[u8])> {
+        self.tensors.get(name).map(|t| {
+            (
+                dtype_name(t.dtype).to_uppercase(),
+                &t.shape[..],
+                &self.mmap[t.start..t.end],
+            )
+        })
+    }
+
     /// One tensor widened to f32 (row-major). A NaN or infinity in it is an error naming the
     /// tensor: a broken weight must fail at load, not turn into a wrong score.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
@@ -207,15 +259,24 @@ impl Artifact {
             .tensors
             .get(name)
             .with_context(|| format!("{}: tensor `{name}` is missing", self.path.display()))?;
-        let bytes = &self.mmap[t.start..t.end];
-        // Open already checked every dtype against the weight format (F32 or BF16).
-        let v = crate::pack::hf::widen(t.dtype, bytes).ok_or_else(|| {
-            anyhow!(
-                "{}: tensor `{name}` has unsupported dtype {:?}",
-                self.path.display(),
-                t.dtype
-            )
-        })?;
+        let v = if let Some((layout, o, i)) = self.layouts.get(name) {
+            let part = |n: &str| {
+                let e = &self.tensors[n];
+                (&e.shape[..], &self.mmap[e.start..e.end])
+            };
+            quantized::assemble(name, layout, *o, *i, part)
+                .dequantize()
+                .with_context(|| format!("{}: tensor `{name}`", self.path.display()))?
+        } else {
+            // Open already checked every dtype against the weight format (F32 or BF16).
+            crate::pack::hf::widen(t.dtype, &self.mmap[t.start..t.end]).ok_or_else(|| {
+                anyhow!(
+                    "{}: tensor `{name}` has unsupported dtype {:?}",
+                    self.path.display(),
+                    t.dtype
+                )
+            })?
+        };
         if let Some(i) = crate::kv::find_non_finite(&v) {
             bail!(
                 "{}: tensor `{name}` holds a non-finite value ({}) at flat index {i}",
@@ -224,6 +285,70 @@ impl Artifact {
             );
         }
         Ok(v)
+    }
+
+    /// The storage format of every matrix and vector: `f32`, `bf16`, `fp8` or `nvfp4`.
+    pub fn tensor_format(&self, name: &str) -> Option<&'static str> {
+        if let Some((l, ..)) = self.layouts.get(name) {
+            return Some(l.format());
+        }
+        self.tensors.get(name).map(|t| match t.dtype {
+            Dtype::BF16 => "bf16",
+            _ => "f32",
+        })
+    }
+
+    /// Per storage format, the tensor classes ([`select::class`]) stored in it, their tensor
+    /// count and bytes (scales included). Norms are left out: they are always f32.
+    pub fn weight_formats(&self) -> Vec<FormatUse> {
+        let mut by: BTreeMap<&'static str, FormatUse> = BTreeMap::new();
+        for (name, _) in ModelTensors::expected(&self.config) {
+            let class = select::class(&name);
+            if class == "norms" {
+                continue;
+            }
+            let format = self.tensor_format(&name).unwrap_or("f32");
+            let mut bytes = self.tensors[&name].bytes();
+            if let Some((l, ..)) = self.layouts.get(&name) {
+                bytes += l
+                    .companions(&name)
+                    .iter()
+                    .map(|c| self.tensors[c].bytes())
+                    .sum::<u64>();
+            }
+            let u = by.entry(format).or_insert_with(|| FormatUse {
+                format,
+                classes: vec![],
+                tensors: 0,
+                bytes: 0,
+            });
+            if !u.classes.contains(&class) {
+                u.classes.push(class);
+            }
+            if class == "embeddings" && self.config.tie_word_embeddings {
+                u.classes.push("head"); // the tied head is the embedding matrix
+            }
+            u.tensors += 1;
+            u.bytes += bytes;
+        }
+        let mut v: Vec<FormatUse> = by.into_values().collect();
+        // The most compact format first: it is the one the artifact is named after.
+        let rank = |f: &str| ["nvfp4", "fp8", "bf16", "f32"].iter().position(|x| *x == f);
+        v.sort_by_key(|u| rank(u.format));
+        v
+    }
+
+    /// The weight formats in words, e.g. `nvfp4 (attention, mlp), bf16 (embeddings, head)`;
+    /// just `bf16` when every matrix is stored one way.
+    pub fn weight_summary(&self) -> String {
+        let uses = self.weight_formats();
+        if uses.len() == 1 {
+            return uses[0].format.to_string();
+        }
+        uses.iter()
+            .map(|u| format!("{} ({})", u.format, u.classes.join(", ")))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Recomputes the digest from the file's contents and compares it with the recorded one.
@@ -252,6 +377,22 @@ impl Artifact {
             );
         }
         Ok(())
+    }
+}
+
+/// How much of an artifact one storage format holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FormatUse {
+    pub format: &'static str,
+    /// Tensor classes in model order (`embeddings`, `attention`, `mlp`, ...).
+    pub classes: Vec<&'static str>,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+impl TensorEntry {
+    fn bytes(&self) -> u64 {
+        (self.end - self.start) as u64
     }
 }
 

@@ -1,8 +1,9 @@
 //! Writes a [`PackSource`] as a `.ninfer` file, atomically (temp file, then rename).
 
 use super::digest::DigestBuilder;
-use super::{is_vector_tensor, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
-use crate::pack::PackSource;
+use super::{is_vector_tensor, quantized, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
+use crate::pack::{PackSource, TensorData};
+use crate::quant::{select, Imported, QuantTensor, Scheme};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
 use std::borrow::Cow;
@@ -30,16 +31,42 @@ impl View for &OwnedTensor {
     }
 }
 
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::F32 => "F32",
-        Dtype::BF16 => "BF16",
-        _ => "OTHER",
+fn dtype_name(d: Dtype) -> String {
+    format!("{d:?}")
+}
+
+/// How the packer stores the weights: dense tensors in `dense`, and with `quantize` the
+/// selected matrices (see [`crate::quant::select`]) in that scheme.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightPlan {
+    pub dense: WeightFormat,
+    pub quantize: Option<Scheme>,
+    /// Quantize the output head too (`--quantize-head`).
+    pub head: bool,
+}
+
+impl From<WeightFormat> for WeightPlan {
+    fn from(dense: WeightFormat) -> Self {
+        WeightPlan {
+            dense,
+            quantize: None,
+            head: false,
+        }
+    }
+}
+
+fn owned(dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>) -> OwnedTensor {
+    OwnedTensor {
+        dtype,
+        shape,
+        bytes,
     }
 }
 
 /// Encodes, checks and writes the artifact; returns its digest.
-pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Result<String> {
+pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path) -> Result<String> {
+    let plan = plan.into();
+    let format = plan.dense;
     src.config.validate()?;
     // The evaluator refuses a tokenizer with ids past the vocabulary; so does the packer.
     let tok =
@@ -57,7 +84,13 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
             bail!("tensor `{}` appears twice in the source", t.name);
         }
     }
+    if plan.head && plan.quantize.is_some() && src.config.tie_word_embeddings {
+        bail!("--quantize-head: the head is tied to the embeddings (there is no separate `lm_head.weight` to quantize)");
+    }
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
+    // Matrices to quantize, by nvfp4 scale group (a lone matrix is its own group).
+    let mut pending: BTreeMap<String, Vec<(String, usize, usize, &[f32])>> = BTreeMap::new();
+    let mut imported = 0usize;
     for (name, shape) in src.config.expected_tensors() {
         let t = given.remove(name.as_str()).with_context(|| {
             let files: Vec<String> = src.source_files.iter().map(|f| f.path.clone()).collect();
@@ -71,36 +104,66 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
                 shape
             );
         }
-        if t.data.len() != shape.iter().product::<usize>() {
+        let data = match &t.data {
+            TensorData::Quantized(q) => {
+                if plan.quantize.is_some() {
+                    bail!(
+                        "{from}: tensor `{name}` is already {}; the checkpoint is stored as it is (pack it with --weights bf16 or f32, which apply to its other tensors)",
+                        q.format()
+                    );
+                }
+                if shape.len() != 2 || [q.rows(), q.cols()] != shape[..] {
+                    bail!(
+                        "{from}: tensor `{name}` is a quantized [{}, {}], the config implies {shape:?}",
+                        q.rows(),
+                        q.cols()
+                    );
+                }
+                q.dequantize()
+                    .with_context(|| format!("{from}: tensor `{name}`"))?;
+                imported += 1;
+                for p in quantized::parts(&name, q) {
+                    tensors.insert(p.name, owned(p.dtype, p.shape, p.bytes));
+                }
+                continue;
+            }
+            TensorData::Values(v) => v,
+        };
+        if data.len() != shape.iter().product::<usize>() {
             bail!(
                 "{from}: tensor `{name}`: {} values for shape {:?}",
-                t.data.len(),
+                data.len(),
                 shape
             );
         }
-        if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
             bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
         }
+        if let Some(scheme) = plan.quantize {
+            if shape.len() == 2 && select::selected(&name, plan.head) {
+                crate::quant::check_shape(scheme, &name, shape[0], shape[1])
+                    .with_context(|| format!("--weights {}", scheme.name()))?;
+                let key = match scheme {
+                    Scheme::Nvfp4 => select::group(&name).unwrap_or_else(|| name.clone()),
+                    Scheme::Fp8Block => name.clone(),
+                };
+                pending
+                    .entry(key)
+                    .or_default()
+                    .push((name, shape[0], shape[1], data));
+                continue;
+            }
+        }
         let (dtype, bytes) = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
-            (
-                Dtype::F32,
-                bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
-            )
+            (Dtype::F32, bytemuck::cast_slice::<f32, u8>(data).to_vec())
         } else {
-            let b: Vec<half::bf16> = t.data.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let b: Vec<half::bf16> = data.iter().map(|&v| half::bf16::from_f32(v)).collect();
             (
                 Dtype::BF16,
                 bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec(),
             )
         };
-        tensors.insert(
-            name,
-            OwnedTensor {
-                dtype,
-                shape,
-                bytes,
-            },
-        );
+        tensors.insert(name, owned(dtype, shape, bytes));
     }
     if let Some((extra, t)) = given.iter().next() {
         bail!(
@@ -109,6 +172,45 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
             src.config.family.name()
         );
     }
+    for (key, group) in &pending {
+        let cols = group[0].2;
+        if group.iter().any(|m| m.2 != cols) {
+            bail!("the matrices of scale group `{key}` read inputs of different widths");
+        }
+        let quantized: Vec<QuantTensor> = match plan.quantize {
+            Some(Scheme::Nvfp4) => {
+                let parts: Vec<&[f32]> = group.iter().map(|m| m.3).collect();
+                crate::quant::nvfp4::quantize_group(&parts, cols)
+                    .into_iter()
+                    .map(QuantTensor::Nvfp4)
+                    .collect()
+            }
+            _ => group
+                .iter()
+                .map(|m| QuantTensor::Fp8(crate::quant::fp8::quantize_block(m.3, m.1, m.2)))
+                .collect(),
+        };
+        for ((name, ..), q) in group.iter().zip(&quantized) {
+            for p in quantized::parts(name, q) {
+                tensors.insert(p.name, owned(p.dtype, p.shape, p.bytes));
+            }
+        }
+    }
+    let quantization = match (&plan.quantize, &src.quantization) {
+        (Some(scheme), _) => Some(Imported {
+            method: format!("ninfer-pack --weights {}", scheme.name()),
+            activation_scales: Default::default(),
+        }),
+        (None, Some(q)) if imported > 0 => Some(q.clone()),
+        (None, Some(q)) => bail!(
+            "the checkpoint says it is quantized ({}), but none of its tensors is",
+            q.method
+        ),
+        (None, None) if imported > 0 => {
+            bail!("the checkpoint holds quantized tensors but no quantization config")
+        }
+        (None, None) => None,
+    };
 
     let provenance = Provenance {
         packer: format!("ninfer-pack {}", env!("CARGO_PKG_VERSION")),
@@ -123,13 +225,16 @@ pub fn write_artifact(src: &PackSource, format: WeightFormat, out: &Path) -> Res
     meta.insert("tokenizer".into(), src.tokenizer_json.clone());
     meta.insert("weight_format".into(), format.name().into());
     meta.insert("provenance".into(), serde_json::to_string(&provenance)?);
+    if let Some(q) = &quantization {
+        meta.insert("quantization".into(), serde_json::to_string(q)?);
+    }
 
     let mut d = DigestBuilder::new();
     for (k, v) in &meta {
         d.metadata(k, v);
     }
     for (name, t) in &tensors {
-        d.tensor(name, dtype_name(t.dtype), &t.shape, &t.bytes);
+        d.tensor(name, &dtype_name(t.dtype), &t.shape, &t.bytes);
     }
     let digest = d.finish();
     meta.insert("digest".into(), digest.clone());
@@ -162,6 +267,7 @@ mod tests {
             source_files: vec![],
             source_dtypes: BTreeMap::new(),
             notes: vec![],
+            quantization: None,
         };
         let out = tempfile::tempdir().unwrap();
         let e = write_artifact(&src, WeightFormat::Bf16, &out.path().join("x.ninfer"))

@@ -1,10 +1,11 @@
 //! `ninfer-pack`: turn a GGUF file or a Hugging Face directory into a `.ninfer` artifact,
 //! and inspect or verify existing artifacts.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
+use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat, WeightPlan};
 use ninfer_perplexity::pack::{gguf, hf, PackSource};
+use ninfer_perplexity::quant::Scheme;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -26,9 +27,15 @@ enum Cmd {
         /// Output .ninfer path.
         #[arg(short, long)]
         output: PathBuf,
-        /// Stored weight format: bf16 or f32.
+        /// Weight format: bf16 or f32 (every matrix), or fp8 (128x128 block scales) or nvfp4
+        /// (ModelOpt's rules) for the decoder's linear layers with the rest in bf16. A
+        /// checkpoint that is already quantized keeps its quantized matrices as they are;
+        /// bf16 or f32 then names the format of the others.
         #[arg(long, default_value = "bf16")]
         weights: String,
+        /// With --weights fp8|nvfp4: quantize the output head too (an untied one).
+        #[arg(long)]
+        quantize_head: bool,
     },
     /// Pack a Hugging Face directory (config.json, *.safetensors, tokenizer.json).
     Hf {
@@ -37,9 +44,15 @@ enum Cmd {
         /// Output .ninfer path.
         #[arg(short, long)]
         output: PathBuf,
-        /// Stored weight format: bf16 or f32.
+        /// Weight format: bf16 or f32 (every matrix), or fp8 (128x128 block scales) or nvfp4
+        /// (ModelOpt's rules) for the decoder's linear layers with the rest in bf16. A
+        /// checkpoint that is already quantized keeps its quantized matrices as they are;
+        /// bf16 or f32 then names the format of the others.
         #[arg(long, default_value = "bf16")]
         weights: String,
+        /// With --weights fp8|nvfp4: quantize the output head too (an untied one).
+        #[arg(long)]
+        quantize_head: bool,
         /// tokenizer.json to use instead of DIR/tokenizer.json.
         #[arg(long)]
         tokenizer: Option<PathBuf>,
@@ -102,26 +115,50 @@ fn inputs_of(input: &Path, tokenizer: Option<&Path>) -> Vec<PathBuf> {
     v
 }
 
+/// `--weights` and `--quantize-head` as a plan.
+fn weight_plan(weights: &str, head: bool) -> Result<WeightPlan> {
+    let (dense, quantize) = match weights {
+        "fp8" => (WeightFormat::Bf16, Some(Scheme::Fp8Block)),
+        "nvfp4" => (WeightFormat::Bf16, Some(Scheme::Nvfp4)),
+        other => (
+            WeightFormat::parse(other).map_err(|_| {
+                anyhow::anyhow!(
+                    "--weights: unknown weight format `{other}` (valid: bf16, f32, fp8, nvfp4)"
+                )
+            })?,
+            None,
+        ),
+    };
+    if head && quantize.is_none() {
+        anyhow::bail!("--quantize-head needs --weights fp8 or nvfp4");
+    }
+    Ok(WeightPlan {
+        dense,
+        quantize,
+        head,
+    })
+}
+
 fn pack(
     read: impl FnOnce() -> Result<PackSource>,
     inputs: Vec<PathBuf>,
-    weights: &str,
+    plan: Result<WeightPlan>,
     output: &Path,
 ) -> Result<()> {
-    let format = WeightFormat::parse(weights).context("--weights")?;
+    let plan = plan?;
     ninfer_perplexity::outfile::check_output(output, &inputs)?;
     let src = read()?;
     for n in &src.notes {
         eprintln!("{n}");
     }
-    let digest = write_artifact(&src, format, output)?;
+    let digest = write_artifact(&src, plan, output)?;
+    let summary = Artifact::open(output)?.weight_summary();
     let c = &src.config;
     eprintln!(
-        "packed {} ({} {:.1}M params, {} weights) digest {}",
+        "packed {} ({} {:.1}M params, weights {summary}) digest {}",
         output.display(),
         c.family.name(),
         c.num_params() as f64 / 1e6,
-        format.name(),
         digest
     );
     Ok(())
@@ -133,21 +170,23 @@ fn run(args: Args) -> Result<()> {
             input,
             output,
             weights,
+            quantize_head,
         } => pack(
             || gguf::read_gguf(&input),
             inputs_of(&input, None),
-            &weights,
+            weight_plan(&weights, quantize_head),
             &output,
         ),
         Cmd::Hf {
             input,
             output,
             weights,
+            quantize_head,
             tokenizer,
         } => pack(
             || hf::read_hf_dir(&input, tokenizer.as_deref()),
             inputs_of(&input, tokenizer.as_deref()),
-            &weights,
+            weight_plan(&weights, quantize_head),
             &output,
         ),
         Cmd::Random {
@@ -174,6 +213,14 @@ fn run(args: Args) -> Result<()> {
                 "digest_verified": verify,
                 "file_bytes": a.file_bytes,
                 "weight_format": a.weight_format.name(),
+                "weights": a.weight_summary(),
+                "weight_formats": a.weight_formats().iter().map(|u| serde_json::json!({
+                    "format": u.format,
+                    "classes": u.classes,
+                    "tensors": u.tensors,
+                    "bytes": u.bytes,
+                })).collect::<Vec<_>>(),
+                "quantization": a.quantization,
                 "params": a.config.num_params(),
                 "config": a.config,
                 "provenance": a.provenance,

@@ -8,7 +8,7 @@
 //! header gives. Every `*.safetensors` file of the directory is read; an index, when
 //! present, is checked against them.
 
-use super::{PackSource, SourceFile, SourceTensor};
+use super::{PackSource, SourceFile, SourceTensor, TensorData};
 use crate::model::config::{Family, ModelConfig, RopeScaling};
 use anyhow::{anyhow, bail, Context, Result};
 use safetensors::tensor::Dtype;
@@ -248,6 +248,8 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     let mut source_dtypes = BTreeMap::new();
     let mut dropped: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut seen: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let claim = super::hf_quant::read_claim(dir, &cfg_json)?;
+    let mut quant_parts = BTreeMap::new();
     for shard in &shards {
         source_files.push(source_file(shard)?);
         let file = std::fs::File::open(shard)
@@ -285,6 +287,18 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
             *source_dtypes
                 .entry(format!("{:?}", view.dtype()))
                 .or_insert(0) += 1;
+            if super::hf_quant::is_part(&name, view.dtype()) {
+                quant_parts.insert(
+                    name,
+                    super::hf_quant::Raw {
+                        dtype: view.dtype(),
+                        shape: view.shape().to_vec(),
+                        bytes: view.data().to_vec(),
+                        origin: shard.clone(),
+                    },
+                );
+                continue;
+            }
             let data = widen(view.dtype(), view.data()).ok_or_else(|| {
                 anyhow!(
                     "{}: tensor `{name}` has unsupported dtype {:?} (supported: F32, F16, BF16)",
@@ -295,7 +309,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
             tensors.push(SourceTensor {
                 name,
                 shape: view.shape().to_vec(),
-                data,
+                data: TensorData::Values(data),
                 origin: shard.clone(),
             });
         }
@@ -304,6 +318,8 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         bail!("{}: the checkpoint has a vision tower but no text model (no model.language_model.* tensors)", dir.display());
     }
     check_index(dir, &seen)?;
+    let (quantized, quantization) = super::hf_quant::assemble(quant_parts, claim, &cfg_path)?;
+    tensors.extend(quantized);
     let notes = dropped
         .iter()
         .map(|(part, n)| format!("dropped {n} tensors of {part}"))
@@ -317,6 +333,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         source_files,
         source_dtypes,
         notes,
+        quantization,
     })
 }
 

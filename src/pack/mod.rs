@@ -2,22 +2,43 @@
 //!
 //! Every reader produces a [`PackSource`]: a normalized config, a Hugging Face
 //! `tokenizer.json`, and f32 tensors under Hugging Face names in the rotate-half RoPE
-//! layout. The artifact writer then stores them in the requested weight format.
+//! layout (or, for a checkpoint that is already quantized, the matrices as it holds them).
+//! The artifact writer then stores them in the requested weight format.
 
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hf;
+pub mod hf_quant;
 pub mod qwen3_5;
 
 use crate::model::config::ModelConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// One dequantized tensor, row-major, under its Hugging Face name.
+/// A source tensor's contents.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TensorData {
+    /// Row-major values, to store in the pack's weight format (or quantize).
+    Values(Vec<f32>),
+    /// A matrix the source already holds quantized: stored as it is, never requantized.
+    Quantized(crate::quant::QuantTensor),
+}
+
+impl TensorData {
+    /// The values of a tensor that is not quantized.
+    pub fn values(&self) -> Option<&[f32]> {
+        match self {
+            TensorData::Values(v) => Some(v),
+            TensorData::Quantized(_) => None,
+        }
+    }
+}
+
+/// One tensor under its Hugging Face name; `shape` is the logical (dequantized) shape.
 pub struct SourceTensor {
     pub name: String,
     pub shape: Vec<usize>,
-    pub data: Vec<f32>,
+    pub data: TensorData,
     /// The file it was read from, for errors.
     pub origin: PathBuf,
 }
@@ -44,4 +65,7 @@ pub struct PackSource {
     /// What the reader left out or changed, for the packer to say on stderr
     /// (e.g. "dropped 15 tensors of mtp.* (the multi-token-prediction head)").
     pub notes: Vec<String>,
+    /// For a quantized checkpoint: what it says it is and the activation scales it holds
+    /// (recorded, not applied: scoring is weight-only).
+    pub quantization: Option<crate::quant::Imported>,
 }

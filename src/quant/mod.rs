@@ -12,8 +12,23 @@
 
 pub mod fp8;
 pub mod nvfp4;
+pub mod select;
 
 use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What an artifact records about its quantized matrices (metadata key `quantization`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Imported {
+    /// Where the quantized bytes came from, e.g. `ninfer-pack --weights nvfp4` or
+    /// `modelopt NVFP4 (hf_quant_config.json)`.
+    pub method: String,
+    /// Activation (input) scales of the source checkpoint, by tensor name; recorded and not
+    /// applied: activations stay in the compute precision.
+    #[serde(default)]
+    pub activation_scales: BTreeMap<String, f32>,
+}
 
 /// A quantized `[rows, cols]` matrix.
 #[derive(Clone, Debug, PartialEq)]

@@ -88,8 +88,34 @@ pub struct ArtifactInfo {
     pub file_bytes: u64,
     pub family: String,
     pub params: usize,
+    /// The storage formats of the matrices, e.g. `bf16`, or
+    /// `nvfp4 (attention, mlp), bf16 (embeddings, head)`.
     pub weight_format: String,
+    /// Present for an artifact with quantized matrices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Quantization>,
     pub config: crate::model::config::ModelConfig,
+}
+
+/// How a quantized artifact was scored.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Quantization {
+    /// Where the quantized bytes came from (`ninfer-pack --weights nvfp4`, `modelopt NVFP4`, ...).
+    pub method: String,
+    /// Always true: weights are dequantized exactly, activations stay in the compute precision.
+    pub weight_only: bool,
+    /// Activation scales the checkpoint holds (recorded in the artifact, not applied).
+    pub activation_scales: usize,
+    /// Per storage format: tensor classes, tensor count and bytes (scales included).
+    pub formats: Vec<FormatBytes>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FormatBytes {
+    pub format: String,
+    pub classes: Vec<String>,
+    pub tensors: usize,
+    pub bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

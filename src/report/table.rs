@@ -18,9 +18,16 @@ fn row(out: &mut String, a: &Aggregate) {
     );
 }
 
-/// Renders the domain/overall table.
+/// Renders the domain/overall table, under a `#` line naming what the numbers measure: the
+/// weight and KV formats and the protocol.
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
+    let s = &r.settings;
+    let _ = writeln!(
+        out,
+        "# weights {} | kv {} | context {} stride {}",
+        r.artifact.weight_format, s.kv_dtype, s.context, s.stride
+    );
     let _ = writeln!(
         out,
         "{:<22} {:>7} {:>10} {:>9} {:>10} {:>21} {:>9}",

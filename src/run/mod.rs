@@ -164,8 +164,18 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         c.num_kv_heads,
         c.head_dim,
         c.vocab_size,
-        a.weight_format.name()
+        a.weight_summary()
     ));
+    if let Some(q) = &a.quantization {
+        ui::info(format!(
+            "quantized  {}: weight-only (weights dequantized exactly to f32, activations in the compute precision{})",
+            q.method,
+            match q.activation_scales.len() {
+                0 => String::new(),
+                n => format!("; the checkpoint's {n} activation scales are not applied"),
+            }
+        ));
+    }
     let per_layer = cfg.kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
     if c.hybrid.is_some() {
         ui::info(format!(

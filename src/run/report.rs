@@ -72,7 +72,22 @@ pub fn build(
             file_bytes: a.file_bytes,
             family: c.family.name().into(),
             params: c.num_params(),
-            weight_format: a.weight_format.name().into(),
+            weight_format: a.weight_summary(),
+            quantization: a.quantization.as_ref().map(|q| report::Quantization {
+                method: q.method.clone(),
+                weight_only: true,
+                activation_scales: q.activation_scales.len(),
+                formats: a
+                    .weight_formats()
+                    .iter()
+                    .map(|u| report::FormatBytes {
+                        format: u.format.into(),
+                        classes: u.classes.iter().map(|c| c.to_string()).collect(),
+                        tensors: u.tensors,
+                        bytes: u.bytes,
+                    })
+                    .collect(),
+            }),
             config: c.clone(),
         },
         tokenizer: report::TokenizerInfo {

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 pub mod gguf_synth;
+pub mod logprobs;
 pub mod trials;
 
 pub fn repo() -> PathBuf {

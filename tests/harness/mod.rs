@@ -170,7 +170,7 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
             });
             for stream in &corpus.manifest.streams {
                 for kv in KvDtype::ALL {
-                    if !flags.wants_kv(kv) {
+                    if !flags.wants_kv(kv) || !entry.runs_kv(kv.name()) {
                         continue;
                     }
                     specs.push(Spec {

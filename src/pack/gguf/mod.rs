@@ -29,7 +29,7 @@ pub use types::{
     dequantize, dequantize_q4_0, dequantize_q4_1, dequantize_q8_0, unpermute_qk, GgmlType,
 };
 
-use super::{gguf_tokenizer, PackSource, SourceFile, SourceTensor};
+use super::{gguf_tokenizer, PackSource, SourceFile, SourceTensor, TensorData};
 use crate::model::config::{Family, ModelConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
@@ -272,7 +272,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
             Ok(SourceTensor {
                 name: name.clone(),
                 shape: shape.clone(),
-                data,
+                data: TensorData::Values(data),
                 origin: gguf.path.clone(),
             })
         })
@@ -301,6 +301,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
         }],
         source_dtypes,
         notes: Vec::new(),
+        quantization: None,
     })
 }
 
