@@ -289,11 +289,8 @@ fn harness_flags_from_the_environment() {
         .unwrap()
         .iter()
         .filter(|a| {
-            let has = |key: &str, v: &str| {
-                a[key]
-                    .as_array()
-                    .is_some_and(|l| l.iter().any(|x| x == v))
-            };
+            let has =
+                |key: &str, v: &str| a[key].as_array().is_some_and(|l| l.iter().any(|x| x == v));
             has("tiers", "cpu") && (a.get("kv_dtypes").is_none() || has("kv_dtypes", "k8v4"))
         })
         .count();

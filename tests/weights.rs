@@ -263,9 +263,254 @@ fn packer_bytes_equal_the_libraries_on_smollm2() {
     }
 }
 
+// ---- bad input -------------------------------------------------------------------------
+
+type Tensor = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Rewrites a safetensors file tensor by tensor (`None` drops one), keeping its metadata.
+fn rewrite(path: &Path, mut f: impl FnMut(&str, Tensor) -> Option<Tensor>) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Tensor)> = vec![];
+    for (n, v) in st.tensors() {
+        let t = (v.dtype(), v.shape().to_vec(), v.data().to_vec());
+        if let Some(t) = f(&n, t) {
+            out.push((n, t));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, meta, path).unwrap();
+}
+
+/// Packs `dir` with the CLI; asserts one error line holding every needle and no artifact.
+fn pack_fails(dir: &Path, needles: &[&str]) {
+    let out = dir.join("out.ninfer");
+    let tok = tokenizer();
+    let o = common::run_bin(
+        "ninfer-pack",
+        &[
+            "hf",
+            dir.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--weights",
+            "f32",
+            "-o",
+            out.to_str().unwrap(),
+        ],
+    );
+    let line = common::error_line(&o);
+    for n in needles {
+        assert!(line.contains(n), "`{n}` not in: {line}");
+    }
+    assert!(!out.exists(), "nothing is written on failure");
+}
+
+const SHARD: &str = "model-00002-of-00002.safetensors";
+const UP: &str = "model.layers.0.mlp.up_proj";
+
+fn broken_quantized_checkpoints_are_refused_by_name() {
+    let tmp = common::tempdir();
+    let fresh = |kind: &str, case: &str| {
+        let dir = tmp.path().join(case);
+        assemble(kind, &dir);
+        dir
+    };
+    let edit = |dir: &Path, name: String, f: &dyn Fn(Tensor) -> Option<Tensor>| {
+        rewrite(
+            &dir.join(SHARD),
+            |n, t| if n == name { f(t) } else { Some(t) },
+        );
+    };
+    let nan = f32::NAN.to_le_bytes().to_vec();
+    // Block scales that do not match the payload ([O, I/16] vs [O, I/2]).
+    let d = fresh("modelopt-nvfp4", "scale-shape");
+    edit(&d, format!("{UP}.weight_scale"), &|(t, s, b)| {
+        Some((t, vec![s[0], 2], [b.clone(), b].concat()))
+    });
+    pack_fails(
+        &d,
+        &[
+            SHARD,
+            &format!("{UP}.weight_scale"),
+            "needs F8_E4M3 [32, 1]",
+        ],
+    );
+    // A truncated payload.
+    let d = fresh("modelopt-nvfp4", "short-payload");
+    edit(&d, format!("{UP}.weight"), &|(t, s, b)| {
+        Some((t, vec![s[0], 7], b[..s[0] * 7].to_vec()))
+    });
+    pack_fails(&d, &[SHARD, UP]);
+    // NaN and zero global scales, an e4m3 NaN code among the block scales.
+    let d = fresh("modelopt-nvfp4", "nan-global");
+    edit(&d, format!("{UP}.weight_scale_2"), &|(t, s, _)| {
+        Some((t, s, nan.clone()))
+    });
+    pack_fails(&d, &[&format!("{UP}.weight"), "global scale is NaN"]);
+    let d = fresh("modelopt-nvfp4", "zero-global");
+    edit(&d, format!("{UP}.weight_scale_2"), &|(t, s, _)| {
+        Some((t, s, 0f32.to_le_bytes().to_vec()))
+    });
+    pack_fails(&d, &[&format!("{UP}.weight"), "global scale is 0"]);
+    let d = fresh("modelopt-nvfp4", "nan-block-scale");
+    edit(&d, format!("{UP}.weight_scale"), &|(t, s, mut b)| {
+        b[3] = 0x7F;
+        Some((t, s, b))
+    });
+    pack_fails(&d, &[&format!("{UP}.weight"), "e4m3 NaN code"]);
+    let d = fresh("modelopt-nvfp4", "no-global");
+    edit(&d, format!("{UP}.weight_scale_2"), &|_| None);
+    pack_fails(&d, &[SHARD, &format!("{UP}.weight"), "no global scale"]);
+    // An fp8 payload with a NaN code.
+    let d = fresh("fp8-block", "fp8-nan");
+    edit(&d, format!("{UP}.weight"), &|(t, s, mut b)| {
+        b[5] = 0xFF;
+        Some((t, s, b))
+    });
+    pack_fails(&d, &[&format!("{UP}.weight"), "NaN code"]);
+    // AWQ's pre-quantization scale: a scheme this build does not dequantize.
+    let d = fresh("modelopt-nvfp4", "awq");
+    rewrite(&d.join(SHARD), |_, t| Some(t));
+    let extra = d.join("model-00003-of-00003.safetensors");
+    let v = vec![0u8; 64];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16], &v).unwrap();
+    safetensors::serialize_to_file(vec![(format!("{UP}.pre_quant_scale"), view)], None, &extra)
+        .unwrap();
+    pack_fails(&d, &["pre_quant_scale", "AWQ"]);
+    // The config claims one scheme, the tensors hold another.
+    let d = fresh("modelopt-nvfp4", "claims-fp8");
+    let hq = d.join("hf_quant_config.json");
+    let text = std::fs::read_to_string(&hq)
+        .unwrap()
+        .replace("\"NVFP4\"", "\"FP8\"");
+    std::fs::write(&hq, text).unwrap();
+    pack_fails(
+        &d,
+        &["is nvfp4, but the checkpoint's config says modelopt FP8"],
+    );
+    // Quantized tensors and no quantization config at all.
+    let d = fresh("fp8-block", "no-config");
+    let cfg = d.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    pack_fails(
+        &d,
+        &["is fp8, but the checkpoint has no quantization config"],
+    );
+    // A claim no tensor backs: the plain model with a ModelOpt config beside it.
+    let d = tmp.path().join("claim-only");
+    std::fs::create_dir_all(&d).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(
+            common::repo().join("eval/fixtures/tiny-qwen3").join(f),
+            d.join(f),
+        )
+        .unwrap();
+    }
+    std::fs::copy(
+        fixture_dir("modelopt-nvfp4").join("hf_quant_config.json"),
+        d.join("hf_quant_config.json"),
+    )
+    .unwrap();
+    pack_fails(
+        &d,
+        &[
+            "config.json",
+            "says the checkpoint is modelopt NVFP4",
+            "none of its tensors is quantized",
+        ],
+    );
+}
+
+/// A packed nvfp4 artifact with one part removed or its metadata changed fails at open,
+/// naming the artifact and the tensor, before any output is written.
+fn broken_quantized_artifacts_fail_at_open() {
+    let tmp = common::tempdir();
+    let src = read_hf_dir(
+        &common::repo().join("eval/fixtures/tiny-qwen3"),
+        Some(&tokenizer()),
+    )
+    .unwrap();
+    let good = tmp.path().join("good.ninfer");
+    pack_plan(&src, Scheme::Nvfp4, &good);
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, "Hello there, a few words to score.").unwrap();
+    let score_fails = |art: &Path, needles: &[&str]| {
+        let out = tmp.path().join("out");
+        let o = common::run_bin(
+            "ninfer-perplexity",
+            &[
+                art.to_str().unwrap(),
+                "--text",
+                text.to_str().unwrap(),
+                "--output",
+                out.to_str().unwrap(),
+            ],
+        );
+        let line = common::error_line(&o);
+        for n in needles {
+            assert!(line.contains(n), "`{n}` not in: {line}");
+        }
+        assert!(!out.exists(), "no output directory on failure");
+    };
+    let q = "model.layers.1.self_attn.v_proj.weight";
+    let cases: Vec<(&str, Box<dyn Fn(&str, Tensor) -> Option<Tensor>>, String)> = vec![
+        (
+            "no-global",
+            Box::new(move |n, t| (n != format!("{q}_scale_2")).then_some(t)),
+            format!("tensor `{q}_scale_2` is missing"),
+        ),
+        (
+            "scale-dtype",
+            Box::new(move |n, (d, s, b)| {
+                if n == format!("{q}_scale") {
+                    Some((safetensors::Dtype::U8, s, b))
+                } else {
+                    Some((d, s, b))
+                }
+            }),
+            format!("tensor `{q}_scale` is U8"),
+        ),
+    ];
+    for (case, f, want) in cases {
+        let art = tmp.path().join(format!("{case}.ninfer"));
+        std::fs::copy(&good, &art).unwrap();
+        rewrite(&art, |n, t| f(n, t));
+        score_fails(&art, &[art.to_str().unwrap(), &want]);
+    }
+    // The metadata must say how the quantized matrices came to be.
+    let art = tmp.path().join("no-meta.ninfer");
+    std::fs::copy(&good, &art).unwrap();
+    let bytes = std::fs::read(&art).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta = meta.metadata().clone().unwrap();
+    meta.remove("quantization");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    safetensors::serialize_to_file(st.tensors(), Some(meta), &art).unwrap();
+    score_fails(
+        &art,
+        &["is quantized, but the metadata has no `quantization` key"],
+    );
+}
+
 test_main! {
     Prepared imported_checkpoints_dequantize_exactly,
     Prepared imported_checkpoints_score_like_transformers,
     Prepared packer_bytes_equal_the_libraries_on_the_tiny_model,
     Prepared packer_bytes_equal_the_libraries_on_smollm2,
+    Prepared broken_quantized_checkpoints_are_refused_by_name,
+    Prepared broken_quantized_artifacts_fail_at_open,
 }
