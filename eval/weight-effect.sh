@@ -65,6 +65,6 @@ for c in configs:
 print(f"\n{ref['overall']['scored']} scored tokens per configuration. Weight formats as the reports name them:")
 for c in configs[:3]:
     r = reps[c]
-    print(f"- `{r['artifact']['path']}`: {r['artifact']['weight_format']} (digest `{r['artifact']['digest']}`)")
+    print(f"- `{os.path.basename(r['artifact']['path'])}`: {r['artifact']['weight_format']} (digest `{r['artifact']['digest']}`)")
 PY
 cat eval/results/weight-effect-smollm2.md

@@ -263,6 +263,73 @@ fn packer_bytes_equal_the_libraries_on_smollm2() {
     }
 }
 
+/// A Qwen3.5 hybrid with fp8 weights (attention, Gated DeltaNet and MLP linears) scores
+/// exactly as an f32 artifact holding its dequantized weights: the quantized path adds no
+/// arithmetic of its own. nvfp4 is refused by name on this tiny geometry, whose
+/// `out_proj` reads 36 values per row (not a multiple of 16).
+fn hybrid_quantized_scores_as_its_dequantized_weights() {
+    use ninfer_perplexity::kv::KvDtype;
+    use ninfer_perplexity::pack::TensorData;
+    use ninfer_perplexity::score::Protocol;
+    let tmp = common::tempdir();
+    let dir = common::repo().join("eval/fixtures/tiny-qwen3_5");
+    let src = read_hf_dir(&dir, Some(&tokenizer())).unwrap();
+    let q = pack_plan(&src, Scheme::Fp8Block, &tmp.path().join("fp8.ninfer"));
+    let summary = q.weight_summary();
+    for class in ["attention", "deltanet", "mlp"] {
+        let fp8 = summary.split("), ").next().unwrap();
+        assert!(fp8.starts_with("fp8 (") && fp8.contains(class), "{summary}");
+    }
+    let mut plain = read_hf_dir(&dir, Some(&tokenizer())).unwrap();
+    let mut quantized = 0;
+    for t in &mut plain.tensors {
+        if q.tensor_format(&t.name) == Some("fp8") {
+            quantized += 1;
+        }
+        t.data = TensorData::Values(q.tensor_f32(&t.name).unwrap());
+    }
+    assert!(quantized >= 12, "{quantized} fp8 matrices");
+    let deq = tmp.path().join("dequantized.ninfer");
+    write_artifact(&plain, WeightFormat::F32, &deq).unwrap();
+    let text = "The capital of France is Paris. It is known for the Eiffel Tower. ".repeat(12);
+    let score = |art: &Path| {
+        let e = Engine::load(art, &LoadOptions::default(), &mut |_, _| {}).unwrap();
+        let ids = e.tokenizer.encode(&text).unwrap();
+        let s = e
+            .score(
+                &ids,
+                Protocol::new(64, 32).unwrap(),
+                KvDtype::F32,
+                false,
+                &mut |_, _| {},
+            )
+            .unwrap();
+        (s.totals.scored, s.totals.nll_sum.to_bits())
+    };
+    let (a, b) = (score(&tmp.path().join("fp8.ninfer")), score(&deq));
+    eprintln!(
+        "hybrid fp8: {quantized} fp8 matrices; {summary}; {} targets, same NLL bits: {}",
+        a.0,
+        a == b
+    );
+    assert!(a.0 > 100);
+    assert_eq!(a, b, "fp8 artifact vs its dequantized f32 twin");
+    let plan = WeightPlan {
+        dense: WeightFormat::Bf16,
+        quantize: Some(Scheme::Nvfp4),
+        head: false,
+    };
+    let e = format!(
+        "{:#}",
+        write_artifact(&src, plan, &tmp.path().join("nvfp4.ninfer")).unwrap_err()
+    );
+    assert!(
+        e.contains("out_proj.weight") && e.contains("multiple of 16"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("nvfp4.ninfer").exists());
+}
+
 // ---- bad input -------------------------------------------------------------------------
 
 type Tensor = (safetensors::Dtype, Vec<usize>, Vec<u8>);
@@ -513,4 +580,5 @@ test_main! {
     Prepared packer_bytes_equal_the_libraries_on_smollm2,
     Prepared broken_quantized_checkpoints_are_refused_by_name,
     Prepared broken_quantized_artifacts_fail_at_open,
+    Prepared hybrid_quantized_scores_as_its_dequantized_weights,
 }

@@ -335,6 +335,18 @@ impl Artifact {
         // The most compact format first: it is the one the artifact is named after.
         let rank = |f: &str| ["nvfp4", "fp8", "bf16", "f32"].iter().position(|x| *x == f);
         v.sort_by_key(|u| rank(u.format));
+        // Classes in the model's order, whatever tensor was met first.
+        let order = [
+            "embeddings",
+            "attention",
+            "deltanet",
+            "mlp",
+            "head",
+            "other",
+        ];
+        for u in &mut v {
+            u.classes.sort_by_key(|c| order.iter().position(|o| o == c));
+        }
         v
     }
 
