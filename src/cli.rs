@@ -14,6 +14,9 @@ use std::path::PathBuf;
 /// Causal perplexity of a .ninfer artifact on a fixed corpus or a text file.
 #[derive(Parser, Debug)]
 #[command(name = "ninfer-perplexity", version, long_about = None)]
+#[command(
+    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE]   (see `ninfer-perplexity compare --help`)"
+)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
 pub struct Args {
     /// The artifact: a .ninfer path or a name registered in eval/registry.json.
@@ -76,6 +79,26 @@ pub struct Args {
     /// Recompute the artifact's digest and refuse it if the contents changed.
     #[arg(long)]
     pub verify_artifact: bool,
+
+    /// stderr verbosity.
+    #[arg(long, value_enum, default_value = "info")]
+    pub log_level: LogLevel,
+}
+
+/// `ninfer-perplexity compare BASE NEW`: two runs of the same corpus and protocol, window by
+/// window.
+#[derive(Parser, Debug)]
+#[command(name = "ninfer-perplexity compare", version, long_about = None)]
+pub struct CompareArgs {
+    /// The base run: its report.json or its run directory.
+    pub base: PathBuf,
+
+    /// The new run: its report.json or its run directory.
+    pub new: PathBuf,
+
+    /// Also write the comparison as JSON to FILE (written atomically; replaces FILE).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]

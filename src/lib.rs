@@ -15,6 +15,7 @@
 pub mod artifact;
 pub mod backend;
 pub mod cli;
+pub mod compare;
 pub mod corpus;
 pub mod engine;
 pub mod kv;

@@ -4,13 +4,22 @@
 //! that are printed as one line (`error: <context>: <cause>`).
 
 use clap::Parser;
-use ninfer_perplexity::cli::Args;
+use ninfer_perplexity::cli::{Args, CompareArgs};
 use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(args) {
+    // `compare` is a word, not an artifact: an artifact file of that name is `./compare`.
+    let mut raw = std::env::args_os();
+    let result = if std::env::args_os().nth(1).is_some_and(|a| a == "compare") {
+        let argv0 = raw.next();
+        raw.next();
+        let args = CompareArgs::parse_from(std::iter::once(argv0.unwrap_or_default()).chain(raw));
+        compare(args)
+    } else {
+        run(Args::parse())
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         // The report is written; a reader that closed the pipe early wanted no more table.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
@@ -27,6 +36,25 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    ninfer_perplexity::ui::set_level(args.log_level);
+    use ninfer_perplexity::compare::load::load;
+    let (base, new) = (load(&args.base)?, load(&args.new)?);
+    if let Some(out) = &args.json {
+        ninfer_perplexity::outfile::check_output(out, &[base.path.clone(), new.path.clone()])?;
+    }
+    let c = ninfer_perplexity::compare::compare(&base, &new)?;
+    let table = ninfer_perplexity::compare::table::render(&c);
+    if let Some(out) = &args.json {
+        ninfer_perplexity::compare::write_json(&c, out)?;
+    }
+    ninfer_perplexity::ui::info(ninfer_perplexity::compare::table::verdict(&c));
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(table.as_bytes())?;
+    stdout.flush()?;
+    Ok(())
 }
 
 fn run(args: Args) -> anyhow::Result<()> {

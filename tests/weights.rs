@@ -534,7 +534,8 @@ fn broken_quantized_artifacts_fail_at_open() {
         assert!(!out.exists(), "no output directory on failure");
     };
     let q = "model.layers.1.self_attn.v_proj.weight";
-    let cases: Vec<(&str, Box<dyn Fn(&str, Tensor) -> Option<Tensor>>, String)> = vec![
+    type Edit = Box<dyn Fn(&str, Tensor) -> Option<Tensor>>;
+    let cases: Vec<(&str, Edit, String)> = vec![
         (
             "no-global",
             Box::new(move |n, t| (n != format!("{q}_scale_2")).then_some(t)),

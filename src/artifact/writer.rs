@@ -63,6 +63,9 @@ fn owned(dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>) -> OwnedTensor {
     }
 }
 
+/// A matrix waiting for its scale group: name, rows, columns, values `[rows, cols]`.
+type Pending<'a> = (String, usize, usize, &'a [f32]);
+
 /// Encodes, checks and writes the artifact; returns its digest.
 pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path) -> Result<String> {
     let plan = plan.into();
@@ -89,7 +92,7 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
     }
     let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
     // Matrices to quantize, by nvfp4 scale group (a lone matrix is its own group).
-    let mut pending: BTreeMap<String, Vec<(String, usize, usize, &[f32])>> = BTreeMap::new();
+    let mut pending: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
     let mut imported = 0usize;
     for (name, shape) in src.config.expected_tensors() {
         let t = given.remove(name.as_str()).with_context(|| {

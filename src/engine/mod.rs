@@ -4,7 +4,7 @@
 //! weights for the selected device; `Engine::score_windows` runs the window protocol over
 //! one token stream with one Main KV representation. Nothing here knows about corpora,
 //! reports or command-line flags. How the CPU backend schedules windows over its threads is
-//! [`cpu`]'s job.
+//! `cpu`'s job.
 
 mod cpu;
 

@@ -7,7 +7,7 @@
 //! and output head, and the head never holds more than one vocabulary chunk of logits per
 //! row block.
 //!
-//! A window may be split between two threads for its remaining layers ([`super::split`]);
+//! A window may be split between two threads for its remaining layers (`super::split`);
 //! the result has the same bits.
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
@@ -122,7 +122,7 @@ impl CpuModel {
     /// [`CpuModel::window_logprobs`], with the option of splitting the window's rows between
     /// two threads: `may_split` is asked at each layer boundary until it says yes (and then
     /// never again); a yes means a worker thread is free to take the later rows. The result
-    /// has the same bits either way ([`super::split`]).
+    /// has the same bits either way (`super::split`).
     pub fn window_logprobs_with(
         &self,
         tokens: &[u32],

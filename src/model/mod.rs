@@ -3,7 +3,7 @@
 //! The forward pass knows nothing about corpora or windows beyond "score these targets of
 //! this token sequence": the window protocol lives in [`crate::score`]. Its helpers each have
 //! a module of their own so that [`forward`] reads as the model and nothing else: how a
-//! window is split between threads ([`split`]), where keys and values are stored
+//! window is split between threads (`split`), where keys and values are stored
 //! ([`kv_store`]), the phase timer ([`profile`]) and the test-only perturbations ([`fault`]).
 
 pub mod config;

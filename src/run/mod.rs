@@ -1,5 +1,5 @@
-//! One evaluator run: prepare the inputs ([`inputs`]), score them ([`score`]), build and
-//! write the report ([`report`]).
+//! One evaluator run: prepare the inputs (`inputs`), score them (`score`), build and
+//! write the report (`report`).
 
 pub mod inputs;
 mod report;

@@ -12,7 +12,7 @@
 //! substitution, the chunk's products run on the crate's GEMM, and the State is carried from
 //! chunk to chunk. It is the production path; the two agree to float32 rounding (tested),
 //! not bit for bit. Exponentials use the crate's [`exp::exp`] (relative error below 3e-7),
-//! and denormals are flushed to zero ([`FlushDenormals`]): a State that decays fast would
+//! and denormals are flushed to zero (`FlushDenormals`): a State that decays fast would
 //! otherwise spend most of its time in the slow denormal range.
 //!
 //! Value heads are independent and each is computed by one task in a fixed order, so the

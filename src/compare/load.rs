@@ -1,0 +1,154 @@
+//! Reading two `report.json` files and refusing pairs whose numbers do not line up.
+//!
+//! A paired comparison is only meaningful when both runs scored the same targets with the
+//! same tokenizer under the same protocol, window for window. Everything else (the artifact's
+//! weights, the KV format, the device, the precision, the thread count) may differ: that is
+//! what a comparison is for.
+
+use crate::report::{Report, SCHEMA, SCHEMA_VERSION};
+use anyhow::{anyhow, bail, Result};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Reports hold a few numbers per window; a real one is well under a megabyte per million
+/// tokens scored. Anything this large is not a report.
+const MAX_REPORT_BYTES: u64 = 256 << 20;
+
+/// A report and the file it came from.
+pub struct Loaded {
+    pub path: PathBuf,
+    pub report: Report,
+}
+
+/// Reads `arg`: a `report.json` or a run directory holding one.
+pub fn load(arg: &Path) -> Result<Loaded> {
+    let path = if arg.is_dir() {
+        let p = arg.join("report.json");
+        if !p.is_file() {
+            bail!("{}: a directory without a report.json", arg.display());
+        }
+        p
+    } else {
+        arg.to_path_buf()
+    };
+    let shown = path.display();
+    let meta = std::fs::metadata(&path).map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+    if !meta.is_file() {
+        bail!("{shown}: not a regular file");
+    }
+    if meta.len() > MAX_REPORT_BYTES {
+        bail!(
+            "{shown}: {} bytes, more than any report ({} MiB at most); not a report",
+            meta.len(),
+            MAX_REPORT_BYTES >> 20
+        );
+    }
+    let mut text = String::new();
+    std::fs::File::open(&path)
+        .and_then(|f| f.take(MAX_REPORT_BYTES).read_to_string(&mut text))
+        .map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| anyhow!("{shown}: not JSON: {e}"))?;
+    match value.get("schema").and_then(|s| s.as_str()) {
+        Some(SCHEMA) => {}
+        Some(other) => bail!("{shown}: schema `{other}`, not a {SCHEMA} file"),
+        None => bail!("{shown}: not a ninfer-perplexity report (no `schema` field)"),
+    }
+    match value.get("schema_version").and_then(|v| v.as_u64()) {
+        Some(v) if v == u64::from(SCHEMA_VERSION) => {}
+        Some(v) => {
+            bail!("{shown}: report schema version {v}; this build reads version {SCHEMA_VERSION}")
+        }
+        None => bail!("{shown}: no numeric `schema_version`"),
+    }
+    let report: Report = serde_json::from_value(value)
+        .map_err(|e| anyhow!("{shown}: not a valid version-{SCHEMA_VERSION} report: {e}"))?;
+    Ok(Loaded { path, report })
+}
+
+/// Refuses `base` and `new` unless they scored the same windows of the same token streams.
+pub fn check_comparable(base: &Loaded, new: &Loaded) -> Result<()> {
+    let (a, b) = (&base.report, &new.report);
+    let refuse = |what: String| -> Result<()> {
+        bail!(
+            "{} and {} are not comparable: {what}",
+            base.path.display(),
+            new.path.display()
+        )
+    };
+    if a.tokenizer.sha256 != b.tokenizer.sha256 {
+        return refuse(format!(
+            "different tokenizers (sha256 {} vs {})",
+            a.tokenizer.sha256, b.tokenizer.sha256
+        ));
+    }
+    let (sa, sb) = (&a.settings, &b.settings);
+    if sa.mode != sb.mode {
+        return refuse(format!("a {} run and a {} run", sa.mode, sb.mode));
+    }
+    match (&a.corpus, &b.corpus) {
+        (Some(x), Some(y)) if x.manifest_sha256 != y.manifest_sha256 => {
+            return refuse(format!(
+                "different corpora ({} manifest sha256 {} vs {} {})",
+                x.name, x.manifest_sha256, y.name, y.manifest_sha256
+            ))
+        }
+        _ => {}
+    }
+    if (sa.context, sa.stride) != (sb.context, sb.stride) {
+        return refuse(format!(
+            "different protocols (context {} stride {} vs context {} stride {})",
+            sa.context, sa.stride, sb.context, sb.stride
+        ));
+    }
+    if sa.max_tokens != sb.max_tokens {
+        let show = |m: Option<usize>| m.map_or("none".to_string(), |n| n.to_string());
+        return refuse(format!(
+            "different --max-tokens ({} vs {})",
+            show(sa.max_tokens),
+            show(sb.max_tokens)
+        ));
+    }
+    let ids = |r: &Report| r.streams.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
+    // A `--text` stream is named after its file: a copy under another name is the same text.
+    let text = sa.mode == "text" && a.streams.len() == b.streams.len();
+    if !text && ids(a) != ids(b) {
+        return refuse(format!(
+            "different streams ({} vs {})",
+            ids(a).join(","),
+            ids(b).join(",")
+        ));
+    }
+    for (x, y) in a.streams.iter().zip(&b.streams) {
+        if x.sha256 != y.sha256 {
+            return refuse(format!(
+                "stream {} has different contents (sha256 {} vs {})",
+                x.id, x.sha256, y.sha256
+            ));
+        }
+        if x.domain != y.domain {
+            return refuse(format!(
+                "stream {} is in domain {} vs {}",
+                x.id, x.domain, y.domain
+            ));
+        }
+        if (x.input_tokens, x.totals.scored, x.totals.bytes)
+            != (y.input_tokens, y.totals.scored, y.totals.bytes)
+        {
+            return refuse(format!(
+                "stream {}: different token counts ({} input / {} scored vs {} / {})",
+                x.id, x.input_tokens, x.totals.scored, y.input_tokens, y.totals.scored
+            ));
+        }
+        let bounds = |w: &crate::score::WindowScore| (w.begin, w.first_target, w.end, w.scored);
+        if x.windows.len() != y.windows.len()
+            || x.windows
+                .iter()
+                .map(bounds)
+                .ne(y.windows.iter().map(bounds))
+        {
+            return refuse(format!("stream {}: different windows", x.id));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,321 @@
+//! `ninfer-perplexity compare`: paired deltas of two real runs, and every way a pair of files
+//! can fail to be comparable. Each error is one line naming the file(s) and the problem, exits
+//! non-zero, and writes no `--json` file.
+
+mod common;
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+fn perplexity(args: &[&str]) -> Output {
+    common::run_bin("ninfer-perplexity", args)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Scores `text` with `art` into `dir`, returning the run directory.
+fn score(art: &Path, text: &Path, dir: &Path, extra: &[&str]) -> PathBuf {
+    let mut args = vec![
+        s(art),
+        "--text",
+        s(text),
+        "--output",
+        s(dir),
+        "--log-level",
+        "warn",
+    ];
+    args.extend_from_slice(extra);
+    let o = perplexity(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    dir.to_path_buf()
+}
+
+fn read(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+struct Runs {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    text: PathBuf,
+    art: PathBuf,
+}
+
+fn runs() -> Runs {
+    let tmp = common::tempdir();
+    let dir = tmp.path().to_path_buf();
+    let art = common::tiny_artifact(&dir);
+    let text = dir.join("t.txt");
+    let para = "Paired windows make the interval about the change, not about the text. \
+                Ein zweiter Satz, 第三句话, and some code: for (int i = 0; i < n; ++i) {} ";
+    std::fs::write(&text, para.repeat(12)).unwrap();
+    Runs {
+        _tmp: tmp,
+        dir,
+        text,
+        art,
+    }
+}
+
+fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
+    let r = runs();
+    let a = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("a"),
+        &["--context", "64", "--stride", "32"],
+    );
+    let json = r.dir.join("self.json");
+    let o = perplexity(&[
+        "compare",
+        s(&a),
+        s(&a.join("report.json")),
+        "--json",
+        s(&json),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let c = read(&json);
+    assert_eq!(c["schema"], "ninfer-perplexity.compare");
+    let all = c["overall"].clone();
+    assert!(all["windows"].as_u64().unwrap() >= 8, "{all}");
+    assert_eq!(all["delta_nll"].as_f64(), Some(0.0));
+    assert_eq!(all["delta_nll_ci95"], serde_json::json!([0.0, 0.0]));
+    assert_eq!(all["ppl_ratio"].as_f64(), Some(1.0));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("identical"), "{err}");
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.starts_with("# base: weights f32 | kv bf16"),
+        "{table}"
+    );
+    assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
+}
+
+fn kv_formats_compare_window_by_window() {
+    let r = runs();
+    let p = ["--context", "48", "--stride", "16"];
+    let base = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("f32"),
+        &[&p[..], &["--kv-dtype", "f32"]].concat(),
+    );
+    let new = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("nvfp4"),
+        &[&p[..], &["--kv-dtype", "nvfp4"]].concat(),
+    );
+    let json = r.dir.join("cmp.json");
+    let o = perplexity(&["compare", s(&base), s(&new), "--json", s(&json)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let c = read(&json);
+    assert_eq!(c["base"]["kv_dtype"], "f32");
+    assert_eq!(c["new"]["kv_dtype"], "nvfp4");
+    // Recompute the overall delta and bits per byte from the two reports' windows.
+    let (rb, rn) = (
+        read(&base.join("report.json")),
+        read(&new.join("report.json")),
+    );
+    let wins = |r: &Value| -> Vec<(u64, f64)> {
+        r["streams"][0]["windows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                (
+                    w["scored"].as_u64().unwrap(),
+                    w["nll_sum"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let (wb, wn) = (wins(&rb), wins(&rn));
+    let n: u64 = wb.iter().map(|w| w.0).sum();
+    let d: f64 = wb.iter().zip(&wn).map(|(a, b)| b.1 - a.1).sum();
+    let all = &c["overall"];
+    approx::assert_relative_eq!(
+        all["delta_nll"].as_f64().unwrap(),
+        d / n as f64,
+        max_relative = 1e-12
+    );
+    let bytes = rb["overall"]["bytes"].as_f64().unwrap();
+    approx::assert_relative_eq!(
+        all["delta_bits_per_byte"].as_f64().unwrap(),
+        d / std::f64::consts::LN_2 / bytes,
+        max_relative = 1e-12
+    );
+    assert_ne!(d, 0.0, "nvfp4 KV changes the scores");
+    let [lo, hi] = [0, 1].map(|i| all["delta_nll_ci95"][i].as_f64().unwrap());
+    assert!(lo < all["delta_nll"].as_f64().unwrap() && all["delta_nll"].as_f64().unwrap() < hi);
+    assert_eq!(all["windows"].as_u64().unwrap() as usize, wb.len());
+    // One stream: its row is the overall row.
+    assert_eq!(c["streams"][0]["delta_nll"], all["delta_nll"]);
+}
+
+fn incomparable_runs_are_refused() {
+    let r = runs();
+    let base = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("base"),
+        &["--context", "64", "--stride", "32"],
+    );
+    let json = r.dir.join("out.json");
+    let refused = |new: &Path, needles: &[&str]| {
+        let o = perplexity(&["compare", s(&base), s(new), "--json", s(&json)]);
+        let line = common::error_line(&o);
+        assert!(line.contains("are not comparable"), "{line}");
+        for n in needles {
+            assert!(line.contains(n), "`{n}` not in: {line}");
+        }
+        assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
+    };
+    let other = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("proto"),
+        &["--context", "64", "--stride", "16"],
+    );
+    refused(
+        &other,
+        &["different protocols (context 64 stride 32 vs context 64 stride 16)"],
+    );
+    let capped = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("cap"),
+        &["--context", "64", "--stride", "32", "--max-tokens", "100"],
+    );
+    refused(&capped, &["different --max-tokens (none vs 100)"]);
+    std::fs::create_dir(r.dir.join("other")).unwrap();
+    let text2 = r.dir.join("other/t.txt");
+    std::fs::write(
+        &text2,
+        std::fs::read_to_string(&r.text)
+            .unwrap()
+            .replace("code", "kode"),
+    )
+    .unwrap();
+    let changed = score(
+        &r.art,
+        &text2,
+        &r.dir.join("text2"),
+        &["--context", "64", "--stride", "32"],
+    );
+    refused(&changed, &["stream t.txt has different contents"]);
+    // The same text under another name is the same stream.
+    let copy = r.dir.join("copy.txt");
+    std::fs::copy(&r.text, &copy).unwrap();
+    let renamed = score(
+        &r.art,
+        &copy,
+        &r.dir.join("copy"),
+        &["--context", "64", "--stride", "32"],
+    );
+    let o = perplexity(&["compare", s(&base), s(&renamed)]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("identical"),
+        "{o:?}"
+    );
+    // Another tokenizer: the same report with its tokenizer hash changed.
+    let mut v = read(&base.join("report.json"));
+    v["tokenizer"]["sha256"] = "0".repeat(64).into();
+    let forged = r.dir.join("tok.json");
+    std::fs::write(&forged, v.to_string()).unwrap();
+    refused(&forged, &["different tokenizers", &"0".repeat(64)]);
+    // The same targets in other windows.
+    let mut v = read(&base.join("report.json"));
+    v["streams"][0]["windows"][1]["begin"] = 1.into();
+    let moved = r.dir.join("moved.json");
+    std::fs::write(&moved, v.to_string()).unwrap();
+    refused(&moved, &["different windows"]);
+}
+
+fn files_that_are_not_reports_are_refused() {
+    let r = runs();
+    let base = score(
+        &r.art,
+        &r.text,
+        &r.dir.join("base"),
+        &["--context", "64", "--stride", "32"],
+    );
+    let report = base.join("report.json");
+    let json = r.dir.join("out.json");
+    let refused = |new: &Path, needles: &[&str]| {
+        let o = perplexity(&["compare", s(&report), s(new), "--json", s(&json)]);
+        let line = common::error_line(&o);
+        for n in needles {
+            assert!(line.contains(n), "`{n}` not in: {line}");
+        }
+        assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
+    };
+    let write = |name: &str, text: &str| {
+        let p = r.dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    refused(&r.dir.join("absent.json"), &["absent.json", "cannot read"]);
+    let empty_dir = r.dir.join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    refused(&empty_dir, &["empty", "a directory without a report.json"]);
+    refused(
+        &write("text.json", "perplexity 3.2"),
+        &["text.json", "not JSON"],
+    );
+    refused(
+        &write("other.json", r#"{"a": 1}"#),
+        &["other.json", "no `schema` field"],
+    );
+    refused(
+        &write("cmp.json", r#"{"schema": "ninfer-perplexity.compare"}"#),
+        &[
+            "cmp.json",
+            "schema `ninfer-perplexity.compare`, not a ninfer-perplexity.report file",
+        ],
+    );
+    let mut v = read(&report);
+    v["schema_version"] = 2.into();
+    refused(
+        &write("v2.json", &v.to_string()),
+        &[
+            "v2.json",
+            "report schema version 2; this build reads version 1",
+        ],
+    );
+    let mut v = read(&report);
+    v.as_object_mut().unwrap().remove("streams");
+    refused(
+        &write("nostreams.json", &v.to_string()),
+        &["nostreams.json", "not a valid version-1 report", "streams"],
+    );
+    let mut v = read(&report);
+    v["streams"][0]["windows"][0]["nll_sum"] = "NaN".into();
+    refused(
+        &write("nan.json", &v.to_string()),
+        &["nan.json", "not a valid version-1 report"],
+    );
+    // Output paths that cannot take the JSON: a directory, one of the inputs.
+    let o = perplexity(&["compare", s(&report), s(&report), "--json", s(&r.dir)]);
+    assert!(common::error_line(&o).contains("the output is a directory"));
+    let o = perplexity(&["compare", s(&report), s(&report), "--json", s(&report)]);
+    assert!(common::error_line(&o).contains("the output is one of the inputs"));
+    assert_eq!(
+        read(&report)["schema"],
+        "ninfer-perplexity.report",
+        "input untouched"
+    );
+    // Usage errors are clap's (exit 2).
+    let o = perplexity(&["compare", s(&report)]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+test_main! {
+    Prepared a_run_compared_with_itself_is_zero_with_a_zero_width_interval,
+    Prepared kv_formats_compare_window_by_window,
+    Prepared incomparable_runs_are_refused,
+    Prepared files_that_are_not_reports_are_refused,
+}
