@@ -60,14 +60,30 @@ fn runs() -> Runs {
     }
 }
 
-fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
-    let r = runs();
-    let a = score(
+/// The tiny model on the text at context 64 / stride 32, bf16 KV, into `r.dir/name`.
+fn plain(r: &Runs, name: &str) -> PathBuf {
+    score(
         &r.art,
         &r.text,
-        &r.dir.join("a"),
+        &r.dir.join(name),
         &["--context", "64", "--stride", "32"],
-    );
+    )
+}
+
+/// Asserts that comparing `base` with `new` fails with one line holding every needle, and
+/// that neither a table nor the `--json` file was written.
+fn refused(base: &Path, new: &Path, json: &Path, needles: &[&str]) {
+    let o = perplexity(&["compare", s(base), s(new), "--json", s(json)]);
+    let line = common::error_line(&o);
+    for n in needles {
+        assert!(line.contains(n), "`{n}` not in: {line}");
+    }
+    assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
+}
+
+fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
+    let r = runs();
+    let a = plain(&r, "a");
     let json = r.dir.join("self.json");
     let o = perplexity(&[
         "compare",
@@ -158,21 +174,15 @@ fn kv_formats_compare_window_by_window() {
 
 fn incomparable_runs_are_refused() {
     let r = runs();
-    let base = score(
-        &r.art,
-        &r.text,
-        &r.dir.join("base"),
-        &["--context", "64", "--stride", "32"],
-    );
+    let base = plain(&r, "base");
     let json = r.dir.join("out.json");
     let refused = |new: &Path, needles: &[&str]| {
-        let o = perplexity(&["compare", s(&base), s(new), "--json", s(&json)]);
-        let line = common::error_line(&o);
-        assert!(line.contains("are not comparable"), "{line}");
-        for n in needles {
-            assert!(line.contains(n), "`{n}` not in: {line}");
-        }
-        assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
+        refused(
+            &base,
+            new,
+            &json,
+            &[&["are not comparable"], needles].concat(),
+        )
     };
     let other = score(
         &r.art,
@@ -237,22 +247,10 @@ fn incomparable_runs_are_refused() {
 
 fn files_that_are_not_reports_are_refused() {
     let r = runs();
-    let base = score(
-        &r.art,
-        &r.text,
-        &r.dir.join("base"),
-        &["--context", "64", "--stride", "32"],
-    );
+    let base = plain(&r, "base");
     let report = base.join("report.json");
     let json = r.dir.join("out.json");
-    let refused = |new: &Path, needles: &[&str]| {
-        let o = perplexity(&["compare", s(&report), s(new), "--json", s(&json)]);
-        let line = common::error_line(&o);
-        for n in needles {
-            assert!(line.contains(n), "`{n}` not in: {line}");
-        }
-        assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
-    };
+    let refused = |new: &Path, needles: &[&str]| refused(&report, new, &json, needles);
     let write = |name: &str, text: &str| {
         let p = r.dir.join(name);
         std::fs::write(&p, text).unwrap();

@@ -362,20 +362,7 @@ fn rewrite(path: &Path, mut f: impl FnMut(&str, Tensor) -> Option<Tensor>) {
 /// Packs `dir` with the CLI; asserts one error line holding every needle and no artifact.
 fn pack_fails(dir: &Path, needles: &[&str]) {
     let out = dir.join("out.ninfer");
-    let tok = tokenizer();
-    let o = common::run_bin(
-        "ninfer-pack",
-        &[
-            "hf",
-            dir.to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--weights",
-            "f32",
-            "-o",
-            out.to_str().unwrap(),
-        ],
-    );
+    let o = common::pack_hf_f32(dir, &out);
     let line = common::error_line(&o);
     for n in needles {
         assert!(line.contains(n), "`{n}` not in: {line}");

@@ -78,23 +78,24 @@ pub fn error_line(o: &std::process::Output) -> String {
     lines[0].to_string()
 }
 
+/// `ninfer-pack hf DIR --tokenizer <the Qwen3 tokenizer> --weights f32 -o OUT`.
+pub fn pack_hf_f32(dir: &Path, out: &Path) -> std::process::Output {
+    let tok = cache_file("qwen3-tokenizer.json");
+    let (dir, tok, out) = (
+        dir.to_str().unwrap(),
+        tok.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    run_bin(
+        "ninfer-pack",
+        &["hf", dir, "--tokenizer", tok, "--weights", "f32", "-o", out],
+    )
+}
+
 /// The tiny qwen3 fixture packed through `ninfer-pack` into `dir/tiny.ninfer`.
 pub fn tiny_artifact(dir: &Path) -> PathBuf {
     let out = dir.join("tiny.ninfer");
-    let tok = cache_file("qwen3-tokenizer.json");
-    let o = run_bin(
-        "ninfer-pack",
-        &[
-            "hf",
-            "eval/fixtures/tiny-qwen3",
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--weights",
-            "f32",
-            "-o",
-            out.to_str().unwrap(),
-        ],
-    );
+    let o = pack_hf_f32(&repo().join("eval/fixtures/tiny-qwen3"), &out);
     assert!(
         o.status.success(),
         "pack failed: {}",
