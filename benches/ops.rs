@@ -178,6 +178,17 @@ fn main() {
             gemm(scored, D, VOCAB),
         ));
     }
+    if want("head + calibration") {
+        // The same with the entropy and top-1 the reports carry (what the CLI runs).
+        let mut rs = vec![head::RowScore::default(); scored];
+        rows.push((
+            "head + calibration",
+            time(reps, || {
+                head::score_rows(&hn, D, &emb, VOCAB, &targets, &mut rs).expect("finite logits")
+            }),
+            gemm(scored, D, VOCAB),
+        ));
+    }
 
     let total: f64 = rows.iter().map(|r| r.1).sum();
     let flops: f64 = rows.iter().map(|r| r.2).sum();

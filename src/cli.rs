@@ -80,6 +80,11 @@ pub struct Args {
     #[arg(long)]
     pub verify_artifact: bool,
 
+    /// Add calibration columns to the table: mean entropy, top-1 accuracy, mean top-1
+    /// confidence, ECE (report.json always has them where the backend computes them).
+    #[arg(long)]
+    pub show_calibration: bool,
+
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
     pub log_level: LogLevel,
@@ -140,6 +145,7 @@ pub struct RunConfig {
     pub precision: Option<Precision>,
     pub threads: usize,
     pub verify_artifact: bool,
+    pub show_calibration: bool,
     pub log_level: LogLevel,
 }
 
@@ -196,6 +202,7 @@ impl Args {
             precision,
             threads: self.threads,
             verify_artifact: self.verify_artifact,
+            show_calibration: self.show_calibration,
             log_level: self.log_level,
         })
     }

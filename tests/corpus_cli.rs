@@ -112,8 +112,22 @@ fn smollm2_corpus_run_prints_domain_table() {
         .map(|d| d["scored"].as_u64().unwrap())
         .sum();
     assert_eq!(scored, r["overall"]["scored"].as_u64().unwrap());
+    // Calibration from the same head pass: one row per scored target, and the domains add up.
+    let cal = &r["overall"]["calibration"];
+    assert_eq!(cal["rows"], r["overall"]["scored"]);
+    let correct: u64 = r["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|st| st["calibration"]["top1_correct"].as_u64().unwrap())
+        .sum();
+    assert_eq!(cal["top1_correct"].as_u64(), Some(correct));
+    let acc = cal["top1_accuracy"].as_f64().unwrap();
+    assert!(acc > 0.0 && acc < 1.0, "{cal}");
+    let ent = cal["mean_entropy"].as_f64().unwrap();
+    assert!(ent > 0.0 && ent < (49152f64).ln(), "{cal}");
 
-    // --quick keeps one stream per domain.
+    // --quick keeps one stream per domain; --show-calibration adds four columns.
     let out2 = m.root.join("out2");
     let o = perplexity(&[
         s(&art),
@@ -126,8 +140,16 @@ fn smollm2_corpus_run_prints_domain_table() {
         "16",
         "--output",
         s(&out2),
+        "--show-calibration",
     ]);
     assert!(o.status.success());
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[1].ends_with("entropy top1_acc   top1_p     ece"),
+        "{stdout}"
+    );
+    assert_eq!(lines[2].split_whitespace().count(), 12, "{stdout}");
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out2.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["streams"].as_array().unwrap().len(), 2);

@@ -2,7 +2,7 @@
 
 use ninfer_perplexity::model::config::{Family, ModelConfig};
 use ninfer_perplexity::report::*;
-use ninfer_perplexity::score::{NllSum, WindowScore};
+use ninfer_perplexity::score::{Calibration, NllSum, WindowScore};
 
 fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
     let mut s = NllSum::default();
@@ -20,6 +20,14 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         totals: Totals::new(&s, bytes),
         seconds: 1.5,
         processed_tokens_per_s: (nlls.len() + 1) as f64 / 1.5,
+        // Each row's entropy is its NLL; the top-1 is right when the NLL is below 1.
+        calibration: CalibrationReport::new(&{
+            let mut c = Calibration::default();
+            for &n in nlls {
+                c.push(n, -n.min(1.0), n < 1.0);
+            }
+            c
+        }),
         windows: vec![WindowScore {
             begin: 0,
             first_target: 1,
@@ -152,9 +160,27 @@ fn aggregates_are_token_weighted() {
     assert!((r.domains[0].totals.mean_nll - 14.0 / 6.0).abs() < 1e-12);
     assert_eq!(r.overall.totals.scored, 12);
     assert_eq!(r.overall.totals.bytes, 90);
+    // Calibration adds the same way: 4 of the 12 rows have NLL below 1 (all in code).
+    let c = r.overall.calibration.as_ref().unwrap();
+    assert_eq!((c.sums.rows, c.sums.top1_correct), (12, 4));
+    assert!((c.mean_entropy - r.overall.totals.mean_nll).abs() < 1e-6);
+    assert_eq!(
+        r.domains[0].calibration.as_ref().unwrap().top1_accuracy,
+        0.0
+    );
+    // A stream without it (a CUDA run) leaves its domain and the overall row without it.
+    let mut streams = r.streams.clone();
+    streams[0].calibration = None;
+    assert!(aggregate("all", "all", streams.iter())
+        .calibration
+        .is_none());
 }
 
 #[test]
 fn table_renders_as_reviewed() {
-    insta::assert_snapshot!("domain_table", table::render(&fixed_report()));
+    insta::assert_snapshot!("domain_table", table::render(&fixed_report(), false));
+    insta::assert_snapshot!(
+        "domain_table_calibration",
+        table::render(&fixed_report(), true)
+    );
 }

@@ -3,7 +3,8 @@
 //! Results never depend on it: a window's log-probabilities depend only on its tokens (see
 //! [`score_cpu`] for why, and the tests below and in tests/determinism.rs).
 
-use super::{FinishWindow, WindowError};
+use super::{FinishWindow, HeadRows, WindowError};
+use crate::backend::cpu::head::RowScore;
 use crate::kv::KvDtype;
 use crate::model::forward::CpuModel;
 use crate::score::Window;
@@ -82,10 +83,10 @@ pub(super) fn score_cpu(
             let lps = pool
                 .install(|| {
                     let (t, first) = (&tokens[w.begin..w.end], w.first_target - w.begin);
-                    model.window_logprobs_with(t, first, kv, &may_split)
+                    model.window_rows_with(t, first, kv, &may_split)
                 })
                 .map_err(|e| window_error(wi, &e))?;
-            finish(wi, lps)?;
+            finish(wi, HeadRows::Scored(lps))?;
         }
         return Ok(());
     }
@@ -113,7 +114,7 @@ pub(super) fn score_cpu(
             did_split.store(yes, SeqCst);
             yes
         };
-        let lps = model.window_logprobs_with(
+        let lps = model.window_rows_with(
             &tokens[w.begin..w.end],
             w.first_target - w.begin,
             kv,
@@ -122,7 +123,7 @@ pub(super) fn score_cpu(
         busy.fetch_sub(1 + usize::from(did_split.load(SeqCst)), SeqCst);
         lps
     };
-    type Outcome = std::thread::Result<Result<Vec<f32>, ForwardError>>;
+    type Outcome = std::thread::Result<Result<Vec<RowScore>, ForwardError>>;
     let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
     // Set when this function returns (early, on an error), so that no new window starts.
     struct StopOnDrop<'a>(&'a AtomicUsize);
@@ -170,7 +171,7 @@ pub(super) fn score_cpu(
                     Ok(r) => r.map_err(|e| window_error(next, &e))?,
                     Err(panic) => resume_unwind(panic),
                 };
-                finish(next, lps)?;
+                finish(next, HeadRows::Scored(lps))?;
                 next += 1;
             }
         }
@@ -208,8 +209,8 @@ mod tests {
             tokens,
             &ws,
             KvDtype::Int8,
-            &mut |wi, lps| {
-                got.push((wi, lps.iter().map(|x| x.to_bits()).collect()));
+            &mut |wi, rows| {
+                got.push((wi, rows.logprobs().iter().map(|x| x.to_bits()).collect()));
                 Ok(())
             },
             &|wi, e| anyhow!("window {wi}: {e}"),

@@ -9,13 +9,14 @@
 mod cpu;
 
 use crate::artifact::Artifact;
+use crate::backend::cpu::head::RowScore;
 use crate::backend::cuda::CudaModel;
 use crate::backend::{Device, DeviceRequest, Precision};
 use crate::kv::KvDtype;
 use crate::model::fault::Faults;
 use crate::model::forward::CpuModel;
 use crate::model::weights::Weights;
-use crate::score::{windows, NllSum, Protocol, StreamScore, Window, WindowScore};
+use crate::score::{windows, Calibration, NllSum, Protocol, StreamScore, Window, WindowScore};
 use crate::tokenizer::Tokenizer;
 use anyhow::{anyhow, Context, Result};
 use cpu::{cpu_windows_in_flight, score_cpu, CpuSchedule};
@@ -202,9 +203,29 @@ impl Engine {
         let mut totals = NllSum::default();
         let mut out = Vec::with_capacity(ws.len());
         let mut processed = 0u64;
+        // Some(..) as long as every window came with entropy and top-1 (one backend per run).
+        let mut calibration = Some(Calibration::default());
         // Accounts one finished window (the same for every backend).
-        let mut finish = |wi: usize, lps: Vec<f32>| -> Result<()> {
+        let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
+            match (&rows, calibration.as_mut()) {
+                (HeadRows::Scored(rs), Some(c)) => {
+                    for (i, r) in rs.iter().enumerate() {
+                        if !r.entropy.is_finite() || !r.top1_logprob.is_finite() {
+                            anyhow::bail!(
+                                "window {wi} [{}, {}): non-finite entropy or top-1 probability at position {}",
+                                w.begin,
+                                w.end,
+                                w.first_target - 1 + i
+                            );
+                        }
+                        let target = tokens[w.first_target + i];
+                        c.push(r.entropy, r.top1_logprob, r.top1 == target);
+                    }
+                }
+                _ => calibration = None,
+            }
+            let lps = rows.logprobs();
             let mut s = NllSum::default();
             for &lp in &lps {
                 if !lp.is_finite() {
@@ -272,6 +293,7 @@ impl Engine {
             processed_tokens: processed as usize,
             totals,
             windows: out,
+            calibration,
         })
     }
 }
@@ -298,8 +320,25 @@ fn load_cuda(
     anyhow::bail!("this build has no CUDA backend")
 }
 
-/// Accounts one finished window (index, log-probabilities), in window order.
-type FinishWindow<'a> = dyn FnMut(usize, Vec<f32>) -> Result<()> + 'a;
+/// What a backend's head gives for a window's targets.
+pub(crate) enum HeadRows {
+    /// Log-probabilities only (the CUDA head, for now).
+    Logprobs(Vec<f32>),
+    /// Log-probabilities with each row's entropy and top-1 token (the CPU head).
+    Scored(Vec<RowScore>),
+}
+
+impl HeadRows {
+    pub(crate) fn logprobs(&self) -> Vec<f32> {
+        match self {
+            HeadRows::Logprobs(v) => v.clone(),
+            HeadRows::Scored(r) => r.iter().map(|r| r.logprob).collect(),
+        }
+    }
+}
+
+/// Accounts one finished window (index, head rows), in window order.
+type FinishWindow<'a> = dyn FnMut(usize, HeadRows) -> Result<()> + 'a;
 /// Names a window in an error that happened while computing it.
 type WindowError<'a> = dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error + 'a;
 
@@ -316,7 +355,7 @@ fn score_cuda(
     use crate::backend::cuda::model::ScoreError;
     let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
         for (j, lps) in batch.into_iter().enumerate() {
-            finish(first + j, lps)?;
+            finish(first + j, HeadRows::Logprobs(lps))?;
         }
         Ok(())
     });

@@ -11,7 +11,7 @@
 //! the result has the same bits.
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
-use crate::backend::cpu::head;
+use crate::backend::cpu::head::{self, RowScore};
 use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
@@ -116,7 +116,8 @@ impl CpuModel {
         first_target: usize,
         kv: KvDtype,
     ) -> Result<Vec<f32>, ForwardError> {
-        self.forward(tokens, first_target, kv, Split::Never)
+        let rows = self.forward(tokens, first_target, kv, Split::Never)?;
+        Ok(rows.iter().map(|r| r.logprob).collect())
     }
 
     /// [`CpuModel::window_logprobs`], with the option of splitting the window's rows between
@@ -130,6 +131,19 @@ impl CpuModel {
         kv: KvDtype,
         may_split: &(dyn Fn() -> bool + Sync),
     ) -> Result<Vec<f32>, ForwardError> {
+        let rows = self.window_rows_with(tokens, first_target, kv, may_split)?;
+        Ok(rows.iter().map(|r| r.logprob).collect())
+    }
+
+    /// [`CpuModel::window_logprobs_with`] with each target's entropy and top-1 token
+    /// ([`head::RowScore`]); the log-probabilities have the same bits.
+    pub fn window_rows_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        may_split: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Vec<RowScore>, ForwardError> {
         self.forward(tokens, first_target, kv, Split::Ask(may_split))
     }
 
@@ -139,7 +153,7 @@ impl CpuModel {
         first_target: usize,
         kv: KvDtype,
         split: Split,
-    ) -> Result<Vec<f32>, ForwardError> {
+    ) -> Result<Vec<RowScore>, ForwardError> {
         let c = &self.config;
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
@@ -216,8 +230,8 @@ impl CpuModel {
             }
             rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, c.rms_norm_eps, o);
         });
-        let mut out = vec![0.0f32; rows];
-        head::logprobs(
+        let mut out = vec![RowScore::default(); rows];
+        head::score_rows(
             &hn,
             d,
             w.head(),

@@ -280,9 +280,12 @@ mod tests {
                 for layer in 0..2 {
                     for rows in [64, 320, 640] {
                         let split = Split::At { layer, rows };
-                        let part = pool
+                        let part: Vec<f32> = pool
                             .install(|| m.forward(&tokens, first, kv, split))
-                            .unwrap();
+                            .unwrap()
+                            .iter()
+                            .map(|r| r.logprob)
+                            .collect();
                         assert!(
                             same_bits(&whole, &part),
                             "{kv:?}, first target {first}, split before layer {layer} at row {rows}"

@@ -7,7 +7,7 @@
 pub mod table;
 pub mod write;
 
-use crate::score::{NllSum, WindowScore};
+use crate::score::{Calibration, NllSum, WindowScore};
 use serde::{Deserialize, Serialize};
 
 pub const SCHEMA: &str = "ninfer-perplexity.report";
@@ -172,6 +172,32 @@ impl Totals {
     }
 }
 
+/// Calibration of a stream, domain or the whole run: the sums (so rows add up exactly) and
+/// what they say. Absent when the backend's head does not compute it (CUDA, for now).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationReport {
+    pub mean_entropy: f64,
+    pub top1_accuracy: f64,
+    pub mean_top1_confidence: f64,
+    /// Expected calibration error of the top-1 confidence over equal-width bins.
+    pub ece: f64,
+    #[serde(flatten)]
+    pub sums: Calibration,
+}
+
+impl CalibrationReport {
+    pub fn new(c: &Calibration) -> Option<CalibrationReport> {
+        let s = c.summary()?;
+        Some(CalibrationReport {
+            mean_entropy: s.mean_entropy,
+            top1_accuracy: s.top1_accuracy,
+            mean_top1_confidence: s.mean_top1_confidence,
+            ece: s.ece,
+            sums: c.clone(),
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StreamReport {
     pub id: String,
@@ -188,6 +214,8 @@ pub struct StreamReport {
     pub totals: Totals,
     pub seconds: f64,
     pub processed_tokens_per_s: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationReport>,
     pub windows: Vec<WindowScore>,
 }
 
@@ -199,6 +227,8 @@ pub struct Aggregate {
     pub input_tokens: usize,
     #[serde(flatten)]
     pub totals: Totals,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<CalibrationReport>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -224,7 +254,13 @@ pub fn aggregate<'a>(
 ) -> Aggregate {
     let mut s = NllSum::default();
     let (mut n, mut bytes, mut input) = (0usize, 0u64, 0usize);
+    // Only when every stream has it.
+    let mut calib = Some(Calibration::default());
     for st in streams {
+        match (&st.calibration, calib.as_mut()) {
+            (Some(c), Some(all)) => all.add(&c.sums),
+            _ => calib = None,
+        }
         s.add(&st.totals.sum());
         bytes += st.totals.bytes;
         input += st.input_tokens;
@@ -236,6 +272,7 @@ pub fn aggregate<'a>(
         streams: n,
         input_tokens: input,
         totals: Totals::new(&s, bytes),
+        calibration: calib.as_ref().and_then(CalibrationReport::new),
     }
 }
 

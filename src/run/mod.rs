@@ -99,7 +99,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         rep.throughput.processed_tokens_per_s,
         report_path.display()
     ));
-    let table = table::render(&rep);
+    let table = table::render(&rep, cfg.show_calibration);
     Ok(RunOutput {
         report: rep,
         report_path,

@@ -56,6 +56,10 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
             totals,
             seconds: secs,
             processed_tokens_per_s: rate,
+            calibration: score
+                .calibration
+                .as_ref()
+                .and_then(crate::report::CalibrationReport::new),
             windows: score.windows,
         });
     }

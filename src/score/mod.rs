@@ -1,7 +1,10 @@
-//! Scoring: the window protocol ([`window`]) and NLL accumulation ([`stats`]).
+//! Scoring: the window protocol ([`window`]), NLL accumulation ([`stats`]) and the
+//! calibration of the predictive distribution ([`calibration`]).
 
+pub mod calibration;
 pub mod stats;
 pub mod window;
 
+pub use calibration::Calibration;
 pub use stats::{NllSum, StreamScore, WindowScore};
 pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window};

@@ -86,6 +86,9 @@ pub struct StreamScore {
     pub processed_tokens: usize,
     pub totals: NllSum,
     pub windows: Vec<WindowScore>,
+    /// Entropy, top-1 accuracy and calibration bins over every scored row; `None` from a
+    /// backend whose head does not compute them (CUDA, for now).
+    pub calibration: Option<super::Calibration>,
 }
 
 #[cfg(test)]
