@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's `compare` example: SmolLM2 (bf16 weights) on the quick streams, bf16 KV against
-# nvfp4 KV, then `ninfer-perplexity compare`. Writes eval/results/compare-kv-smollm2.md.
+# The README's comparison examples: SmolLM2 (bf16 weights) on the quick streams, bf16 KV
+# against nvfp4 KV, as two runs and `ninfer-perplexity compare`, and as one run with
+# `--reference-kv bf16` (full-vocabulary KL divergence, top-1 agreement, Δp). Writes
+# eval/results/compare-kv-smollm2.md.
 #
 # Usage: bash eval/compare-example.sh [MAX_TOKENS CONTEXT STRIDE]   (default 4096 512 256)
 set -euo pipefail
@@ -18,6 +20,9 @@ for kv in bf16 nvfp4; do
     --output "$out/$kv" --log-level error >/dev/null
 done
 "$bin" compare "$out/bf16" "$out/nvfp4" --json "$out/compare.json" >"$out/table.txt" 2>"$out/verdict.txt"
+"$bin" smollm2-135m-bf16 --corpus eval/corpora/perplexity-1m/manifest.json --quick \
+  --max-tokens "$max" --context "$ctx" --stride "$stride" --kv-dtype nvfp4 --reference-kv bf16 \
+  --output "$out/ref" --log-level error >"$out/ref.txt"
 {
   echo "# compare: bf16 KV vs nvfp4 KV on SmolLM2-135M"
   echo
@@ -30,5 +35,12 @@ done
   echo '```'
   echo
   echo "stderr: \`$(tail -1 "$out/verdict.txt")\`"
+  echo
+  echo "One run, \`ninfer-perplexity smollm2-135m-bf16 ... --kv-dtype nvfp4 --reference-kv bf16\`, the"
+  echo "same protocol; stdout's second table:"
+  echo
+  echo '```'
+  sed -n '/^# reference/,$p' "$out/ref.txt"
+  echo '```'
 } > eval/results/compare-kv-smollm2.md
 cat eval/results/compare-kv-smollm2.md

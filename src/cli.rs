@@ -80,6 +80,16 @@ pub struct Args {
     #[arg(long)]
     pub verify_artifact: bool,
 
+    /// Compare every position with a reference pass of the same artifact using this KV
+    /// format (e.g. f32): KL divergence, top-1 agreement, Δp, paired ΔNLL. CPU only.
+    #[arg(long, value_name = "DTYPE")]
+    pub reference_kv: Option<String>,
+
+    /// Compare with a reference pass of another artifact (same tokenizer), e.g. the bf16
+    /// artifact of an nvfp4 one; its KV format is --reference-kv or else --kv-dtype. CPU only.
+    #[arg(long, value_name = "ARTIFACT")]
+    pub reference_artifact: Option<String>,
+
     /// Add calibration columns to the table: mean entropy, top-1 accuracy, mean top-1
     /// confidence, ECE (report.json always has them where the backend computes them).
     #[arg(long)]
@@ -146,7 +156,17 @@ pub struct RunConfig {
     pub threads: usize,
     pub verify_artifact: bool,
     pub show_calibration: bool,
+    /// The reference pass to compare with, if any.
+    pub reference: Option<ReferenceConfig>,
     pub log_level: LogLevel,
+}
+
+/// `--reference-kv` / `--reference-artifact`, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReferenceConfig {
+    pub kv: KvDtype,
+    /// Another artifact (path or registered name); `None`: the run's own.
+    pub artifact: Option<String>,
 }
 
 impl Args {
@@ -191,6 +211,21 @@ impl Args {
             }
             _ => bail!("give exactly one of --corpus MANIFEST or --text FILE"),
         };
+        let reference = match (&self.reference_kv, &self.reference_artifact) {
+            (None, None) => None,
+            (k, a) => Some(ReferenceConfig {
+                kv: match k {
+                    Some(k) => {
+                        KvDtype::parse(k).map_err(|e| anyhow::anyhow!("--reference-kv: {e}"))?
+                    }
+                    None => kv,
+                },
+                artifact: a.clone(),
+            }),
+        };
+        if reference.is_some() && matches!(device, DeviceRequest::Cuda(_)) {
+            bail!("--reference-kv and --reference-artifact run on the CPU backend only, for now (use --device cpu)");
+        }
         Ok(RunConfig {
             artifact: self.artifact,
             input,
@@ -203,6 +238,7 @@ impl Args {
             threads: self.threads,
             verify_artifact: self.verify_artifact,
             show_calibration: self.show_calibration,
+            reference,
             log_level: self.log_level,
         })
     }

@@ -28,6 +28,8 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
             }
             c
         }),
+        reference: None,
+        reference_acc: None,
         windows: vec![WindowScore {
             begin: 0,
             first_target: 1,
@@ -80,6 +82,7 @@ fn fixed_report() -> Report {
             precision: "f32".into(),
             threads: 2,
             test_fault: None,
+            reference: None,
         },
         artifact: ArtifactInfo {
             path: "m.ninfer".into(),

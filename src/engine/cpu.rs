@@ -4,9 +4,7 @@
 //! [`score_cpu`] for why, and the tests below and in tests/determinism.rs).
 
 use super::{FinishWindow, HeadRows, WindowError};
-use crate::backend::cpu::head::RowScore;
-use crate::kv::KvDtype;
-use crate::model::forward::CpuModel;
+use crate::model::ForwardError;
 use crate::score::Window;
 use anyhow::Result;
 
@@ -25,7 +23,7 @@ pub(super) fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows
 pub(super) struct CpuSchedule {
     /// Windows computing at once ([`cpu_windows_in_flight`]).
     pub(super) in_flight: usize,
-    /// Working memory of the longest window ([`CpuModel::window_bytes`]).
+    /// Working memory of the longest window (`CpuModel::window_bytes`).
     pub(super) window_bytes: usize,
 }
 
@@ -54,17 +52,20 @@ pub(super) struct CpuSchedule {
 /// one succeeded; that first error is returned, no new window starts and the ones already
 /// running finish and are dropped.
 #[allow(clippy::too_many_arguments)]
+/// One window's computation: its tokens, the first target's index in them, and the split
+/// question (`CpuModel::window_rows_with`).
+pub(super) type Compute<'a> =
+    dyn Fn(&[u32], usize, &(dyn Fn() -> bool + Sync)) -> Result<HeadRows, ForwardError> + Sync + 'a;
+
 pub(super) fn score_cpu(
-    model: &CpuModel,
+    compute: &Compute,
     pool: &rayon::ThreadPool,
     schedule: CpuSchedule,
     tokens: &[u32],
     ws: &[Window],
-    kv: KvDtype,
     finish: &mut FinishWindow,
     window_error: &WindowError,
 ) -> Result<()> {
-    use crate::model::ForwardError;
     use std::collections::BTreeMap;
     use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -83,10 +84,10 @@ pub(super) fn score_cpu(
             let lps = pool
                 .install(|| {
                     let (t, first) = (&tokens[w.begin..w.end], w.first_target - w.begin);
-                    model.window_rows_with(t, first, kv, &may_split)
+                    compute(t, first, &may_split)
                 })
                 .map_err(|e| window_error(wi, &e))?;
-            finish(wi, HeadRows::Scored(lps))?;
+            finish(wi, lps)?;
         }
         return Ok(());
     }
@@ -114,16 +115,15 @@ pub(super) fn score_cpu(
             did_split.store(yes, SeqCst);
             yes
         };
-        let lps = model.window_rows_with(
+        let lps = compute(
             &tokens[w.begin..w.end],
             w.first_target - w.begin,
-            kv,
             &may_split,
         );
         busy.fetch_sub(1 + usize::from(did_split.load(SeqCst)), SeqCst);
         lps
     };
-    type Outcome = std::thread::Result<Result<Vec<RowScore>, ForwardError>>;
+    type Outcome = std::thread::Result<Result<HeadRows, ForwardError>>;
     let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
     // Set when this function returns (early, on an error), so that no new window starts.
     struct StopOnDrop<'a>(&'a AtomicUsize);
@@ -171,7 +171,7 @@ pub(super) fn score_cpu(
                     Ok(r) => r.map_err(|e| window_error(next, &e))?,
                     Err(panic) => resume_unwind(panic),
                 };
-                finish(next, HeadRows::Scored(lps))?;
+                finish(next, lps)?;
                 next += 1;
             }
         }
@@ -182,6 +182,8 @@ pub(super) fn score_cpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::KvDtype;
+    use crate::model::forward::CpuModel;
     use crate::model::synthetic::synthetic_model;
     use crate::score::{windows, Protocol};
     use anyhow::anyhow;
@@ -199,8 +201,13 @@ mod tests {
             .build()
             .unwrap();
         let mut got = Vec::new();
+        let compute = |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| {
+            model
+                .window_rows_with(t, first, KvDtype::Int8, may_split)
+                .map(HeadRows::Scored)
+        };
         let r = score_cpu(
-            model,
+            &compute,
             &pool,
             CpuSchedule {
                 in_flight,
@@ -208,7 +215,6 @@ mod tests {
             },
             tokens,
             &ws,
-            KvDtype::Int8,
             &mut |wi, rows| {
                 got.push((wi, rows.logprobs().iter().map(|x| x.to_bits()).collect()));
                 Ok(())

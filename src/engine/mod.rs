@@ -10,13 +10,16 @@ mod cpu;
 
 use crate::artifact::Artifact;
 use crate::backend::cpu::head::RowScore;
+use crate::backend::cpu::head_pair::PairScore;
 use crate::backend::cuda::CudaModel;
 use crate::backend::{Device, DeviceRequest, Precision};
 use crate::kv::KvDtype;
 use crate::model::fault::Faults;
 use crate::model::forward::CpuModel;
 use crate::model::weights::Weights;
-use crate::score::{windows, Calibration, NllSum, Protocol, StreamScore, Window, WindowScore};
+use crate::score::{
+    windows, Calibration, NllSum, Protocol, ReferenceAcc, StreamScore, Window, WindowScore,
+};
 use crate::tokenizer::Tokenizer;
 use anyhow::{anyhow, Context, Result};
 use cpu::{cpu_windows_in_flight, score_cpu, CpuSchedule};
@@ -55,6 +58,15 @@ pub struct Engine {
     pub faults: Faults,
     model: Model,
     pool: rayon::ThreadPool,
+    /// A second pass every window is compared with ([`Engine::set_reference`]).
+    reference: Option<Reference>,
+}
+
+/// The reference pass: its KV format and, unless it is this engine's own model, another
+/// artifact's engine.
+struct Reference {
+    kv: KvDtype,
+    other: Option<Box<Engine>>,
 }
 
 /// The loaded model on its backend.
@@ -128,6 +140,7 @@ impl Engine {
             faults,
             model,
             pool,
+            reference: None,
         })
     }
 
@@ -164,6 +177,59 @@ impl Engine {
             #[cfg(not(feature = "cuda"))]
             Model::Cuda(_) => None,
         }
+    }
+
+    /// Compares every window scored from now on with a reference pass over the same tokens:
+    /// this artifact with the KV format `kv` (`other: None`), or another artifact's engine
+    /// with it. Both must run on the CPU (the CUDA head has no reference mode yet), and
+    /// another artifact must have the same tokenizer and vocabulary.
+    pub fn set_reference(&mut self, kv: KvDtype, other: Option<Engine>) -> Result<()> {
+        if !matches!(self.model, Model::Cpu(_)) {
+            anyhow::bail!("a reference pass (--reference-kv, --reference-artifact) runs on the CPU backend only, for now: add --device cpu");
+        }
+        if let Some(o) = &other {
+            if !matches!(o.model, Model::Cpu(_)) {
+                anyhow::bail!(
+                    "{}: the reference model must run on the CPU",
+                    o.artifact.path().display()
+                );
+            }
+            let (a, b) = (&self.artifact, &o.artifact);
+            if self.tokenizer.sha256() != o.tokenizer.sha256()
+                || a.config.vocab_size != b.config.vocab_size
+            {
+                anyhow::bail!(
+                    "{}: its tokenizer (sha256 {}, vocabulary {}) differs from {}'s (sha256 {}, vocabulary {}); a reference must score the same tokens (artifacts {} and {})",
+                    b.path().display(),
+                    o.tokenizer.sha256(),
+                    b.config.vocab_size,
+                    a.path().display(),
+                    self.tokenizer.sha256(),
+                    a.config.vocab_size,
+                    b.digest,
+                    a.digest
+                );
+            }
+            kv.check_head_dim(b.config.head_dim)?;
+        } else {
+            kv.check_head_dim(self.artifact.config.head_dim)?;
+        }
+        self.reference = Some(Reference {
+            kv,
+            other: other.map(Box::new),
+        });
+        Ok(())
+    }
+
+    /// The reference pass's KV format and artifact (this engine's own when it is not
+    /// another one), if [`Engine::set_reference`] set one.
+    pub fn reference(&self) -> Option<(KvDtype, &Artifact)> {
+        self.reference.as_ref().map(|r| {
+            (
+                r.kv,
+                r.other.as_ref().map_or(&self.artifact, |e| &e.artifact),
+            )
+        })
     }
 
     /// Scores one stream with the windows of `protocol` ([`Engine::score_windows`]).
@@ -205,11 +271,30 @@ impl Engine {
         let mut processed = 0u64;
         // Some(..) as long as every window came with entropy and top-1 (one backend per run).
         let mut calibration = Some(Calibration::default());
+        let mut reference = self.reference.as_ref().map(|_| ReferenceAcc::default());
         // Accounts one finished window (the same for every backend).
         let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
+            if let (HeadRows::Paired(rs, ps), Some(acc)) = (&rows, reference.as_mut()) {
+                if let Some(i) = ps
+                    .iter()
+                    .position(|p| !p.kld.is_finite() || !p.ref_logprob.is_finite())
+                {
+                    anyhow::bail!(
+                        "window {wi} [{}, {}): non-finite KL divergence or reference log-probability at position {}",
+                        w.begin,
+                        w.end,
+                        w.first_target - 1 + i
+                    );
+                }
+                acc.push_window(
+                    rs.iter()
+                        .zip(ps)
+                        .map(|(r, p)| (p.kld, r.logprob, p.ref_logprob, r.top1 == p.ref_top1)),
+                );
+            }
             match (&rows, calibration.as_mut()) {
-                (HeadRows::Scored(rs), Some(c)) => {
+                (HeadRows::Scored(rs) | HeadRows::Paired(rs, _), Some(c)) => {
                     for (i, r) in rs.iter().enumerate() {
                         if !r.entropy.is_finite() || !r.top1_logprob.is_finite() {
                             anyhow::bail!(
@@ -272,8 +357,25 @@ impl Engine {
                 let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
                 let window_bytes = model.window_bytes(longest);
                 let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
+                let compute =
+                    |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match &self
+                        .reference
+                    {
+                        None => model
+                            .window_rows_with(t, first, kv, may_split)
+                            .map(HeadRows::Scored),
+                        Some(r) => {
+                            let m: &CpuModel = match r.other.as_deref().map(|e| &e.model) {
+                                Some(Model::Cpu(m)) => m,
+                                _ => model,
+                            };
+                            model
+                                .window_pairs_with(t, first, kv, (m, r.kv), may_split)
+                                .map(|(rows, pairs)| HeadRows::Paired(rows, pairs))
+                        }
+                    };
                 score_cpu(
-                    model,
+                    &compute,
                     &self.pool,
                     CpuSchedule {
                         in_flight,
@@ -281,7 +383,6 @@ impl Engine {
                     },
                     tokens,
                     ws,
-                    kv,
                     &mut finish,
                     &window_error,
                 )?
@@ -294,6 +395,7 @@ impl Engine {
             totals,
             windows: out,
             calibration,
+            reference,
         })
     }
 }
@@ -323,16 +425,19 @@ fn load_cuda(
 /// What a backend's head gives for a window's targets.
 pub(crate) enum HeadRows {
     /// Log-probabilities only (the CUDA head, for now).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Logprobs(Vec<f32>),
     /// Log-probabilities with each row's entropy and top-1 token (the CPU head).
     Scored(Vec<RowScore>),
+    /// The same, with the reference pass's comparison at each row.
+    Paired(Vec<RowScore>, Vec<PairScore>),
 }
 
 impl HeadRows {
     pub(crate) fn logprobs(&self) -> Vec<f32> {
         match self {
             HeadRows::Logprobs(v) => v.clone(),
-            HeadRows::Scored(r) => r.iter().map(|r| r.logprob).collect(),
+            HeadRows::Scored(r) | HeadRows::Paired(r, _) => r.iter().map(|r| r.logprob).collect(),
         }
     }
 }

@@ -61,6 +61,9 @@ pub enum ForwardError {
     },
     #[error("non-finite logit of token {token} at window position {pos} (output head)")]
     NonFiniteLogit { pos: usize, token: usize },
+    /// A failure of the reference model's pass over the same window (`--reference-*`).
+    #[error("reference pass: {0}")]
+    InReference(Box<ForwardError>),
 }
 
 /// `x[T, heads, D]` (rows from window position `first`) checked for NaN and infinity: the
@@ -101,6 +104,7 @@ impl ForwardError {
                 head,
             } => (1 + layer, part, pos, head),
             ForwardError::NonFiniteLogit { pos, token } => (usize::MAX, Part::Query, pos, token),
+            ForwardError::InReference(_) => (usize::MAX, Part::State, usize::MAX, usize::MAX),
         }
     }
 }

@@ -12,6 +12,7 @@
 
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
 use crate::backend::cpu::head::{self, RowScore};
+use crate::backend::cpu::head_pair::{self, PairScore, Side};
 use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
@@ -147,6 +148,27 @@ impl CpuModel {
         self.forward(tokens, first_target, kv, Split::Ask(may_split))
     }
 
+    /// [`CpuModel::window_rows_with`] with a reference pass over the same window (`reference`:
+    /// a model with the same vocabulary and its KV format) compared at every target by
+    /// [`head_pair::score_pairs`]; the run's rows have the same bits as without it.
+    pub fn window_pairs_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        reference: (&CpuModel, KvDtype),
+        may_split: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<RowScore>, Vec<PairScore>), ForwardError> {
+        let (rows, pairs) = self.forward_with(
+            tokens,
+            first_target,
+            kv,
+            Split::Ask(may_split),
+            Some(reference),
+        )?;
+        Ok((rows, pairs.unwrap_or_default()))
+    }
+
     pub(crate) fn forward(
         &self,
         tokens: &[u32],
@@ -154,9 +176,79 @@ impl CpuModel {
         kv: KvDtype,
         split: Split,
     ) -> Result<Vec<RowScore>, ForwardError> {
+        Ok(self.forward_with(tokens, first_target, kv, split, None)?.0)
+    }
+
+    fn forward_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        split: Split,
+        reference: Option<(&CpuModel, KvDtype)>,
+    ) -> Result<(Vec<RowScore>, Option<Vec<PairScore>>), ForwardError> {
         let c = &self.config;
+        let d = c.hidden_size;
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
+        let (hn, cut) = self.hidden(tokens, first_target, kv, split, &mut laps)?;
+        let rows = t_len - first_target;
+        let targets = &tokens[first_target..];
+        let logit_error = |pos: usize, token: usize| ForwardError::NonFiniteLogit {
+            pos: first_target - 1 + pos,
+            token,
+        };
+        let mut out = vec![RowScore::default(); rows];
+        let pairs = match reference {
+            None => {
+                head::score_rows(&hn, d, self.weights.head(), c.vocab_size, targets, &mut out)
+                    .map_err(|e| logit_error(e.row, e.token))?;
+                None
+            }
+            Some((m, ref_kv)) => {
+                let mut ref_laps = Laps::new(false);
+                let (hr, _) = m
+                    .hidden(tokens, first_target, ref_kv, Split::Never, &mut ref_laps)
+                    .map_err(|e| ForwardError::InReference(Box::new(e)))?;
+                let mut pairs = vec![PairScore::default(); rows];
+                let dr = m.config.hidden_size;
+                head_pair::score_pairs(
+                    (&hn, d, self.weights.head()),
+                    (&hr, dr, m.weights.head()),
+                    c.vocab_size,
+                    targets,
+                    &mut out,
+                    &mut pairs,
+                )
+                .map_err(|(side, e)| match side {
+                    Side::Run => logit_error(e.row, e.token),
+                    Side::Reference => {
+                        ForwardError::InReference(Box::new(logit_error(e.row, e.token)))
+                    }
+                })?;
+                Some(pairs)
+            }
+        };
+        laps.lap(Phase::Head);
+        let after_split = if cut { " (after the split)" } else { "" };
+        laps.report(&format!(
+            "window {t_len} tokens, {rows} scored{after_split}"
+        ));
+        Ok((out, pairs))
+    }
+
+    /// The final-normed hidden states of the rows that predict a target (`[rows, d]`, row `r`
+    /// predicting `tokens[first_target + r]`), and whether the window was split.
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        split: Split,
+        laps: &mut Laps,
+    ) -> Result<(Vec<f32>, bool), ForwardError> {
+        let c = &self.config;
+        let t_len = tokens.len();
         assert!(
             first_target >= 1 && first_target <= t_len,
             "first_target out of range"
@@ -201,22 +293,14 @@ impl CpuModel {
                     cut = Some((li, h));
                     break;
                 }
-                self.layer(
-                    li,
-                    0..t_len,
-                    &mut x,
-                    &mut bufs,
-                    &pass,
-                    &Link::Alone,
-                    &mut laps,
-                )
-                .map_err(Stop::into_error)?;
+                self.layer(li, 0..t_len, &mut x, &mut bufs, &pass, &Link::Alone, laps)
+                    .map_err(Stop::into_error)?;
             }
         }
         if let Some((from, h)) = cut {
             laps.report(&format!("window {t_len} tokens, layers 0..{from}"));
             self.split_layers(from, h, &mut x, &pass)?;
-            laps = Laps::new(self.profile);
+            *laps = Laps::new(self.profile);
         }
 
         // Row i predicts token i + 1: rows first_target-1 .. T-1.
@@ -230,29 +314,7 @@ impl CpuModel {
             }
             rms_norm_row(&x[i * d..(i + 1) * d], &w.final_norm, c.rms_norm_eps, o);
         });
-        let mut out = vec![RowScore::default(); rows];
-        head::score_rows(
-            &hn,
-            d,
-            w.head(),
-            c.vocab_size,
-            &tokens[first_target..],
-            &mut out,
-        )
-        .map_err(|e| ForwardError::NonFiniteLogit {
-            pos: first_target - 1 + e.row,
-            token: e.token,
-        })?;
-        laps.lap(Phase::Head);
-        let after_split = if cut.is_some() {
-            " (after the split)"
-        } else {
-            ""
-        };
-        laps.report(&format!(
-            "window {t_len} tokens, {rows} scored{after_split}"
-        ));
-        Ok(out)
+        Ok((hn, cut.is_some()))
     }
 
     /// One decoder layer for rows `rows` of a window (`x` holds exactly those rows of the

@@ -7,7 +7,7 @@
 pub mod table;
 pub mod write;
 
-use crate::score::{Calibration, NllSum, WindowScore};
+use crate::score::{Calibration, NllSum, ReferenceAcc, ReferenceSummary, WindowScore};
 use serde::{Deserialize, Serialize};
 
 pub const SCHEMA: &str = "ninfer-perplexity.report";
@@ -73,6 +73,18 @@ pub struct Settings {
     /// The test-only perturbation the run had (`fault-injection` builds only); absent normally.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_fault: Option<String>,
+    /// The reference pass every position was compared with (`--reference-*`); absent without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferenceSettings>,
+}
+
+/// What the reference pass ran.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceSettings {
+    pub kv_dtype: String,
+    pub artifact_path: String,
+    pub artifact_digest: String,
+    pub weight_format: String,
 }
 
 /// Reports written before `precision` was recorded came from the CPU path (f32).
@@ -216,6 +228,12 @@ pub struct StreamReport {
     pub processed_tokens_per_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<CalibrationReport>,
+    /// The comparison with the reference pass (`--reference-*`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferenceSummary>,
+    /// Its per-position values, for the domain and overall rows (not written).
+    #[serde(skip)]
+    pub reference_acc: Option<ReferenceAcc>,
     pub windows: Vec<WindowScore>,
 }
 
@@ -229,6 +247,8 @@ pub struct Aggregate {
     pub totals: Totals,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<CalibrationReport>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferenceSummary>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -256,7 +276,12 @@ pub fn aggregate<'a>(
     let (mut n, mut bytes, mut input) = (0usize, 0u64, 0usize);
     // Only when every stream has it.
     let mut calib = Some(Calibration::default());
+    let mut reference = Some(ReferenceAcc::default());
     for st in streams {
+        match (&st.reference_acc, reference.as_mut()) {
+            (Some(r), Some(all)) => all.add(r),
+            _ => reference = None,
+        }
         match (&st.calibration, calib.as_mut()) {
             (Some(c), Some(all)) => all.add(&c.sums),
             _ => calib = None,
@@ -273,6 +298,7 @@ pub fn aggregate<'a>(
         input_tokens: input,
         totals: Totals::new(&s, bytes),
         calibration: calib.as_ref().and_then(CalibrationReport::new),
+        reference: reference.as_ref().and_then(ReferenceAcc::summary),
     }
 }
 

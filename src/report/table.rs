@@ -59,3 +59,66 @@ pub fn render(r: &Report, calibration: bool) -> String {
     row(&mut out, &r.overall, calibration);
     out
 }
+
+fn reference_row(out: &mut String, a: &Aggregate) {
+    let Some(r) = &a.reference else { return };
+    let ci = match r.delta_nll_ci95 {
+        Some([lo, hi]) => format!("[{lo:+.5}, {hi:+.5}]"),
+        None => "(one window)".into(),
+    };
+    let _ = writeln!(
+        out,
+        "{:<22} {:>9} {:>9.6} {:>9.6} {:>9.6} {:>9.6} {:>9.5} {:>10.5} {:>+9.6} {:>8.6} {:>+10.6} {:>22}",
+        a.title,
+        r.positions,
+        r.mean_kld,
+        r.kld_median,
+        r.kld_p90,
+        r.kld_p99,
+        r.kld_max,
+        r.top1_agreement,
+        r.mean_delta_p,
+        r.rms_delta_p,
+        r.delta_nll,
+        ci
+    );
+}
+
+/// The second table of a run with a reference pass: per domain and overall, how far the
+/// run's distribution is from the reference's (`None` without a reference).
+pub fn render_reference(r: &Report) -> Option<String> {
+    let rs = r.settings.reference.as_ref()?;
+    r.overall.reference.as_ref()?;
+    let mut out = String::new();
+    let name = std::path::Path::new(&rs.artifact_path)
+        .file_name()
+        .map_or(rs.artifact_path.clone(), |n| {
+            n.to_string_lossy().into_owned()
+        });
+    let _ = writeln!(
+        out,
+        "# reference: weights {} | kv {} ({name}) | KL(reference || run) in nats, dp = p_run(target) - p_ref(target), delta_nll = run - reference",
+        rs.weight_format, rs.kv_dtype
+    );
+    let _ = writeln!(
+        out,
+        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>10} {:>22}",
+        "domain",
+        "positions",
+        "mean_kld",
+        "kld_p50",
+        "kld_p90",
+        "kld_p99",
+        "kld_max",
+        "top1_agree",
+        "mean_dp",
+        "rms_dp",
+        "delta_nll",
+        "delta_nll 95% CI"
+    );
+    for d in &r.domains {
+        reference_row(&mut out, d);
+    }
+    reference_row(&mut out, &r.overall);
+    Some(out)
+}

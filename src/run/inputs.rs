@@ -56,18 +56,48 @@ pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
 
     ui::info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
     let t_load = Instant::now();
+    // A reference pass runs on the CPU only: `auto` means the CPU then.
+    let device = match (&cfg.reference, cfg.device) {
+        (Some(_), crate::backend::DeviceRequest::Auto) => crate::backend::DeviceRequest::Cpu,
+        (_, d) => d,
+    };
     let opts = LoadOptions {
-        device: cfg.device,
+        device,
         threads: cfg.threads,
         verify_digest: cfg.verify_artifact,
         precision: cfg.precision,
     };
     let mut load_bar = ProgressLine::new("loading weights", 1, "tensors");
-    let engine = Engine::load(artifact_path, &opts, &mut |done, total| {
+    let mut engine = Engine::load(artifact_path, &opts, &mut |done, total| {
         load_bar.set_total(total as u64);
         load_bar.update(done as u64);
     })?;
     load_bar.finish();
+    if let Some(r) = &cfg.reference {
+        let other = match &r.artifact {
+            None => None,
+            Some(name) => {
+                let resolved = crate::registry::resolve_artifact(name)
+                    .map_err(|e| anyhow!("--reference-artifact: {e:#}"))?;
+                let mut bar = ProgressLine::new("loading reference weights", 1, "tensors");
+                let e = Engine::load(&resolved.path, &opts, &mut |done, total| {
+                    bar.set_total(total as u64);
+                    bar.update(done as u64);
+                })
+                .map_err(|e| anyhow!("--reference-artifact: {e:#}"))?;
+                bar.finish();
+                resolved.check_digest(&e.artifact.digest)?;
+                Some(e)
+            }
+        };
+        if other.is_none() && r.kv == cfg.kv {
+            ui::info(format!(
+                "reference  the run itself (--reference-kv {} = --kv-dtype): KL divergence 0 and agreement 1 by construction",
+                r.kv.name()
+            ));
+        }
+        engine.set_reference(r.kv, other)?;
+    }
     let load_s = t_load.elapsed().as_secs_f64();
     cfg.kv.check_head_dim(engine.artifact.config.head_dim)?;
 

@@ -99,7 +99,11 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         rep.throughput.processed_tokens_per_s,
         report_path.display()
     ));
-    let table = table::render(&rep, cfg.show_calibration);
+    let mut table = table::render(&rep, cfg.show_calibration);
+    if let Some(t) = table::render_reference(&rep) {
+        table.push('\n');
+        table.push_str(&t);
+    }
     Ok(RunOutput {
         report: rep,
         report_path,

@@ -64,6 +64,12 @@ pub fn build(
             precision: engine.precision.name().into(),
             threads: engine.threads(),
             test_fault: engine.faults.active().map(|f| f.describe()),
+            reference: engine.reference().map(|(kv, a)| report::ReferenceSettings {
+                kv_dtype: kv.name().into(),
+                artifact_path: a.path().display().to_string(),
+                artifact_digest: a.digest.clone(),
+                weight_format: a.weight_summary(),
+            }),
         },
         artifact: report::ArtifactInfo {
             path: a.path().display().to_string(),

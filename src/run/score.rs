@@ -56,6 +56,8 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
             totals,
             seconds: secs,
             processed_tokens_per_s: rate,
+            reference: score.reference.as_ref().and_then(|r| r.summary()),
+            reference_acc: score.reference.clone(),
             calibration: score
                 .calibration
                 .as_ref()

@@ -2,9 +2,11 @@
 //! calibration of the predictive distribution ([`calibration`]).
 
 pub mod calibration;
+pub mod reference;
 pub mod stats;
 pub mod window;
 
 pub use calibration::Calibration;
+pub use reference::{ReferenceAcc, ReferenceSummary};
 pub use stats::{NllSum, StreamScore, WindowScore};
 pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window};

@@ -89,6 +89,9 @@ pub struct StreamScore {
     /// Entropy, top-1 accuracy and calibration bins over every scored row; `None` from a
     /// backend whose head does not compute them (CUDA, for now).
     pub calibration: Option<super::Calibration>,
+    /// The comparison with the reference pass, when the engine has one.
+    #[serde(skip)]
+    pub reference: Option<super::ReferenceAcc>,
 }
 
 #[cfg(test)]

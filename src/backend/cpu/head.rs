@@ -19,21 +19,21 @@ use crate::kv::find_non_finite;
 use rayon::prelude::*;
 
 /// Vocabulary entries per chunk (fixed: it defines the reduction order).
-const VOCAB_CHUNK: usize = 2048;
+pub(super) const VOCAB_CHUNK: usize = 2048;
 /// Rows per GEMM, bounding the per-task logits buffer (`ROWS × VOCAB_CHUNK` floats, 8 MiB):
 /// taller blocks pack each vocabulary chunk of the head fewer times (measured: about 5% less
 /// head time than 256 at context 4096).
-const ROWS: usize = 1024;
+pub(super) const ROWS: usize = 1024;
 
 #[derive(Clone, Copy)]
-struct Partial {
-    max: f32,
-    sum: f32,
-    target: f32,
+pub(super) struct Partial {
+    pub(super) max: f32,
+    pub(super) sum: f32,
+    pub(super) target: f32,
     /// `Σ exp(l − max)·(l − max)` over the chunk (with calibration only).
-    wsum: f32,
+    pub(super) wsum: f32,
     /// The chunk's first entry equal to `max` (with calibration only).
-    argmax: u32,
+    pub(super) argmax: u32,
 }
 
 /// One scored row: the target's log-probability and, from the same logits, the entropy of the
@@ -124,7 +124,7 @@ pub fn score_rows(
 
 /// Row `i`'s chunks combined in vocabulary order: (log-probability, Σ exp(l − max),
 /// Σ exp(l − max)(l − max), top-1 id); the last two only mean something with calibration.
-fn combine(partials: &[Vec<Partial>], i: usize) -> (f32, f64, f64, u32) {
+pub(super) fn combine(partials: &[Vec<Partial>], i: usize) -> (f32, f64, f64, u32) {
     let max = partials
         .iter()
         .map(|p| p[i].max)
@@ -147,6 +147,82 @@ fn combine(partials: &[Vec<Partial>], i: usize) -> (f32, f64, f64, u32) {
     }
     let lp = ((target - max) as f64 - sum.ln()) as f32;
     (lp, sum, wsum, top1.unwrap_or(0))
+}
+
+/// `lg[r, vc]` = logits of rows `r0..r0 + r` of `h[rows, d]` against vocabulary entries
+/// `v0..v0 + vc` of `w[vocab, d]`, or the first non-finite one.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn logits_block(
+    h: &[f32],
+    d: usize,
+    w: &[f32],
+    v0: usize,
+    vc: usize,
+    r0: usize,
+    r: usize,
+    lg: &mut [f32],
+) -> Result<(), NonFiniteLogit> {
+    let hb = &h[r0 * d..(r0 + r) * d];
+    assert_eq!(lg.len(), r * vc);
+    assert!(w.len() >= (v0 + vc) * d);
+    // SAFETY: `hb` is dense [r, d]; rows v0..v0+vc of `w` are dense [vc, d] (checked above);
+    // `lg` is dense [r, vc] and owned by the caller. All in bounds.
+    unsafe {
+        sgemm_block(
+            Gemm::configured(),
+            r,
+            d,
+            vc,
+            hb.as_ptr(),
+            w.as_ptr().add(v0 * d),
+            lg.as_mut_ptr(),
+            vc,
+            false,
+        );
+    }
+    match find_non_finite(lg) {
+        Some(i) => Err(NonFiniteLogit {
+            row: r0 + i / vc,
+            token: v0 + i % vc,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// One row's partial over a chunk starting at `v0`; `row` is left holding `exp(l − max)`
+/// and, with calibration, `kept` the logits themselves.
+pub(super) fn row_partial<const CALIB: bool>(
+    row: &mut [f32],
+    kept: &mut [f32],
+    v0: usize,
+    target: u32,
+) -> Partial {
+    let t = target as usize;
+    let vc = row.len();
+    let target = if (v0..v0 + vc).contains(&t) {
+        row[t - v0]
+    } else {
+        f32::NAN
+    };
+    let max = exp::max(row);
+    let mut argmax = 0;
+    if CALIB {
+        argmax = v0 as u32 + row.iter().position(|&v| v == max).unwrap_or(0) as u32;
+        kept.copy_from_slice(row);
+    }
+    let sum = exp::exp_sub_sum(row, max);
+    let wsum = if CALIB {
+        weighted_sum(row, kept, max)
+    } else {
+        0.0
+    };
+    Partial {
+        max,
+        sum,
+        target,
+        wsum,
+        argmax,
+    }
 }
 
 /// Every chunk's partials for every row (`partials[chunk][row]`), or the first bad logit.
@@ -172,55 +248,10 @@ fn partials<const CALIB: bool>(
             let mut part = Vec::with_capacity(rows);
             for r0 in (0..rows).step_by(ROWS) {
                 let r = ROWS.min(rows - r0);
-                let hb = &h[r0 * d..(r0 + r) * d];
                 let lg = &mut logits[..r * vc];
-                // SAFETY: `hb` is dense [r, d]; rows v0..v0+vc of `w` are dense [vc, d]; `lg`
-                // is dense [r, vc] and owned by this task. All in bounds.
-                unsafe {
-                    sgemm_block(
-                        Gemm::configured(),
-                        r,
-                        d,
-                        vc,
-                        hb.as_ptr(),
-                        w.as_ptr().add(v0 * d),
-                        lg.as_mut_ptr(),
-                        vc,
-                        false,
-                    );
-                }
-                if let Some(i) = find_non_finite(lg) {
-                    return Err(NonFiniteLogit {
-                        row: r0 + i / vc,
-                        token: v0 + i % vc,
-                    });
-                }
+                logits_block(h, d, w, v0, vc, r0, r, lg)?;
                 for (i, row) in lg.chunks_mut(vc).enumerate() {
-                    let t = targets[r0 + i] as usize;
-                    let target = if (v0..v0 + vc).contains(&t) {
-                        row[t - v0]
-                    } else {
-                        f32::NAN
-                    };
-                    let max = exp::max(row);
-                    let mut argmax = 0;
-                    if CALIB {
-                        argmax = v0 as u32 + row.iter().position(|&v| v == max).unwrap_or(0) as u32;
-                        kept.copy_from_slice(row);
-                    }
-                    let sum = exp::exp_sub_sum(row, max);
-                    let wsum = if CALIB {
-                        weighted_sum(row, &kept, max)
-                    } else {
-                        0.0
-                    };
-                    part.push(Partial {
-                        max,
-                        sum,
-                        target,
-                        wsum,
-                        argmax,
-                    });
+                    part.push(row_partial::<CALIB>(row, &mut kept, v0, targets[r0 + i]));
                 }
             }
             Ok(part)

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod delta_rule;
 pub mod exp;
 pub mod head;
+pub mod head_pair;
 pub mod isa;
 pub mod matmul;
 pub mod norm;

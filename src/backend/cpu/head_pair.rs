@@ -1,0 +1,254 @@
+//! Two output heads over the same positions, compared over the full vocabulary in one pass.
+//!
+//! For `--reference-kv` / `--reference-artifact` runs: each scored position has the run's
+//! final hidden state and the reference's, and this computes, chunk by chunk of the
+//! vocabulary exactly as [`super::head`] does (so the run's own scores keep their bits), both
+//! distributions' partials and `Σ exp(l_ref − max_ref)·(l_ref − l_run)`, from which
+//! `KL(ref ‖ run) = U/S_ref − lse_ref + lse_run` follows. No logits outlive their chunk, so
+//! memory stays `O(rows × chunk)` whatever the vocabulary. Identical inputs give a KL of
+//! exactly 0.
+
+use super::head::{combine, logits_block, row_partial, NonFiniteLogit, Partial, RowScore};
+use super::head::{ROWS, VOCAB_CHUNK};
+use rayon::prelude::*;
+
+/// What the reference says about one position.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PairScore {
+    /// The reference's log-probability of the target.
+    pub ref_logprob: f32,
+    /// KL(reference ‖ run) over the full vocabulary, nats.
+    pub kld: f32,
+    /// The reference's top-1 token (lowest id on ties).
+    pub ref_top1: u32,
+}
+
+/// Which head produced a non-finite logit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Side {
+    Run,
+    Reference,
+}
+
+/// `Σ e[i]·(a[i] − b[i])` in eight lanes, the same bits on every instruction set.
+#[multiversion::multiversion(targets("x86_64+avx512f+avx2+fma", "x86_64+avx2+fma"))]
+fn diff_weighted_sum(e: &[f32], a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let n = e.len() / 8 * 8;
+    for ((x, y), z) in e[..n]
+        .chunks_exact(8)
+        .zip(a[..n].chunks_exact(8))
+        .zip(b[..n].chunks_exact(8))
+    {
+        for i in 0..8 {
+            acc[i] += x[i] * (y[i] - z[i]);
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for i in n..e.len() {
+        s += e[i] * (a[i] - b[i]);
+    }
+    s
+}
+
+#[derive(Clone, Copy)]
+struct Both {
+    run: Partial,
+    reference: Partial,
+    /// `Σ exp(l_ref − max_ref)·(l_ref − l_run)` over the chunk.
+    u: f32,
+}
+
+/// `h[rows, d]` with `w[vocab, d]` (the run) and `h_ref[rows, d_ref]` with
+/// `w_ref[vocab, d_ref]` (the reference), `targets[rows]` -> `out[rows]` (the run's rows,
+/// the same bits as [`super::head::score_rows`]) and `pairs[rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn score_pairs(
+    (h, d, w): (&[f32], usize, &[f32]),
+    (h_ref, d_ref, w_ref): (&[f32], usize, &[f32]),
+    vocab: usize,
+    targets: &[u32],
+    out: &mut [RowScore],
+    pairs: &mut [PairScore],
+) -> Result<(), (Side, NonFiniteLogit)> {
+    let rows = targets.len();
+    assert_eq!(h.len(), rows * d);
+    assert_eq!(h_ref.len(), rows * d_ref);
+    assert_eq!(w.len(), vocab * d);
+    assert_eq!(w_ref.len(), vocab * d_ref);
+    assert_eq!((out.len(), pairs.len()), (rows, rows));
+    let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
+    let parts: Vec<Result<Vec<Both>, (Side, NonFiniteLogit)>> = chunks
+        .par_iter()
+        .map(|&v0| {
+            let vc = VOCAB_CHUNK.min(vocab - v0);
+            let mut lg = vec![0.0f32; ROWS.min(rows) * vc];
+            let mut lg_ref = vec![0.0f32; ROWS.min(rows) * vc];
+            let (mut kept, mut kept_ref) = (vec![0.0f32; vc], vec![0.0f32; vc]);
+            let mut part = Vec::with_capacity(rows);
+            for r0 in (0..rows).step_by(ROWS) {
+                let r = ROWS.min(rows - r0);
+                let (a, b) = (&mut lg[..r * vc], &mut lg_ref[..r * vc]);
+                logits_block(h, d, w, v0, vc, r0, r, a).map_err(|e| (Side::Run, e))?;
+                logits_block(h_ref, d_ref, w_ref, v0, vc, r0, r, b)
+                    .map_err(|e| (Side::Reference, e))?;
+                for (i, (x, y)) in a.chunks_mut(vc).zip(b.chunks_mut(vc)).enumerate() {
+                    let t = targets[r0 + i];
+                    let run = row_partial::<true>(x, &mut kept, v0, t);
+                    let reference = row_partial::<true>(y, &mut kept_ref, v0, t);
+                    let u = diff_weighted_sum(y, &kept_ref, &kept);
+                    part.push(Both { run, reference, u });
+                }
+            }
+            Ok(part)
+        })
+        .collect();
+    if let Some(e) = parts.iter().filter_map(|p| p.as_ref().err()).min() {
+        return Err(*e);
+    }
+    let parts: Vec<Vec<Both>> = parts.into_iter().map(|p| p.unwrap_or_default()).collect();
+    let run: Vec<Vec<Partial>> = parts
+        .iter()
+        .map(|c| c.iter().map(|b| b.run).collect())
+        .collect();
+    let refs: Vec<Vec<Partial>> = parts
+        .iter()
+        .map(|c| c.iter().map(|b| b.reference).collect())
+        .collect();
+    for i in 0..rows {
+        let (lp, sum, wsum, top1) = combine(&run, i);
+        let (lp_ref, sum_ref, _, top1_ref) = combine(&refs, i);
+        let ln_s = sum.ln();
+        out[i] = RowScore {
+            logprob: lp,
+            entropy: (ln_s - wsum / sum) as f32,
+            top1,
+            top1_logprob: (-ln_s) as f32,
+        };
+        let max =
+            |p: &Vec<Vec<Partial>>| p.iter().map(|c| c[i].max).fold(f32::NEG_INFINITY, f32::max);
+        let (m, m_ref) = (max(&run), max(&refs));
+        let u: f64 = parts
+            .iter()
+            .map(|c| c[i].u as f64 * ((c[i].reference.max - m_ref) as f64).exp())
+            .sum();
+        let lse = m as f64 + ln_s;
+        let lse_ref = m_ref as f64 + sum_ref.ln();
+        pairs[i] = PairScore {
+            ref_logprob: lp_ref,
+            kld: (u / sum_ref - lse_ref + lse) as f32,
+            ref_top1: top1_ref,
+        };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::head::score_rows;
+    use super::*;
+
+    fn data(rows: usize, d: usize, vocab: usize, salt: usize) -> (Vec<f32>, Vec<f32>) {
+        let h = (0..rows * d)
+            .map(|i| (((i + salt) * 31) % 17) as f32 / 4.0 - 2.0)
+            .collect();
+        let w = (0..vocab * d)
+            .map(|i| ((i * 7919 + salt) % 23) as f32 / 6.0 - 2.0)
+            .collect();
+        (h, w)
+    }
+
+    #[test]
+    fn kl_top1_and_the_run_rows_match_a_direct_computation() {
+        let (rows, d, vocab) = (9, 6, 2 * VOCAB_CHUNK + 301);
+        let (h, w) = (data(rows, d, vocab, 0).0, data(rows, d, vocab, 0).1);
+        let (h_ref, w_ref) = data(rows, d + 1, vocab, 5);
+        let targets: Vec<u32> = (0..rows).map(|i| ((i * 4513) % vocab) as u32).collect();
+        let mut out = vec![RowScore::default(); rows];
+        let mut pairs = vec![PairScore::default(); rows];
+        score_pairs(
+            (&h, d, &w),
+            (&h_ref, d + 1, &w_ref),
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap();
+        let mut alone = vec![RowScore::default(); rows];
+        score_rows(&h, d, &w, vocab, &targets, &mut alone).unwrap();
+        assert_eq!(out, alone, "the run's rows keep their bits");
+        let logits = |h: &[f32], w: &[f32], d: usize, i: usize| -> Vec<f64> {
+            (0..vocab)
+                .map(|v| (0..d).map(|x| (h[i * d + x] * w[v * d + x]) as f64).sum())
+                .collect()
+        };
+        let lsm = |l: Vec<f64>| {
+            let m = l.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            l.iter().map(|x| x - lse).collect::<Vec<f64>>()
+        };
+        for i in 0..rows {
+            let a = lsm(logits(&h, &w, d, i));
+            let b = lsm(logits(&h_ref, &w_ref, d + 1, i));
+            let kl: f64 = b.iter().zip(&a).map(|(q, p)| q.exp() * (q - p)).sum();
+            assert!(
+                (pairs[i].kld as f64 - kl).abs() < 1e-4 * kl.max(1.0),
+                "{} vs {kl}",
+                pairs[i].kld
+            );
+            assert!(kl > 0.01, "the two heads differ");
+            let t = targets[i] as usize;
+            assert!((pairs[i].ref_logprob as f64 - b[t]).abs() < 1e-4);
+            let top = b.iter().cloned().fold(f64::MIN, f64::max);
+            assert_eq!(
+                pairs[i].ref_top1 as usize,
+                b.iter().position(|&x| x == top).unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn a_reference_equal_to_the_run_gives_exactly_zero() {
+        let (rows, d, vocab) = (7, 5, VOCAB_CHUNK + 77);
+        let (h, w) = data(rows, d, vocab, 3);
+        let targets: Vec<u32> = (0..rows).map(|i| (i * 97 % vocab) as u32).collect();
+        let mut out = vec![RowScore::default(); rows];
+        let mut pairs = vec![PairScore::default(); rows];
+        score_pairs(
+            (&h, d, &w),
+            (&h, d, &w),
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap();
+        for (o, p) in out.iter().zip(&pairs) {
+            assert_eq!(p.kld, 0.0);
+            assert_eq!(p.ref_logprob.to_bits(), o.logprob.to_bits());
+            assert_eq!(p.ref_top1, o.top1);
+        }
+    }
+
+    #[test]
+    fn a_bad_reference_logit_is_named() {
+        let (rows, d, vocab) = (3, 4, 100);
+        let (h, w) = data(rows, d, vocab, 1);
+        let mut w_bad = w.clone();
+        w_bad[17 * d] = f32::NAN;
+        let targets = vec![1u32; rows];
+        let mut out = vec![RowScore::default(); rows];
+        let mut pairs = vec![PairScore::default(); rows];
+        let e = score_pairs(
+            (&h, d, &w),
+            (&h, d, &w_bad),
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap_err();
+        assert_eq!(e, (Side::Reference, NonFiniteLogit { row: 0, token: 17 }));
+    }
+}
