@@ -2,7 +2,7 @@
 # The README's comparison examples: SmolLM2 (bf16 weights) on the quick streams, bf16 KV
 # against nvfp4 KV, as two runs and `ninfer-perplexity compare`, and as one run with
 # `--reference-kv bf16` (full-vocabulary KL divergence, top-1 agreement, Δp). Writes
-# eval/results/compare-kv-smollm2.md.
+# eval/results/compare-kv-smollm2.md and the two example plots under docs/plots/.
 #
 # Usage: bash eval/compare-example.sh [MAX_TOKENS CONTEXT STRIDE]   (default 4096 512 256)
 set -euo pipefail
@@ -19,10 +19,13 @@ for kv in bf16 nvfp4; do
     --max-tokens "$max" --context "$ctx" --stride "$stride" --kv-dtype "$kv" \
     --output "$out/$kv" --log-level error >/dev/null
 done
-"$bin" compare "$out/bf16" "$out/nvfp4" --json "$out/compare.json" >"$out/table.txt" 2>"$out/verdict.txt"
+mkdir -p docs/plots
+"$bin" compare "$out/bf16" "$out/nvfp4" --json "$out/compare.json" --plot docs/plots/compare-kv-smollm2.svg \
+  >"$out/table.txt" 2>"$out/verdict.txt"
 "$bin" smollm2-135m-bf16 --corpus eval/corpora/perplexity-1m/manifest.json --quick \
   --max-tokens "$max" --context "$ctx" --stride "$stride" --kv-dtype nvfp4 --reference-kv bf16 \
-  --output "$out/ref" --log-level error >"$out/ref.txt"
+  --output "$out/ref" --plot --log-level error >"$out/ref.txt"
+cp "$out/ref/plot.svg" docs/plots/run-nvfp4-vs-bf16-kv-smollm2.svg
 {
   echo "# compare: bf16 KV vs nvfp4 KV on SmolLM2-135M"
   echo

@@ -90,6 +90,11 @@ pub struct Args {
     #[arg(long, value_name = "ARTIFACT")]
     pub reference_artifact: Option<String>,
 
+    /// Also write plot.svg beside report.json: per-window mean NLL along each stream by
+    /// domain, and the KL-divergence histogram of a run with a reference pass.
+    #[arg(long)]
+    pub plot: bool,
+
     /// Add calibration columns to the table: mean entropy, top-1 accuracy, mean top-1
     /// confidence, ECE (report.json always has them where the backend computes them).
     #[arg(long)]
@@ -114,6 +119,10 @@ pub struct CompareArgs {
     /// Also write the comparison as JSON to FILE (written atomically; replaces FILE).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+
+    /// Also draw the per-window deltas with the interval band as an SVG to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
 
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
@@ -156,6 +165,7 @@ pub struct RunConfig {
     pub threads: usize,
     pub verify_artifact: bool,
     pub show_calibration: bool,
+    pub plot: bool,
     /// The reference pass to compare with, if any.
     pub reference: Option<ReferenceConfig>,
     pub log_level: LogLevel,
@@ -238,6 +248,7 @@ impl Args {
             threads: self.threads,
             verify_artifact: self.verify_artifact,
             show_calibration: self.show_calibration,
+            plot: self.plot,
             reference,
             log_level: self.log_level,
         })

@@ -42,13 +42,33 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     ninfer_perplexity::ui::set_level(args.log_level);
     use ninfer_perplexity::compare::load::load;
     let (base, new) = (load(&args.base)?, load(&args.new)?);
-    if let Some(out) = &args.json {
+    for out in args.json.iter().chain(&args.plot) {
         ninfer_perplexity::outfile::check_output(out, &[base.path.clone(), new.path.clone()])?;
     }
+    if let (Some(a), Some(b)) = (&args.json, &args.plot) {
+        if a == b {
+            anyhow::bail!("{}: --json and --plot name the same file", a.display());
+        }
+    }
     let c = ninfer_perplexity::compare::compare(&base, &new)?;
+    let svg = match &args.plot {
+        Some(_) => Some(ninfer_perplexity::compare::plot::compare_plot(
+            &base, &new, &c,
+        )?),
+        None => None,
+    };
     let table = ninfer_perplexity::compare::table::render(&c);
     if let Some(out) = &args.json {
         ninfer_perplexity::compare::write_json(&c, out)?;
+    }
+    if let (Some(out), Some(svg)) = (&args.plot, &svg) {
+        if let Err(e) = ninfer_perplexity::compare::write_atomic(out, svg.as_bytes()) {
+            // Both or neither: a failed plot takes the JSON written just before with it.
+            if let Some(j) = &args.json {
+                let _ = std::fs::remove_file(j);
+            }
+            return Err(e);
+        }
     }
     ninfer_perplexity::ui::info(ninfer_perplexity::compare::table::verdict(&c));
     let mut stdout = std::io::stdout().lock();

@@ -117,7 +117,7 @@ fn kv_formats_compare_window_by_window() {
         &r.art,
         &r.text,
         &r.dir.join("f32"),
-        &[&p[..], &["--kv-dtype", "f32"]].concat(),
+        &[&p[..], &["--kv-dtype", "f32", "--plot"]].concat(),
     );
     let new = score(
         &r.art,
@@ -165,6 +165,22 @@ fn kv_formats_compare_window_by_window() {
         max_relative = 1e-12
     );
     assert_ne!(d, 0.0, "nvfp4 KV changes the scores");
+    // --plot: one point per window plus one legend marker per domain.
+    let svg = r.dir.join("cmp.svg");
+    let o = perplexity(&["compare", s(&base), s(&new), "--plot", s(&svg)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        text.starts_with("<svg") && text.contains("overall 95% interval"),
+        "{text:.200}"
+    );
+    // The run's own plot.svg (a text run: one panel of its stream), a marker per window.
+    let own = std::fs::read_to_string(base.join("plot.svg")).unwrap();
+    assert!(own.contains("overall: mean NLL per window"));
+    assert_eq!(own.matches("<circle").count(), wb.len());
+    // A text run has no domains: one group, one legend marker.
+    assert!(rb["domains"].as_array().unwrap().is_empty());
+    assert_eq!(text.matches("<circle").count(), wb.len() + 1);
     let [lo, hi] = [0, 1].map(|i| all["delta_nll_ci95"][i].as_f64().unwrap());
     assert!(lo < all["delta_nll"].as_f64().unwrap() && all["delta_nll"].as_f64().unwrap() < hi);
     assert_eq!(all["windows"].as_u64().unwrap() as usize, wb.len());
@@ -301,6 +317,20 @@ fn files_that_are_not_reports_are_refused() {
     assert!(common::error_line(&o).contains("the output is a directory"));
     let o = perplexity(&["compare", s(&report), s(&report), "--json", s(&report)]);
     assert!(common::error_line(&o).contains("the output is one of the inputs"));
+    let same = r.dir.join("same");
+    let o = perplexity(&[
+        "compare",
+        s(&report),
+        s(&report),
+        "--json",
+        s(&same),
+        "--plot",
+        s(&same),
+    ]);
+    assert!(common::error_line(&o).contains("--json and --plot name the same file"));
+    assert!(!same.exists());
+    let o = perplexity(&["compare", s(&report), s(&report), "--plot", s(&r.dir)]);
+    assert!(common::error_line(&o).contains("the output is a directory"));
     assert_eq!(
         read(&report)["schema"],
         "ninfer-perplexity.report",

@@ -122,6 +122,7 @@ fn smollm2_corpus_run_prints_domain_table() {
         .map(|st| st["calibration"]["top1_correct"].as_u64().unwrap())
         .sum();
     assert_eq!(cal["top1_correct"].as_u64(), Some(correct));
+    assert!(!out.join("plot.svg").exists(), "no plot unless asked");
     let acc = cal["top1_accuracy"].as_f64().unwrap();
     assert!(acc > 0.0 && acc < 1.0, "{cal}");
     let ent = cal["mean_entropy"].as_f64().unwrap();
@@ -141,8 +142,14 @@ fn smollm2_corpus_run_prints_domain_table() {
         "--output",
         s(&out2),
         "--show-calibration",
+        "--plot",
     ]);
     assert!(o.status.success());
+    // plot.svg beside the report: a panel per domain, a marker per window.
+    let svg = std::fs::read_to_string(out2.join("plot.svg")).unwrap();
+    for title in ["Prose: mean NLL per window", "Code: mean NLL per window"] {
+        assert!(svg.contains(title), "{title}");
+    }
     let stdout = String::from_utf8(o.stdout).unwrap();
     let lines: Vec<&str> = stdout.lines().collect();
     assert!(
@@ -154,6 +161,14 @@ fn smollm2_corpus_run_prints_domain_table() {
         serde_json::from_str(&std::fs::read_to_string(out2.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["streams"].as_array().unwrap().len(), 2);
     assert_eq!(r["settings"]["quick"], true);
+    let windows: usize = r["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|st| st["windows"].as_array().unwrap().len())
+        .sum();
+    let svg = std::fs::read_to_string(out2.join("plot.svg")).unwrap();
+    assert_eq!(svg.matches("<circle").count(), windows);
 }
 
 fn corpus_bad_input() {

@@ -8,6 +8,7 @@
 
 pub mod load;
 pub mod paired;
+pub mod plot;
 pub mod table;
 
 use anyhow::{Context, Result};
@@ -163,21 +164,26 @@ pub fn compare_paths(base: &Path, new: &Path) -> Result<Comparison> {
 
 /// Writes `c` as JSON to `out` atomically: a temporary file beside it, renamed into place.
 pub fn write_json(c: &Comparison, out: &Path) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(c)?;
+    text.push('\n');
+    write_atomic(out, text.as_bytes())
+}
+
+/// Writes `bytes` to `out` through a temporary file beside it, renamed into place.
+pub fn write_atomic(out: &Path, bytes: &[u8]) -> Result<()> {
     let shown = out.display();
     let dir = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let mut text = serde_json::to_string_pretty(c)?;
-    text.push('\n');
+    let text = bytes;
     let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| {
         format!(
             "{shown}: cannot create a temporary file in {}",
             dir.display()
         )
     })?;
-    std::io::Write::write_all(&mut tmp, text.as_bytes())
-        .with_context(|| format!("{shown}: cannot write"))?;
+    std::io::Write::write_all(&mut tmp, text).with_context(|| format!("{shown}: cannot write"))?;
     tmp.as_file()
         .sync_all()
         .with_context(|| format!("{shown}: cannot write"))?;

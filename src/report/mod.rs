@@ -4,6 +4,7 @@
 //! back to the same f64). The schema is documented in `docs/report-schema.md`; bump
 //! [`SCHEMA_VERSION`] on any incompatible change.
 
+pub mod plot;
 pub mod table;
 pub mod write;
 

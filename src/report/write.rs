@@ -100,30 +100,60 @@ impl OutputDir {
     }
 
     /// Writes `json` as `report.json` (never replacing one) and releases the directory.
-    pub fn write_report(mut self, json: &str) -> Result<PathBuf> {
+    pub fn write_report(self, json: &str) -> Result<PathBuf> {
+        self.write_report_with(json, &[])
+    }
+
+    /// [`OutputDir::write_report`] after `extras` (name, bytes: `plot.svg`), each linked into
+    /// place the same way; if anything fails, the extras already written are removed again.
+    pub fn write_report_with(mut self, json: &str, extras: &[(&str, &[u8])]) -> Result<PathBuf> {
+        let mut written_extras = vec![];
+        for (name, bytes) in extras {
+            let path = self.dir.join(name);
+            let r = self.place(&path, bytes);
+            if let Err(e) = r {
+                written_extras.iter().for_each(|p| {
+                    let _ = std::fs::remove_file(p);
+                });
+                return Err(e);
+            }
+            written_extras.push(path);
+        }
         let path = self.dir.join(REPORT);
-        let tmp = self
-            .dir
-            .join(format!(".{REPORT}.{}.tmp", std::process::id()));
-        let written = write_new(&tmp, json.as_bytes())
-            .and_then(|()| {
-                // A hard link fails when the name exists, where a rename would replace it.
-                std::fs::hard_link(&tmp, &path).map_err(|e| {
-                    if e.kind() == std::io::ErrorKind::AlreadyExists {
-                        anyhow!("a report is already there; it was left as it is")
-                    } else {
-                        anyhow!("cannot move the report into place: {e}")
-                    }
-                })
-            })
-            .with_context(|| path.display().to_string());
-        let _ = std::fs::remove_file(&tmp);
-        written?;
+        if let Err(e) = self.place(&path, json.as_bytes()) {
+            written_extras.iter().for_each(|p| {
+                let _ = std::fs::remove_file(p);
+            });
+            return Err(e);
+        }
         if let Some(lock) = self.lock.take() {
             let _ = std::fs::remove_file(lock);
         }
         self.created = false; // the directory now holds the report
         Ok(path)
+    }
+
+    /// Writes `bytes` to a temporary file and links it to `path` (never replacing a file).
+    fn place(&self, path: &Path, bytes: &[u8]) -> Result<()> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = self.dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let written = write_new(&tmp, bytes)
+            .and_then(|()| {
+                // A hard link fails when the name exists, where a rename would replace it.
+                std::fs::hard_link(&tmp, path).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::AlreadyExists {
+                        anyhow!("a {name} is already there; it was left as it is")
+                    } else {
+                        anyhow!("cannot move the {name} into place: {e}")
+                    }
+                })
+            })
+            .with_context(|| path.display().to_string());
+        let _ = std::fs::remove_file(&tmp);
+        written
     }
 }
 

@@ -91,7 +91,19 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     };
     let rep = report::build(cfg, &inputs, streams, run_id, clock, warnings);
     let json = serde_json::to_string_pretty(&rep)?;
-    let report_path = out.write_report(&json)?;
+    let plot = if cfg.plot {
+        let kld: Option<Vec<f32>> = rep
+            .streams
+            .iter()
+            .map(|s| s.reference_acc.as_ref().map(|r| r.kld.clone()))
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.concat());
+        Some(crate::report::plot::run_plot(&rep, kld.as_deref())?)
+    } else {
+        None
+    };
+    let extras: Vec<(&str, &[u8])> = plot.iter().map(|p| ("plot.svg", p.as_bytes())).collect();
+    let report_path = out.write_report_with(&json, &extras)?;
     ui::info(format!(
         "done       {} scored tokens in {:.1}s ({:.1} processed tokens/s); report {}",
         rep.overall.totals.scored,

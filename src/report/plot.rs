@@ -1,0 +1,168 @@
+//! `--plot`: a picture of a run beside its `report.json` (`plot.svg`): the mean NLL of every
+//! window along each stream, one panel per domain, and, for a run with a reference pass, the
+//! distribution of the per-position KL divergence.
+//!
+//! Drawn with plotters' SVG backend (no fonts needed: text stays text in the SVG).
+
+use super::{Report, StreamReport};
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+
+const WIDTH: u32 = 1000;
+const PANEL: u32 = 280;
+
+fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow!("drawing the plot: {e:?}")
+}
+
+/// A color per stream within its panel.
+pub(crate) fn color(i: usize) -> RGBColor {
+    const C: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
+    C[i % C.len()]
+}
+
+/// (first target, mean NLL) of every window of a stream.
+fn window_points(s: &StreamReport) -> Vec<(f64, f64)> {
+    s.windows
+        .iter()
+        .map(|w| (w.first_target as f64, w.nll_sum / w.scored.max(1) as f64))
+        .collect()
+}
+
+/// `[lo, hi]` of the values with a little room, never empty.
+pub(crate) fn range(v: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = v.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.08).max(1e-3);
+    (lo - pad, hi + pad)
+}
+
+/// The SVG of `r`; `kld` holds every scored position's KL divergence when the run had a
+/// reference pass.
+pub fn run_plot(r: &Report, kld: Option<&[f32]>) -> Result<String> {
+    // A panel per domain; a `--text` run has none: one panel of its streams.
+    let groups: Vec<(&str, &str, f64)> = if r.domains.is_empty() {
+        vec![("", r.overall.title.as_str(), r.overall.totals.mean_nll)]
+    } else {
+        r.domains
+            .iter()
+            .map(|d| (d.id.as_str(), d.title.as_str(), d.totals.mean_nll))
+            .collect()
+    };
+    let panels = groups.len() as u32 + u32::from(kld.is_some());
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, 40 + PANEL * panels.max(1)))
+            .into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let title = format!(
+            "weights {} | kv {} | context {} stride {}",
+            r.artifact.weight_format, r.settings.kv_dtype, r.settings.context, r.settings.stride
+        );
+        let (top, rest) = root.split_vertically(40);
+        top.titled(&title, ("sans-serif", 18)).map_err(err)?;
+        let areas = rest.split_evenly((panels.max(1) as usize, 1));
+        for (&(id, title, mean), area) in groups.iter().zip(&areas) {
+            let streams: Vec<&StreamReport> = r
+                .streams
+                .iter()
+                .filter(|s| id.is_empty() || s.domain == id)
+                .collect();
+            let pts: Vec<Vec<(f64, f64)>> = streams.iter().map(|s| window_points(s)).collect();
+            let (y0, y1) = range(pts.iter().flatten().map(|p| p.1));
+            let x1 = pts.iter().flatten().map(|p| p.0).fold(1.0, f64::max);
+            let mut c = ChartBuilder::on(area)
+                .caption(
+                    format!("{title}: mean NLL per window (overall {mean:.4})"),
+                    ("sans-serif", 15),
+                )
+                .margin(8)
+                .x_label_area_size(32)
+                .y_label_area_size(56)
+                .build_cartesian_2d(0f64..x1 * 1.02, y0..y1)
+                .map_err(err)?;
+            c.configure_mesh()
+                .x_label_formatter(&|x| format!("{x:.0}"))
+                .x_desc("first target of the window (token)")
+                .y_desc("nats / token")
+                .draw()
+                .map_err(err)?;
+            for (i, (s, p)) in streams.iter().zip(&pts).enumerate() {
+                let col = color(i);
+                c.draw_series(LineSeries::new(p.iter().copied(), col.stroke_width(2)))
+                    .map_err(err)?
+                    .label(s.id.clone())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], col));
+                c.draw_series(p.iter().map(|&q| Circle::new(q, 2, col.filled())))
+                    .map_err(err)?;
+            }
+            c.configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(err)?;
+        }
+        if let (Some(k), Some(area)) = (kld, areas.last()) {
+            kld_histogram(area, k, r)?;
+        }
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+/// Positions per decade of KL divergence (10^-7 and below in the first bar).
+fn kld_histogram<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    kld: &[f32],
+    r: &Report,
+) -> Result<()> {
+    const LO: i32 = -7;
+    const HI: i32 = 2;
+    let bucket = |k: f32| ((k.max(1e-30) as f64).log10().floor() as i32).clamp(LO, HI - 1);
+    let mut counts = vec![0u64; (HI - LO) as usize];
+    for &k in kld {
+        counts[(bucket(k) - LO) as usize] += 1;
+    }
+    let ymax = counts.iter().copied().max().unwrap_or(1).max(1) as f64 * 1.1;
+    let rs = r.settings.reference.as_ref();
+    let mean = r.overall.reference.as_ref().map_or(0.0, |x| x.mean_kld);
+    let mut c = ChartBuilder::on(area)
+        .caption(
+            format!(
+                "KL(reference || run) per position, reference: weights {} | kv {} (mean {mean:.5})",
+                rs.map_or("-", |x| x.weight_format.as_str()),
+                rs.map_or("-", |x| x.kv_dtype.as_str())
+            ),
+            ("sans-serif", 15),
+        )
+        .margin(8)
+        .x_label_area_size(32)
+        .y_label_area_size(56)
+        .build_cartesian_2d(LO as f64..HI as f64, 0f64..ymax)
+        .map_err(err)?;
+    c.configure_mesh()
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .x_desc("log10 KL divergence (nats)")
+        .y_desc("positions")
+        .draw()
+        .map_err(err)?;
+    c.draw_series(counts.iter().enumerate().map(|(i, &n)| {
+        let x = (LO + i as i32) as f64;
+        Rectangle::new([(x + 0.05, 0.0), (x + 0.95, n as f64)], color(0).filled())
+    }))
+    .map_err(err)?;
+    Ok(())
+}
