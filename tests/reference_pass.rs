@@ -48,6 +48,7 @@ fn kld_matches_transformers() {
     let mut means = vec![];
     let mut agrees = vec![];
     let mut perturbed = vec![];
+    let mut dps = vec![];
     for eps in ["1e-7", "-1e-7"] {
         let f = Fault::parse(&format!("embed-scale={eps}")).unwrap();
         e.set_faults(Faults::of(f)).unwrap();
@@ -58,6 +59,7 @@ fn kld_matches_transformers() {
         perturbed.push(t.kld.clone());
         means.push(t.kld.iter().map(|&k| k as f64).sum::<f64>() / t.kld.len() as f64);
         agrees.push(t.top1_agree as f64 / t.kld.len() as f64);
+        dps.push(t.dp_sum / t.kld.len() as f64);
     }
     e.set_faults(Faults::NONE).unwrap();
     let want: Vec<f64> = fx["windows"]
@@ -86,6 +88,20 @@ fn kld_matches_transformers() {
     let summary = s.reference.as_ref().unwrap().summary().unwrap();
     means.push(mean);
     agrees.push(agree);
+    // Mean Δp of the target, p_run − p_ref, from the fixture's two log-probabilities.
+    let (mut fdp, mut k) = (0.0, 0usize);
+    for w in fx["windows"].as_array().unwrap() {
+        let (a, b) = (
+            w["run_logprob"].as_array().unwrap(),
+            w["ref_logprob"].as_array().unwrap(),
+        );
+        for (x, y) in a.iter().zip(b) {
+            fdp += x.as_f64().unwrap().exp() - y.as_f64().unwrap().exp();
+            k += 1;
+        }
+    }
+    let (dp, want_dp) = (r.dp_sum / want.len() as f64, fdp / k as f64);
+    dps.push(dp);
     let spread = |v: &[f64]| {
         v.iter().cloned().fold(f64::MIN, f64::max) - v.iter().cloned().fold(f64::MAX, f64::min)
     };
@@ -144,6 +160,14 @@ fn kld_matches_transformers() {
     assert!(
         (agree - want_agree).abs() <= 1.5 * spread(&agrees),
         "top-1 agreement {agree} vs {want_agree}"
+    );
+    eprintln!(
+        "mean Δp {dp:+.5} vs transformers {want_dp:+.5}; own spread {:.2e} ({dps:?})",
+        spread(&dps)
+    );
+    assert!(
+        (dp - want_dp).abs() <= 1.5 * spread(&dps),
+        "mean Δp {dp} vs {want_dp}"
     );
     assert!(
         cross <= 1.5 * 8.1e-3,
