@@ -15,7 +15,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(name = "ninfer-perplexity", version, long_about = None)]
 #[command(
-    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE]   (see `ninfer-perplexity compare --help`)"
+    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE]   (see `ninfer-perplexity compare --help`)"
 )]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
 pub struct Args {
@@ -105,10 +105,10 @@ pub struct Args {
     pub log_level: LogLevel,
 }
 
-/// `ninfer-perplexity compare BASE NEW`: two runs of the same corpus and protocol, window by
-/// window.
+/// Compare two runs of the same corpus and protocol, window by window (paired ΔNLL with a
+/// 95% interval, PPL ratio, Δ bits per byte).
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-perplexity compare", version, long_about = None)]
+#[command(name = "ninfer-perplexity compare", bin_name = "ninfer-perplexity compare", version, long_about = None)]
 pub struct CompareArgs {
     /// The base run: its report.json or its run directory.
     pub base: PathBuf,

@@ -318,6 +318,10 @@ fn help_says_what_each_binary_does() {
         first("ninfer-perplexity"),
         "Causal perplexity of a .ninfer artifact on a fixed corpus or a text file"
     );
+    let o = common::run_bin("ninfer-perplexity", &["compare", "--help"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.starts_with("Compare two runs"), "{text}");
+    assert!(text.contains("Usage: ninfer-perplexity compare [OPTIONS] <BASE> <NEW>"), "{text}");
 }
 
 test_main! {
