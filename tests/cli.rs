@@ -320,8 +320,14 @@ fn help_says_what_each_binary_does() {
     );
     let o = common::run_bin("ninfer-perplexity", &["compare", "--help"]);
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success() && text.starts_with("Compare two runs"), "{text}");
-    assert!(text.contains("Usage: ninfer-perplexity compare [OPTIONS] <BASE> <NEW>"), "{text}");
+    assert!(
+        o.status.success() && text.starts_with("Compare two runs"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Usage: ninfer-perplexity compare [OPTIONS] <BASE> <NEW>"),
+        "{text}"
+    );
 }
 
 test_main! {

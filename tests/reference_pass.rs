@@ -250,8 +250,32 @@ fn bad_references_are_refused() {
     assert!(common::error_line(&o).contains("--reference-artifact"));
     assert!(!out.exists());
     // The same KV as the run is allowed and says so.
-    let o = run(&["--reference-kv", "bf16"]);
+    let o = run(&["--reference-kv", "bf16", "--plot"]);
     assert!(o.status.success());
+    let svg = std::fs::read_to_string(out.join("plot.svg")).unwrap();
+    assert!(
+        svg.contains("KL(reference || run) per position"),
+        "{svg:.300}"
+    );
+    let cmp = tmp.path().join("cmp.svg");
+    let o2 = common::run_bin(
+        "ninfer-perplexity",
+        &[
+            "compare",
+            out.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--plot",
+            cmp.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        o2.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o2.stderr)
+    );
+    assert!(std::fs::read_to_string(&cmp)
+        .unwrap()
+        .contains("new run: KL(reference || run)"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("KL divergence 0 and agreement 1 by construction"),
@@ -265,6 +289,12 @@ fn bad_references_are_refused() {
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(r["overall"]["reference"]["mean_kld"].as_f64(), Some(0.0));
+    // Every position's KL is exactly 0: all in the first histogram bin.
+    let h = r["overall"]["reference"]["kld_histogram"]
+        .as_array()
+        .unwrap();
+    assert_eq!(h.len(), 9);
+    assert_eq!(h[0], r["overall"]["reference"]["positions"]);
     assert_eq!(r["settings"]["reference"]["kv_dtype"], "bf16");
 }
 

@@ -42,8 +42,17 @@ pub fn compare_plot(base: &Loaded, new: &Loaded, c: &Comparison) -> Result<Strin
     let n = pts.len().max(1) as f64;
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (1000, 460)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        // A second panel with the KL-divergence histogram of a run that had a reference pass.
+        let kld = new
+            .report
+            .overall
+            .reference
+            .as_ref()
+            .zip(new.report.settings.reference.as_ref());
+        let height = if kld.is_some() { 760 } else { 460 };
+        let full = SVGBackend::with_string(&mut svg, (1000, height)).into_drawing_area();
+        full.fill(&WHITE).map_err(err)?;
+        let (root, below) = full.split_vertically(460);
         let title = format!(
             "new - base per window: kv {} -> {} | weights {} -> {} | overall {:+.5} [{:+.5}, {:+.5}]",
             c.base.kv_dtype, c.new.kv_dtype, c.base.weight_format, c.new.weight_format,
@@ -103,7 +112,14 @@ pub fn compare_plot(base: &Loaded, new: &Loaded, c: &Comparison) -> Result<Strin
             .position(SeriesLabelPosition::UpperRight)
             .draw()
             .map_err(err)?;
-        root.present().map_err(err)?;
+        if let Some((r, rs)) = kld {
+            let title = format!(
+                "new run: KL(reference || run) per position, reference weights {} | kv {} (mean {:.5})",
+                rs.weight_format, rs.kv_dtype, r.mean_kld
+            );
+            crate::report::plot::kld_histogram(&below, &r.kld_histogram, &title)?;
+        }
+        full.present().map_err(err)?;
     }
     Ok(svg)
 }

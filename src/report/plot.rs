@@ -48,9 +48,13 @@ pub(crate) fn range(v: impl Iterator<Item = f64>) -> (f64, f64) {
     (lo - pad, hi + pad)
 }
 
-/// The SVG of `r`; `kld` holds every scored position's KL divergence when the run had a
-/// reference pass.
-pub fn run_plot(r: &Report, kld: Option<&[f32]>) -> Result<String> {
+/// The SVG of `r` (with the KL-divergence histogram when the run had a reference pass).
+pub fn run_plot(r: &Report) -> Result<String> {
+    let kld = r
+        .overall
+        .reference
+        .as_ref()
+        .map(|x| x.kld_histogram.as_slice());
     // A panel per domain; a `--text` run has none: one panel of its streams.
     let groups: Vec<(&str, &str, f64)> = if r.domains.is_empty() {
         vec![("", r.overall.title.as_str(), r.overall.totals.mean_nll)]
@@ -114,43 +118,37 @@ pub fn run_plot(r: &Report, kld: Option<&[f32]>) -> Result<String> {
                 .draw()
                 .map_err(err)?;
         }
-        if let (Some(k), Some(area)) = (kld, areas.last()) {
-            kld_histogram(area, k, r)?;
+        if let (Some(k), Some(area), Some(rs)) = (kld, areas.last(), &r.settings.reference) {
+            let mean = r.overall.reference.as_ref().map_or(0.0, |x| x.mean_kld);
+            let title = format!(
+                "KL(reference || run) per position, reference: weights {} | kv {} (mean {mean:.5})",
+                rs.weight_format, rs.kv_dtype
+            );
+            kld_histogram(area, k, &title)?;
         }
         root.present().map_err(err)?;
     }
     Ok(svg)
 }
 
-/// Positions per decade of KL divergence (10^-7 and below in the first bar).
-fn kld_histogram<DB: DrawingBackend>(
+/// Positions per decade of KL divergence (`counts` as in
+/// [`crate::score::ReferenceSummary::kld_histogram`]).
+pub(crate) fn kld_histogram<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
-    kld: &[f32],
-    r: &Report,
+    counts: &[u64],
+    title: &str,
 ) -> Result<()> {
-    const LO: i32 = -7;
-    const HI: i32 = 2;
-    let bucket = |k: f32| ((k.max(1e-30) as f64).log10().floor() as i32).clamp(LO, HI - 1);
-    let mut counts = vec![0u64; (HI - LO) as usize];
-    for &k in kld {
-        counts[(bucket(k) - LO) as usize] += 1;
-    }
+    let (lo, hi) = (
+        crate::score::reference::KLD_DECADES.start,
+        crate::score::reference::KLD_DECADES.end,
+    );
     let ymax = counts.iter().copied().max().unwrap_or(1).max(1) as f64 * 1.1;
-    let rs = r.settings.reference.as_ref();
-    let mean = r.overall.reference.as_ref().map_or(0.0, |x| x.mean_kld);
     let mut c = ChartBuilder::on(area)
-        .caption(
-            format!(
-                "KL(reference || run) per position, reference: weights {} | kv {} (mean {mean:.5})",
-                rs.map_or("-", |x| x.weight_format.as_str()),
-                rs.map_or("-", |x| x.kv_dtype.as_str())
-            ),
-            ("sans-serif", 15),
-        )
+        .caption(title, ("sans-serif", 15))
         .margin(8)
         .x_label_area_size(32)
         .y_label_area_size(56)
-        .build_cartesian_2d(LO as f64..HI as f64, 0f64..ymax)
+        .build_cartesian_2d(lo as f64..hi as f64, 0f64..ymax)
         .map_err(err)?;
     c.configure_mesh()
         .x_label_formatter(&|x| format!("{x:.0}"))
@@ -160,7 +158,7 @@ fn kld_histogram<DB: DrawingBackend>(
         .draw()
         .map_err(err)?;
     c.draw_series(counts.iter().enumerate().map(|(i, &n)| {
-        let x = (LO + i as i32) as f64;
+        let x = (lo + i as i32) as f64;
         Rectangle::new([(x + 0.05, 0.0), (x + 0.95, n as f64)], color(0).filled())
     }))
     .map_err(err)?;

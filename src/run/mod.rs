@@ -92,13 +92,7 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     let rep = report::build(cfg, &inputs, streams, run_id, clock, warnings);
     let json = serde_json::to_string_pretty(&rep)?;
     let plot = if cfg.plot {
-        let kld: Option<Vec<f32>> = rep
-            .streams
-            .iter()
-            .map(|s| s.reference_acc.as_ref().map(|r| r.kld.clone()))
-            .collect::<Option<Vec<_>>>()
-            .map(|v| v.concat());
-        Some(crate::report::plot::run_plot(&rep, kld.as_deref())?)
+        Some(crate::report::plot::run_plot(&rep)?)
     } else {
         None
     };

@@ -43,6 +43,22 @@ pub struct ReferenceSummary {
     /// (`null` with one window).
     pub delta_nll: f64,
     pub delta_nll_ci95: Option<[f64; 2]>,
+    /// Positions per decade of KL divergence: bin `i` holds `10^(i−7) <= KL < 10^(i−6)`, the
+    /// first also everything below (0 included), the last (`[10, 100)`) everything above.
+    pub kld_histogram: Vec<u64>,
+}
+
+/// Decades of [`ReferenceSummary::kld_histogram`]: 10^-7 up to 10^1 and beyond.
+pub const KLD_DECADES: std::ops::Range<i32> = -7..2;
+
+/// The histogram bin of one KL divergence.
+pub fn kld_bin(k: f32) -> usize {
+    let d = if k > 0.0 {
+        (k as f64).log10().floor() as i32
+    } else {
+        KLD_DECADES.start
+    };
+    (d.clamp(KLD_DECADES.start, KLD_DECADES.end - 1) - KLD_DECADES.start) as usize
 }
 
 impl ReferenceAcc {
@@ -68,7 +84,9 @@ impl ReferenceAcc {
             self.windows.push(w);
         }
     }
+}
 
+impl ReferenceAcc {
     pub fn add(&mut self, o: &ReferenceAcc) {
         self.kld.extend_from_slice(&o.kld);
         self.top1_agree += o.top1_agree;
@@ -104,6 +122,11 @@ impl ReferenceAcc {
             run_mean_nll: p.new_mean_nll,
             delta_nll: p.delta_nll,
             delta_nll_ci95: p.delta_nll_ci95,
+            kld_histogram: {
+                let mut h = vec![0u64; KLD_DECADES.len()];
+                self.kld.iter().for_each(|&k| h[kld_bin(k)] += 1);
+                h
+            },
         })
     }
 }
@@ -125,6 +148,17 @@ mod tests {
         assert_eq!(s.kld_p99, 0.99f32 as f64);
         assert_eq!(s.kld_max, 1.0);
         assert_eq!(s.top1_agreement, 0.7);
+        // 0.01..=0.09 in decade −2 (0.01 in f32 may fall just below it), 0.10..=0.99 in −1,
+        // 1.0 in decade 0.
+        let h = &s.kld_histogram;
+        assert_eq!(
+            (h[4] + h[5], h[6], h[7], h.iter().sum::<u64>()),
+            (9, 90, 1, 100)
+        );
+        assert_eq!(
+            (kld_bin(0.0), kld_bin(-1e-9), kld_bin(1e-12), kld_bin(50.0)),
+            (0, 0, 0, 8)
+        );
         // Window 2 is worse by 0.5 per token in the run: ΔNLL = 40·0.5/100.
         assert!((s.delta_nll - 0.2).abs() < 1e-12);
         let dp = ((-2.0f64).exp() - (-1.5f64).exp()) * 0.4;
