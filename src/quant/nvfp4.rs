@@ -15,7 +15,7 @@
 //! grid (nearest, ties to the even code, saturating at 6), the sign from `y < 0`.
 
 use crate::kv::fp8::{e4m3_from_f32, e4m3_to_f32};
-use crate::kv::nvfp4::{e2m1_to_f32, GLOBAL_DIVISOR};
+use crate::kv::nvfp4::{e2m1_from_f32, e2m1_to_f32, GLOBAL_DIVISOR};
 use anyhow::{bail, Result};
 
 /// Values per block scale.
@@ -98,18 +98,11 @@ impl Nvfp4Tensor {
     }
 }
 
-/// The e2m1 code of `y` (magnitude by ModelOpt's thresholds, ties to the even code, sign from
-/// `y < 0`).
+/// The e2m1 code of `y`: the KV codec's rounding (nearest, ties to the even code, saturating),
+/// with ModelOpt's sign rule, `y < 0`: a `-0.0` weight gets code 0, not 8.
 fn e2m1_code(y: f32) -> u8 {
-    let a = y.abs();
-    let m = (a > 0.25) as u8
-        + (a >= 0.75) as u8
-        + (a > 1.25) as u8
-        + (a >= 1.75) as u8
-        + (a > 2.5) as u8
-        + (a >= 3.5) as u8
-        + (a > 5.0) as u8;
-    m | (((y < 0.0) as u8) << 3)
+    let magnitude = e2m1_from_f32(y) & 7;
+    magnitude | (((y < 0.0) as u8) << 3)
 }
 
 /// Quantizes matrices that read the same input (q/k/v, gate/up, a Gated DeltaNet's q|k|v and
@@ -159,6 +152,18 @@ pub fn quantize_group(parts: &[&[f32]], cols: usize) -> Vec<Nvfp4Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sign_follows_modelopt() {
+        // `y < 0` decides: -0.0 is code 0 (the KV codec keeps the sign bit: 8); a negative
+        // that rounds to zero keeps its sign.
+        let codes: Vec<u8> = [-0.0, 0.0, -0.1, -0.25, 0.25, 2.5, -2.6, -7.0, 1.25]
+            .iter()
+            .map(|&y| e2m1_code(y))
+            .collect();
+        assert_eq!(codes, [0, 0, 8, 8, 0, 4, 13, 15, 2]);
+        assert_eq!(e2m1_from_f32(-0.0), 8);
+    }
 
     #[test]
     fn a_hand_quantized_block() {
