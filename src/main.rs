@@ -62,7 +62,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         ninfer_perplexity::compare::write_json(&c, out)?;
     }
     if let (Some(out), Some(svg)) = (&args.plot, &svg) {
-        if let Err(e) = ninfer_perplexity::compare::write_atomic(out, svg.as_bytes()) {
+        if let Err(e) = ninfer_perplexity::outfile::write_atomic(out, svg.as_bytes()) {
             // Both or neither: a failed plot takes the JSON written just before with it.
             if let Some(j) = &args.json {
                 let _ = std::fs::remove_file(j);

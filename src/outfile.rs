@@ -1,4 +1,4 @@
-//! Output files of the packer: checked before any work, and created with ordinary modes.
+//! Output files other than run reports (the packer's artifacts, `compare --json/--plot`): checked before any work, written atomically, and created with ordinary modes.
 //!
 //! A packer run that converts for minutes must not fail only at the end because its output
 //! path is unwritable, and must never replace one of its own inputs. And the temporary files
@@ -78,6 +78,30 @@ pub fn umask() -> u32 {
                 .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
         })
         .unwrap_or(0o022)
+}
+
+/// Writes `bytes` to `out` through a temporary file beside it, renamed into place (replacing
+/// `out`), with the ordinary mode: a reader sees the old file or the new one, never a part.
+pub fn write_atomic(out: &Path, bytes: &[u8]) -> Result<()> {
+    let shown = out.display();
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| {
+        anyhow!(
+            "{shown}: cannot create a temporary file in {}: {e}",
+            dir.display()
+        )
+    })?;
+    std::io::Write::write_all(&mut tmp, bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .map_err(|e| anyhow!("{shown}: cannot write: {e}"))?;
+    let tmp = tmp.into_temp_path();
+    set_default_mode(&tmp)?;
+    tmp.persist(out)
+        .map_err(|e| anyhow!("{shown}: cannot rename into place: {}", e.error))?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -155,41 +155,9 @@ pub fn compare(base: &load::Loaded, new: &load::Loaded) -> Result<Comparison> {
     })
 }
 
-/// Loads, compares and returns the comparison.
-pub fn compare_paths(base: &Path, new: &Path) -> Result<Comparison> {
-    let a = load::load(base)?;
-    let b = load::load(new)?;
-    compare(&a, &b)
-}
-
 /// Writes `c` as JSON to `out` atomically: a temporary file beside it, renamed into place.
 pub fn write_json(c: &Comparison, out: &Path) -> Result<()> {
     let mut text = serde_json::to_string_pretty(c)?;
     text.push('\n');
-    write_atomic(out, text.as_bytes())
-}
-
-/// Writes `bytes` to `out` through a temporary file beside it, renamed into place.
-pub fn write_atomic(out: &Path, bytes: &[u8]) -> Result<()> {
-    let shown = out.display();
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let text = bytes;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| {
-        format!(
-            "{shown}: cannot create a temporary file in {}",
-            dir.display()
-        )
-    })?;
-    std::io::Write::write_all(&mut tmp, text).with_context(|| format!("{shown}: cannot write"))?;
-    tmp.as_file()
-        .sync_all()
-        .with_context(|| format!("{shown}: cannot write"))?;
-    let tmp = tmp.into_temp_path();
-    crate::outfile::set_default_mode(&tmp)?;
-    tmp.persist(out)
-        .map_err(|e| anyhow::anyhow!("{shown}: cannot rename into place: {}", e.error))?;
-    Ok(())
+    crate::outfile::write_atomic(out, text.as_bytes())
 }

@@ -357,23 +357,28 @@ impl Engine {
                 let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
                 let window_bytes = model.window_bytes(longest);
                 let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
-                let compute =
-                    |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match &self
-                        .reference
-                    {
+                // The reference pass's model: this one, or the other engine's (a CPU model:
+                // `set_reference` refuses anything else).
+                let reference = match &self.reference {
+                    None => None,
+                    Some(r) => match r.other.as_deref().map(|e| &e.model) {
+                        None => Some((&**model, r.kv)),
+                        Some(Model::Cpu(m)) => Some((&**m, r.kv)),
+                        Some(Model::Cuda(_)) => {
+                            anyhow::bail!("the reference model must run on the CPU")
+                        }
+                    },
+                };
+                let compute = |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| {
+                    match reference {
                         None => model
                             .window_rows_with(t, first, kv, may_split)
                             .map(HeadRows::Scored),
-                        Some(r) => {
-                            let m: &CpuModel = match r.other.as_deref().map(|e| &e.model) {
-                                Some(Model::Cpu(m)) => m,
-                                _ => model,
-                            };
-                            model
-                                .window_pairs_with(t, first, kv, (m, r.kv), may_split)
-                                .map(|(rows, pairs)| HeadRows::Paired(rows, pairs))
-                        }
-                    };
+                        Some(r) => model
+                            .window_pairs_with(t, first, kv, r, may_split)
+                            .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
+                    }
+                };
                 score_cpu(
                     &compute,
                     &self.pool,
