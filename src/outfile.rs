@@ -1,4 +1,5 @@
-//! Output files other than run reports (the packer's artifacts, `compare --json/--plot`): checked before any work, written atomically, and created with ordinary modes.
+//! Output files other than run reports (the packer's artifacts, `compare --json/--plot`):
+//! checked before any work, written atomically, and created with ordinary modes.
 //!
 //! A packer run that converts for minutes must not fail only at the end because its output
 //! path is unwritable, and must never replace one of its own inputs. And the temporary files
