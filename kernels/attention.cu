@@ -23,7 +23,7 @@
 template <int KF, int VF>
 __device__ void attn_f32(const float* __restrict__ q, KvTensor kt, KvTensor vt, const int4* __restrict__ tiles,
                          void* __restrict__ out, int out_bf16, int hq, int hkv, int D, float scale) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     float* Ks = smem;
     float* Vs = Ks + AF_KEYS * (D + 1);
     float* Qs = Vs + AF_KEYS * D;
@@ -126,14 +126,6 @@ __device__ void attn_f32(const float* __restrict__ q, KvTensor kt, KvTensor vt, 
 
 #define AM_ROWS 64  // query rows per block (16 per warp)
 #define AM_KEYS 64  // keys per tile
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): g = lane / 4, c = lane % 4.
 //   A (16x16, row major): reg0 = (g, 2c..2c+1), reg1 = (g+8, 2c..), reg2 = (g, 2c+8..),

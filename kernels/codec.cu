@@ -3,22 +3,23 @@
 // can compare stored bytes and decoded values with the CPU specification in src/kv/.
 // CPU twins: encode_into / decode_into of src/kv/{int8,fp8,nvfp4}.rs and bf16::roundtrip.
 
-// Standalone codecs over n vectors of D <= 256 values: the same device functions as the
-// fused path, exposed so tests can compare stored bytes and decoded values with the CPU.
+// Standalone codecs over n vectors of D values: the same device functions as the fused
+// path, exposed so tests can compare stored bytes and decoded values with the CPU. One
+// encoder per register count of qkv_prep (NK values per lane: D <= 32 * NK).
 // Encode grid: (ceil(n / 8)), block 256 (one warp per vector). Decode grid:
 // (ceil(n * D / 256)), block 256.
-template <int E>
+template <int E, int NK>
 __device__ void kv_encode(const float* __restrict__ x, i64 n, int D, KvTensor t) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
     if (i >= n) return;
-    float v[8];
+    float v[NK];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < NK; ++k) {
         int j = lane + 32 * k;
         v[k] = j < D ? x[i * D + j] : 0.0f;
     }
-    kv_store_warp<E, 8>(t, i, D, v);
+    kv_store_warp<E, NK>(t, i, D, v);
 }
 
 template <int E>
@@ -31,8 +32,14 @@ __device__ void kv_decode(KvTensor t, i64 n, int D, float* __restrict__ out) {
 }
 
 #define CODEC_ENTRIES(NAME, E)                                                                          \
-    extern "C" __global__ void kv_encode_##NAME(const float* x, i64 n, int D, KvTensor t) {             \
-        kv_encode<E>(x, n, D, t);                                                                       \
+    extern "C" __global__ void kv_encode_##NAME##_nk2(const float* x, i64 n, int D, KvTensor t) {       \
+        kv_encode<E, 2>(x, n, D, t);                                                                    \
+    }                                                                                                   \
+    extern "C" __global__ void kv_encode_##NAME##_nk4(const float* x, i64 n, int D, KvTensor t) {       \
+        kv_encode<E, 4>(x, n, D, t);                                                                    \
+    }                                                                                                   \
+    extern "C" __global__ void kv_encode_##NAME##_nk8(const float* x, i64 n, int D, KvTensor t) {       \
+        kv_encode<E, 8>(x, n, D, t);                                                                    \
     }                                                                                                   \
     extern "C" __global__ void kv_decode_##NAME(KvTensor t, i64 n, int D, float* out) {                 \
         kv_decode<E>(t, n, D, out);                                                                     \

@@ -16,6 +16,22 @@ typedef int i32;
 typedef unsigned long long u64;
 typedef long long i64;
 
+// The one place the emulated device (kernels/emu.h, which defines NINFER_EMU) differs:
+// it supplies these two itself, for C++.
+#ifndef NINFER_EMU
+// The block's dynamic shared memory (the size is a launch parameter).
+#define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+
+// One warp-wide bf16 tensor-core product, D = A·B + C (fragment layouts: kernels/attention.cu).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 #define FULL_MASK 0xffffffffu
 #define F32_MAX 3.4028234663852886e38f
 #define NEG_INF __int_as_float(0xff800000)

@@ -6,13 +6,13 @@
 //! of `eval/fixtures/kv`, and compared byte for byte with `Elem::encode_bytes` and bit for
 //! bit with `Elem::roundtrip`.
 //!
-//! Needs a CUDA GPU: every test is ignored in a plain `cargo test` and run by
-//! `ci/gpu-check.sh` (`cargo test --test cuda_kv -- --ignored`). Run on a machine without
-//! a GPU, they fail and say why.
+//! Every check runs twice: on the emulated device (the kernels compiled for the host, in
+//! every `cargo test`), and on a CUDA GPU (ignored in a plain `cargo test`, run by
+//! `ci/gpu-check.sh` with `--ignored`; without a GPU those fail and say why).
 
 #![cfg(feature = "cuda")]
 
-use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_decode};
+use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_with, STORE_VARIANTS};
 use ninfer_perplexity::backend::cuda::device::Gpu;
 use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
 
@@ -23,6 +23,10 @@ fn gpu() -> Gpu {
         panic!("this test needs a CUDA GPU ({e}); it is ignored in plain `cargo test`");
     }
     Gpu::open(0).expect("open CUDA device 0")
+}
+
+fn emu() -> Gpu {
+    Gpu::emulated().expect("the emulated CUDA device (needs g++)")
 }
 
 struct Rng(u64);
@@ -78,8 +82,15 @@ fn edge_vectors(d: usize) -> Vec<f32> {
     v
 }
 
+/// Every store variant that holds `d` values (nk2, nk4, nk8).
 fn check(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, what: &str) {
-    let got = encode_decode(gpu, elem, x, d).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    for nk in STORE_VARIANTS.into_iter().filter(|&nk| d <= 32 * nk) {
+        check_variant(gpu, elem, x, d, nk, &format!("{what} nk{nk}"));
+    }
+}
+
+fn check_variant(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize, what: &str) {
+    let got = encode_with(gpu, elem, x, d, nk).unwrap_or_else(|e| panic!("{what}: {e:#}"));
     for (i, vec) in x.chunks(d).enumerate() {
         let want = elem.encode_bytes(vec);
         assert_eq!(
@@ -102,27 +113,43 @@ fn check(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, what: &str) {
 }
 
 #[test]
+fn emulated_codecs_store_the_cpu_bits() {
+    codecs_store_the_cpu_bits(&emu());
+}
+
+#[test]
 #[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
 fn device_codecs_store_the_cpu_bits() {
-    let g = gpu();
-    for elem in ELEMS {
-        for d in [1, 7, 8, 16, 33, 64, 80, 96, 128, 200, 256] {
-            check(
-                &g,
-                elem,
-                &random_vectors(97, d, d as u64 * 31 + 7),
-                d,
-                "random",
-            );
-            check(&g, elem, &edge_vectors(d), d, "edge");
-        }
-    }
+    codecs_store_the_cpu_bits(&gpu());
+}
+
+#[test]
+fn emulated_codecs_match_the_reference_fixtures() {
+    codecs_match_the_reference_fixtures(&emu());
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
 fn device_codecs_match_the_reference_fixtures() {
-    let g = gpu();
+    codecs_match_the_reference_fixtures(&gpu());
+}
+
+fn codecs_store_the_cpu_bits(g: &Gpu) {
+    for elem in ELEMS {
+        for d in [1, 7, 8, 16, 33, 64, 80, 96, 128, 200, 256] {
+            check(
+                g,
+                elem,
+                &random_vectors(97, d, d as u64 * 31 + 7),
+                d,
+                "random",
+            );
+            check(g, elem, &edge_vectors(d), d, "edge");
+        }
+    }
+}
+
+fn codecs_match_the_reference_fixtures(g: &Gpu) {
     // NINFER_REPO: the repository when this binary runs on another machine than it was built on.
     let repo = std::env::var_os("NINFER_REPO").map(std::path::PathBuf::from);
     let dir = repo
@@ -148,7 +175,7 @@ fn device_codecs_match_the_reference_fixtures() {
         };
         let d = v["head_dim"].as_u64().unwrap() as usize;
         check(
-            &g,
+            g,
             elem,
             &floats(v["input"].as_str().unwrap()),
             d,
@@ -164,7 +191,7 @@ fn device_codecs_match_the_reference_fixtures() {
             .into_iter()
             .filter(|v| v.is_finite())
             .collect();
-        let got = element_codes(&g, kind, &x).unwrap();
+        let got = element_codes(g, kind, &x).unwrap();
         for (i, (&v, &c)) in x.iter().zip(&got).enumerate() {
             let want = match kind {
                 "e4m3" => fp8::e4m3_from_f32(v),

@@ -52,6 +52,8 @@ pub enum DeviceRequest {
     Auto,
     Cpu,
     Cuda(usize),
+    /// The emulated CUDA device (developers and CI: the CUDA model on the host).
+    Emu,
 }
 
 impl DeviceRequest {
@@ -60,9 +62,10 @@ impl DeviceRequest {
             "auto" => Ok(DeviceRequest::Auto),
             "cpu" => Ok(DeviceRequest::Cpu),
             "cuda" => Ok(DeviceRequest::Cuda(0)),
+            "emu" => Ok(DeviceRequest::Emu),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => Ok(DeviceRequest::Cuda(n)),
-                _ => bail!("unknown device `{s}` (valid: auto, cpu, cuda, cuda:N)"),
+                _ => bail!("unknown device `{s}` (valid: auto, cpu, cuda, cuda:N, emu)"),
             },
         }
     }
@@ -79,6 +82,10 @@ pub enum Device {
         ordinal: usize,
         name: String,
         compute_capability: (i32, i32),
+        memory_bytes: u64,
+    },
+    /// The CUDA model on the emulated device: the kernels compiled for the host.
+    Emu {
         memory_bytes: u64,
     },
 }
@@ -105,6 +112,18 @@ impl Device {
         };
         match req {
             DeviceRequest::Cpu => Ok((Device::Cpu { threads }, None)),
+            DeviceRequest::Emu => {
+                if !cuda::BUILT {
+                    bail!("--device emu: this build has no CUDA backend (the emulated device runs its kernels); use --device cpu");
+                }
+                let memory_bytes = match std::env::var("NINFER_EMU_MEMORY_MB") {
+                    Ok(v) => v.parse::<u64>().map(|m| m << 20).map_err(|_| {
+                        anyhow::anyhow!("NINFER_EMU_MEMORY_MB={v}: expected a positive number of MiB")
+                    })?,
+                    Err(_) => cuda::EMU_MEMORY_BYTES,
+                };
+                Ok((Device::Emu { memory_bytes }, Some("device emu: the CUDA model on the emulated device (slow; a test device, not a measurement of any GPU)".to_string())))
+            }
             DeviceRequest::Auto => match probe(0) {
                 Ok(g) => {
                     let note = format!("device auto: using CUDA device 0 ({})", g.name);
@@ -133,7 +152,7 @@ impl Device {
                 "--precision {}: the CPU backend computes in f32 only (use --device cuda, or drop --precision)",
                 p.name()
             ),
-            (Device::Cuda { .. }, p) => Ok(p.unwrap_or(Precision::Bf16)),
+            (Device::Cuda { .. } | Device::Emu { .. }, p) => Ok(p.unwrap_or(Precision::Bf16)),
         }
     }
 
@@ -151,6 +170,10 @@ impl Device {
                     *memory_bytes as f64 / (1u64 << 30) as f64
                 )
             }
+            Device::Emu { memory_bytes } => format!(
+                "emu (emulated CUDA device, sm_90 semantics, {:.1} GiB)",
+                *memory_bytes as f64 / (1u64 << 30) as f64
+            ),
         }
     }
 
@@ -164,6 +187,7 @@ impl Device {
                 compute_capability: (a, b),
                 ..
             } => format!("cuda-sm{a}{b}"),
+            Device::Emu { .. } => "emu".to_string(),
         }
     }
 }

@@ -11,7 +11,7 @@ mod cpu;
 use crate::artifact::Artifact;
 use crate::backend::cpu::head::RowScore;
 use crate::backend::cpu::head_pair::PairScore;
-use crate::backend::cuda::CudaModel;
+use crate::backend::cuda::{CudaModel, Target};
 use crate::backend::{Device, DeviceRequest, Precision};
 use crate::kv::KvDtype;
 use crate::model::fault::Faults;
@@ -124,11 +124,15 @@ impl Engine {
                 let m = CpuModel::new(artifact.config.clone(), weights).with_faults(faults);
                 Model::Cpu(Box::new(m))
             }
-            Device::Cuda { ordinal, .. } => {
+            Device::Cuda { .. } | Device::Emu { .. } => {
                 if faults.active().is_some() {
                     anyhow::bail!("NINFER_TEST_FAULT applies to the CPU backend only");
                 }
-                load_cuda(&artifact, *ordinal, precision, progress)?
+                let target = match device {
+                    Device::Cuda { ordinal, .. } => Target::Cuda(ordinal),
+                    _ => Target::Emulated,
+                };
+                load_cuda(&artifact, target, precision, progress)?
             }
         };
         Ok(Engine {
@@ -160,7 +164,9 @@ impl Engine {
     pub fn result_class(&self) -> String {
         match self.device {
             Device::Cpu { .. } => self.device.class(),
-            Device::Cuda { .. } => format!("{}-{}", self.device.class(), self.precision.name()),
+            Device::Cuda { .. } | Device::Emu { .. } => {
+                format!("{}-{}", self.device.class(), self.precision.name())
+            }
         }
     }
 
@@ -408,19 +414,19 @@ impl Engine {
 #[cfg(feature = "cuda")]
 fn load_cuda(
     a: &Artifact,
-    ordinal: usize,
+    target: Target,
     precision: Precision,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {
     Ok(Model::Cuda(Box::new(CudaModel::load(
-        a, ordinal, precision, progress,
+        a, target, precision, progress,
     )?)))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn load_cuda(
     _: &Artifact,
-    _: usize,
+    _: Target,
     _: Precision,
     _: &mut dyn FnMut(usize, usize),
 ) -> Result<Model> {

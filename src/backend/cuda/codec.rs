@@ -16,12 +16,34 @@ pub struct DeviceCodec {
     pub decoded: Vec<f32>,
 }
 
+/// The register counts of the store (`nk` values per lane, `d <= 32 nk`), as `qkv_prep`
+/// has them.
+pub const STORE_VARIANTS: [usize; 3] = [2, 4, 8];
+
+/// The narrowest store variant for `d` values (the one `qkv_prep` uses).
+pub fn store_variant(d: usize) -> usize {
+    STORE_VARIANTS
+        .into_iter()
+        .find(|&nk| d <= 32 * nk)
+        .unwrap_or(8)
+}
+
+/// [`encode_with`] through the store variant `qkv_prep` uses for `d`.
 pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<DeviceCodec> {
+    encode_with(gpu, elem, x, d, store_variant(d))
+}
+
+/// Encodes through the store with `nk` values per lane (2, 4 or 8; `d <= 32 nk`), decodes
+/// through the attention loader.
+pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Result<DeviceCodec> {
     if d == 0 || d > plan::MAX_HEAD_DIM || !x.len().is_multiple_of(d) {
         bail!(
             "vectors of {d} values: 1..={} and a whole number of them",
             plan::MAX_HEAD_DIM
         );
+    }
+    if !STORE_VARIANTS.contains(&nk) || d > 32 * nk {
+        bail!("store variant nk{nk} cannot hold {d} values");
     }
     let n = x.len() / d;
     let (a, s, bs) = plan::kv_arrays(elem, n, d);
@@ -39,7 +61,7 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
     };
     let name = elem.name();
     gpu.launch(
-        &format!("kv_encode_{name}"),
+        &format!("kv_encode_{name}_nk{nk}"),
         (plan::blocks_for(n, 8), 1, 1),
         256,
         0,

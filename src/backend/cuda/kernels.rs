@@ -132,7 +132,14 @@ impl Program {
             ("codec", _) => {
                 let mut v: Vec<String> = ELEM_NAMES
                     .iter()
-                    .flat_map(|e| [format!("kv_encode_{e}"), format!("kv_decode_{e}")])
+                    .flat_map(|e| {
+                        [
+                            format!("kv_encode_{e}_nk2"),
+                            format!("kv_encode_{e}_nk4"),
+                            format!("kv_encode_{e}_nk8"),
+                            format!("kv_decode_{e}"),
+                        ]
+                    })
                     .collect();
                 v.push("e4m3_encode".into());
                 v.push("e2m1_encode".into());
@@ -190,7 +197,7 @@ mod tests {
         }
         for e in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
             assert_eq!(
-                Program::of(&format!("kv_encode_{}", e.name()))
+                Program::of(&format!("kv_encode_{}_nk4", e.name()))
                     .unwrap()
                     .module,
                 "codec"

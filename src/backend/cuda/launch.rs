@@ -273,8 +273,8 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `kv_encode_<elem>`: stores `n` vectors of `D` values.
-    KvEncode = ("codec", ["kv_encode_##NAME"]) {
+    /// `kv_encode_<elem>_nk<N>`: stores `n` vectors of `D <= 32 N` values.
+    KvEncode = ("codec", ["kv_encode_##NAME##_nk2", "kv_encode_##NAME##_nk4", "kv_encode_##NAME##_nk8"]) {
         x: Ptr<f32>,
         n: i64,
         D: i32,

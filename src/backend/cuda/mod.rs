@@ -23,13 +23,17 @@ pub mod codec;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
-mod gemm;
+pub mod emu;
+#[cfg(feature = "cuda")]
+pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod loader;
 #[cfg(feature = "cuda")]
 pub mod model;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod real;
 #[cfg(feature = "cuda")]
 mod weights;
 
@@ -47,6 +51,18 @@ pub struct GpuInfo {
     pub memory_bytes: u64,
     pub multiprocessors: u32,
 }
+
+/// Which device the CUDA model opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    /// CUDA device N.
+    Cuda(usize),
+    /// The emulated device (a developer and CI device; see `docs/cuda.md`).
+    Emulated,
+}
+
+/// Memory the emulated device reports unless `NINFER_EMU_MEMORY_MB` says otherwise.
+pub const EMU_MEMORY_BYTES: u64 = 8 << 30;
 
 /// Whether this build contains the CUDA backend.
 pub const BUILT: bool = cfg!(feature = "cuda");
@@ -160,6 +176,7 @@ pub mod bench {
             gpu.sync()?;
             let t = std::time::Instant::now();
             blas.gemm(
+                gpu,
                 n,
                 n,
                 n,

@@ -8,7 +8,7 @@
 //! accumulating into the residual. Then only the rows that predict a target go through
 //! the final norm and the head, one vocabulary chunk at a time.
 
-use super::device::{DevBuf, Gpu};
+use super::device::{DevBuf, Gpu, Target};
 use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
@@ -22,7 +22,6 @@ use crate::model::config::ModelConfig;
 use crate::model::{ForwardError, Part};
 use crate::score::Window;
 use anyhow::{bail, Result};
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -95,8 +94,6 @@ pub struct CudaModel {
     pub precision: Precision,
     inv_freq: Vec<f64>,
     state: Mutex<State>,
-    /// Kernels already allowed more than 48 KiB of dynamic shared memory.
-    smem_set: Mutex<HashSet<String>>,
     weights: DevWeights,
     weights_bytes: usize,
     peak_used: AtomicUsize,
@@ -107,11 +104,11 @@ pub struct CudaModel {
 }
 
 impl CudaModel {
-    /// Uploads the artifact's weights to device `ordinal`, one tensor at a time (host memory
+    /// Uploads the artifact's weights to device `target`, one tensor at a time (host memory
     /// holds at most one widened tensor). `progress` sees (tensors done, tensors total).
     pub fn load(
         a: &Artifact,
-        ordinal: usize,
+        target: Target,
         precision: Precision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel> {
@@ -122,7 +119,7 @@ impl CudaModel {
                 c.family.name()
             );
         }
-        let gpu = Gpu::open(ordinal)?;
+        let gpu = Gpu::open_target(target)?;
         if c.head_dim > plan::MAX_HEAD_DIM {
             bail!(
                 "head_dim {} is larger than the CUDA kernels take ({})",
@@ -150,7 +147,6 @@ impl CudaModel {
             precision,
             inv_freq,
             state: Mutex::new(State::default()),
-            smem_set: Mutex::new(HashSet::new()),
             weights,
             weights_bytes,
             peak_used: AtomicUsize::new(0),
@@ -201,9 +197,8 @@ impl CudaModel {
             return Ok(());
         }
         let mut st = self.state.lock().unwrap();
-        self.gpu.bind()?;
         let kvn = kv.name();
-        super::device::precompile(
+        self.gpu.prepare(
             &[
                 Program {
                     module: "attention",
@@ -222,7 +217,6 @@ impl CudaModel {
                     kv: None,
                 },
             ],
-            &self.gpu.arch,
         )?;
         let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
         self.ensure_buffers(&mut st, longest)?;
@@ -359,12 +353,6 @@ impl CudaModel {
             ),
             AttnKernel::F32 => {
                 let smem = k.dynamic_smem(c.head_dim);
-                let mut set = self.smem_set.lock().unwrap();
-                if smem > 48 * 1024 && !set.contains(&entry) {
-                    let f = self.gpu.function(&entry)?;
-                    self.gpu.set_max_dynamic_smem(f, smem)?;
-                    set.insert(entry.clone());
-                }
                 self.gpu.launch(
                     &entry,
                     grid,
@@ -500,6 +488,7 @@ impl CudaModel {
             // Attention block.
             norm(b.x.ptr, Ptr::NULL, &l.attn_norm, b.h.ptr, m)?;
             self.blas.gemm(
+                &self.gpu,
                 m,
                 qkv_w,
                 d,
@@ -537,6 +526,7 @@ impl CudaModel {
             )?;
             self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
             self.blas.gemm(
+                &self.gpu,
                 m,
                 d,
                 qd,
@@ -548,6 +538,7 @@ impl CudaModel {
             // MLP block.
             norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
             self.blas.gemm(
+                &self.gpu,
                 m,
                 2 * f,
                 d,
@@ -570,6 +561,7 @@ impl CudaModel {
                 },
             )?;
             self.blas.gemm(
+                &self.gpu,
                 m,
                 d,
                 f,
@@ -596,6 +588,7 @@ impl CudaModel {
             for v0 in (0..c.vocab_size).step_by(vc_max) {
                 let vc = vc_max.min(c.vocab_size - v0);
                 self.blas.gemm(
+                &self.gpu,
                     rb,
                     vc,
                     d,

@@ -1,0 +1,278 @@
+//! The emulated CUDA device: the kernels of `kernels/*.cu` compiled as C++ for the host
+//! with `kernels/emu.h`, run block by block with one fiber per CUDA thread
+//! (`kernels/emu_runtime.cpp`), and a reference GEMM with cuBLAS's semantics in place of
+//! cuBLAS. It lets the CUDA model run end to end, and every kernel be held to its CPU twin,
+//! on a machine without a GPU (`--device emu`, the kernel tests).
+//!
+//! Like NVRTC on a GPU machine, the host compiler runs at first use: the translation unit
+//! (every kernel, every KV variant) is built into a shared library by `g++`
+//! (`NINFER_EMU_CXX` overrides), cached on disk under a digest of its text and flags
+//! (`NINFER_EMU_CACHE_DIR`, default the system temporary directory), and loaded with
+//! `dlopen`. `NINFER_EMU_SANITIZE=address` builds it with AddressSanitizer (the process must
+//! then preload libasan).
+//!
+//! What it cannot show: NVRTC's code generation (FMA contraction, `--fmad`), the GPU's
+//! `expf`/`exp2f`/`log`, the tensor cores' accumulation order, real warp-scheduling races,
+//! and speed. A GPU run (`ci/gpu-check.sh`) remains the final word.
+
+pub mod device;
+pub mod gemm;
+
+use super::kernels::{Program, COMMON, MODULES};
+use anyhow::{anyhow, bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::ffi::{c_char, c_void, CString};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The emulation header, runtime and self-test kernels, embedded like the kernels.
+pub const HEADER: &str = include_str!("../../../../kernels/emu.h");
+pub const RUNTIME: &str = include_str!("../../../../kernels/emu_runtime.cpp");
+pub const SELFTEST: &str = include_str!("../../../../kernels/emu_selftest.cu");
+
+/// Entry points only the emulated device has (`kernels/emu_selftest.cu`).
+pub const SELFTEST_ENTRIES: [&str; 4] = [
+    "emu_selftest_warp_ops",
+    "emu_selftest_divergent_barrier",
+    "emu_selftest_early_exit",
+    "emu_selftest_mma",
+];
+
+/// Every entry point of the emulated device: each program's, then the self tests'.
+pub fn entries() -> Vec<String> {
+    let mut v: Vec<String> = Program::all().iter().flat_map(|p| p.entries()).collect();
+    v.sort();
+    v.dedup();
+    v.extend(SELFTEST_ENTRIES.iter().map(|s| s.to_string()));
+    v
+}
+
+/// The one C++ translation unit: header, shared device code, every module with every KV
+/// variant, the self tests, the entry table and the runtime. `fault` replaces one exact
+/// piece of kernel text with another (tests that show a planted fault is caught).
+pub fn translation_unit(fault: Option<(&str, &str)>) -> Result<String> {
+    // `#line` keeps compiler messages and barrier sites in the files' own numbering.
+    let file = |t: &mut String, name: &str, text: &str| {
+        t.push_str(&format!("\n#line 1 \"kernels/{name}\"\n"));
+        t.push_str(text);
+    };
+    let mut t = String::from("#define KV_ALL 1\n");
+    file(&mut t, "emu.h", HEADER);
+    file(&mut t, "common.cuh", COMMON);
+    for m in &MODULES {
+        file(&mut t, &format!("{}.cu", m.name), m.source);
+    }
+    file(&mut t, "emu_selftest.cu", SELFTEST);
+    t.push_str("\n#line 1 \"(entry table)\"\n#define EMU_ENTRIES");
+    for e in entries() {
+        t.push_str(&format!(" EMU_ENTRY({e})"));
+    }
+    file(&mut t, "emu_runtime.cpp", RUNTIME);
+    if let Some((from, to)) = fault {
+        let n = t.matches(from).count();
+        if n != 1 {
+            bail!("the planted fault's text occurs {n} times in the kernels (must be exactly once): {from:?}");
+        }
+        t = t.replacen(from, to, 1);
+    }
+    Ok(t)
+}
+
+/// How the library is built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildOptions {
+    pub sanitize_address: bool,
+    pub fault: Option<(String, String)>,
+}
+
+impl BuildOptions {
+    pub fn from_env() -> BuildOptions {
+        BuildOptions {
+            sanitize_address: std::env::var("NINFER_EMU_SANITIZE").is_ok_and(|v| v == "address"),
+            fault: None,
+        }
+    }
+
+    fn flags(&self) -> Vec<&'static str> {
+        let mut f = vec![
+            "-std=c++17",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+            "-fno-fast-math",
+            "-fno-strict-aliasing",
+            "-w",
+        ];
+        if self.sanitize_address {
+            f.extend(["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]);
+        } else {
+            f.push("-O2");
+        }
+        f
+    }
+}
+
+type LaunchFn = unsafe extern "C" fn(
+    *const c_char,
+    u32,
+    u32,
+    u32,
+    u32,
+    usize,
+    *mut *mut c_void,
+    *mut c_char,
+    usize,
+) -> i32;
+type ArityFn = unsafe extern "C" fn(*const c_char) -> i32;
+
+/// The loaded kernel library.
+pub struct Library {
+    _lib: libloading::Library,
+    launch: LaunchFn,
+    arity: ArityFn,
+    pub path: PathBuf,
+}
+
+fn compiler() -> String {
+    std::env::var("NINFER_EMU_CXX").unwrap_or_else(|_| "g++".to_string())
+}
+
+fn cache_dir() -> PathBuf {
+    match std::env::var_os("NINFER_EMU_CACHE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => std::env::temp_dir().join("ninfer-perplexity-emu"),
+    }
+}
+
+impl Library {
+    /// Builds (or finds in the cache) and loads the library for `opts`.
+    pub fn build(opts: &BuildOptions) -> Result<Library> {
+        let fault = opts
+            .fault
+            .as_ref()
+            .map(|(a, b)| (a.as_str(), b.as_str()));
+        let text = translation_unit(fault)?;
+        let cxx = compiler();
+        let version = std::process::Command::new(&cxx)
+            .arg("--version")
+            .output()
+            .map_err(|e| anyhow!("the emulated CUDA device needs a C++ compiler: `{cxx}` did not run ({e}); install g++ or set NINFER_EMU_CXX"))?;
+        let mut h = Sha256::new();
+        h.update(&version.stdout);
+        h.update(opts.flags().join(" "));
+        h.update(&text);
+        let digest = hex::encode(&h.finalize()[..12]);
+        let dir = cache_dir();
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("emulated device cache {}", dir.display()))?;
+        let so = dir.join(format!("kernels-{digest}.so"));
+        if !so.exists() {
+            let t = std::time::Instant::now();
+            let work = tempfile::Builder::new()
+                .prefix("build-")
+                .tempdir_in(&dir)
+                .with_context(|| format!("emulated device cache {}", dir.display()))?;
+            let src = work.path().join("kernels.cpp");
+            std::fs::write(&src, &text)?;
+            let out = work.path().join("kernels.so");
+            let r = std::process::Command::new(&cxx)
+                .args(opts.flags())
+                .arg(&src)
+                .arg("-o")
+                .arg(&out)
+                .output()
+                .map_err(|e| anyhow!("`{cxx}` did not run ({e})"))?;
+            if !r.status.success() {
+                let log = String::from_utf8_lossy(&r.stderr);
+                let first: Vec<&str> = log.lines().filter(|l| l.contains("error")).take(5).collect();
+                bail!(
+                    "compiling the kernels for the emulated device failed ({cxx}): {}",
+                    first.join(" | ")
+                );
+            }
+            // Atomic publish: concurrent builders of the same digest race harmlessly.
+            std::fs::rename(&out, &so)?;
+            crate::ui::debug(format!(
+                "built the emulated CUDA device ({}) in {:.1}s",
+                so.display(),
+                t.elapsed().as_secs_f64()
+            ));
+        }
+        // SAFETY: a library this function just compiled from the embedded sources; its
+        // initializers only set up static storage.
+        let lib = unsafe { libloading::Library::new(&so) }
+            .with_context(|| format!("loading the emulated device {}", so.display()))?;
+        // SAFETY: the symbols are defined by kernels/emu_runtime.cpp with these signatures.
+        let (launch, arity) = unsafe {
+            let l: libloading::Symbol<LaunchFn> = lib.get(b"ninfer_emu_launch\0")?;
+            let a: libloading::Symbol<ArityFn> = lib.get(b"ninfer_emu_arity\0")?;
+            (*l, *a)
+        };
+        Ok(Library {
+            _lib: lib,
+            launch,
+            arity,
+            path: so,
+        })
+    }
+
+    /// The process-wide library for the environment's options, built at first use.
+    pub fn shared() -> Result<&'static Library> {
+        static L: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
+        L.get_or_init(|| Library::build(&BuildOptions::from_env()).map_err(|e| format!("{e:#}")))
+            .as_ref()
+            .map_err(|e| anyhow!("{e}"))
+    }
+
+    /// The parameter count of `entry`, or None when the library has no such kernel.
+    pub fn arity(&self, entry: &str) -> Option<usize> {
+        let c = CString::new(entry).ok()?;
+        // SAFETY: a NUL-terminated name; the function only reads it.
+        let n = unsafe { (self.arity)(c.as_ptr()) };
+        (n >= 0).then_some(n as usize)
+    }
+
+    /// Runs `entry` over `grid` with `block` threads; `params[i]` points at argument i.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters and every pointer among them must
+    /// be valid for what the kernel reads and writes (as for a CUDA launch).
+    pub unsafe fn launch(
+        &self,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let c = CString::new(entry).map_err(|_| anyhow!("kernel name with a NUL"))?;
+        match self.arity(entry) {
+            None => bail!("the emulated device has no kernel `{entry}`"),
+            Some(n) if n != params.len() => bail!(
+                "kernel `{entry}` takes {n} parameters, {} were given",
+                params.len()
+            ),
+            _ => {}
+        }
+        let mut err = vec![0u8; 512];
+        let r = (self.launch)(
+            c.as_ptr(),
+            grid.0,
+            grid.1,
+            grid.2,
+            block,
+            smem,
+            params.as_mut_ptr(),
+            err.as_mut_ptr() as *mut c_char,
+            err.len(),
+        );
+        if r != 0 {
+            let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+            bail!(
+                "emulated kernel launch failed: {}",
+                String::from_utf8_lossy(&err[..end])
+            );
+        }
+        Ok(())
+    }
+}
