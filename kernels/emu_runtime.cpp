@@ -3,8 +3,8 @@
 //
 // Compiled last into the one translation unit the host builds (after kernels/emu.h,
 // kernels/common.cuh, every kernels/*.cu and the generated entry table `EMU_ENTRIES`).
-// Fibers switch with a few instructions of assembly on x86-64 and with ucontext elsewhere
-// or under AddressSanitizer (which understands swapcontext).
+// Fibers switch with a few instructions of assembly on x86-64 (announced to
+// AddressSanitizer when it is on) and with ucontext elsewhere.
 
 #include <mutex>
 #include <string>
@@ -15,9 +15,19 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if !defined(__x86_64__) || defined(__SANITIZE_ADDRESS__)
+#if !defined(__x86_64__)
 #define EMU_UCONTEXT 1
 #include <ucontext.h>
+#endif
+
+#ifdef __SANITIZE_ADDRESS__
+extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+#define ASAN_START(save, bottom, size) __sanitizer_start_switch_fiber((save), (bottom), (size))
+#define ASAN_FINISH(save, bottom, size) __sanitizer_finish_switch_fiber((save), (bottom), (size))
+#else
+#define ASAN_START(save, bottom, size) ((void)0)
+#define ASAN_FINISH(save, bottom, size) ((void)0)
 #endif
 
 namespace {
@@ -57,11 +67,7 @@ const Entry* find_entry(const char* name) {
 
 // ---------------------------------------------------------------- fibers
 
-#ifdef __SANITIZE_ADDRESS__
-const size_t STACK_BYTES = 512 * 1024;
-#else
 const size_t STACK_BYTES = 128 * 1024;
-#endif
 const unsigned MAX_THREADS = 1024;
 const size_t MAX_DYNAMIC_SMEM = 227 * 1024;  // sm_90's largest opt-in block allocation
 
@@ -72,6 +78,7 @@ struct Fiber {
     State state;
     int op, site;
     char* stack;  // STACK_BYTES, a guard page below
+    void* fake_stack;  // AddressSanitizer's bookkeeping while suspended
 #ifdef EMU_UCONTEXT
     ucontext_t ctx;
 #else
@@ -95,6 +102,9 @@ struct Run {
 #else
     void* sched_sp;
 #endif
+    void* sched_fake_stack;
+    const void* sched_bottom;  // the scheduler's stack, as AddressSanitizer reports it
+    size_t sched_size;
 };
 
 Run* run_now;
@@ -155,8 +165,11 @@ emu_trampoline:
 
 extern "C" __attribute__((visibility("hidden"), used)) void emu_fiber_main(void* fiber) {
     Fiber* f = (Fiber*)fiber;
+    ASAN_FINISH(nullptr, &run_now->sched_bottom, &run_now->sched_size);
     run_now->entry->call(run_now->params);
     f->state = DONE;
+    // A finished fiber's stack is abandoned (null: no fake stack to keep).
+    ASAN_START(nullptr, run_now->sched_bottom, run_now->sched_size);
 #ifdef EMU_UCONTEXT
     // Returning resumes uc_link (the scheduler).
 #else
@@ -203,11 +216,13 @@ void start_fiber(Run& r, Fiber* f) {
 
 void resume(Run& r, Fiber* f) {
     emu_cur = &f->t;
+    ASAN_START(&r.sched_fake_stack, f->stack, STACK_BYTES);
 #ifdef EMU_UCONTEXT
     swapcontext(&r.sched, &f->ctx);
 #else
     emu_switch(&r.sched_sp, f->sp);
 #endif
+    ASAN_FINISH(r.sched_fake_stack, nullptr, nullptr);
 }
 
 Fiber* current_fiber() {
@@ -216,11 +231,13 @@ Fiber* current_fiber() {
 
 void yield_to_scheduler() {
     Fiber* f = current_fiber();
+    ASAN_START(&f->fake_stack, run_now->sched_bottom, run_now->sched_size);
 #ifdef EMU_UCONTEXT
     swapcontext(&f->ctx, &run_now->sched);
 #else
     emu_switch(&f->sp, run_now->sched_sp);
 #endif
+    ASAN_FINISH(f->fake_stack, &run_now->sched_bottom, &run_now->sched_size);
 }
 
 const char* op_name(int op) {
@@ -382,7 +399,7 @@ extern "C" int ninfer_emu_launch(const char* entry, unsigned gx, unsigned gy, un
     }
     std::vector<Fiber> fibers(block);
     for (unsigned i = 0; i < block; ++i) fibers[i].stack = pool[i]->stack;
-    Run r;
+    Run r = {};
     r.entry = e;
     r.params = params;
     r.fibers = fibers.data();

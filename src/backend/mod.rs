@@ -118,7 +118,9 @@ impl Device {
                 }
                 let memory_bytes = match std::env::var("NINFER_EMU_MEMORY_MB") {
                     Ok(v) => v.parse::<u64>().map(|m| m << 20).map_err(|_| {
-                        anyhow::anyhow!("NINFER_EMU_MEMORY_MB={v}: expected a positive number of MiB")
+                        anyhow::anyhow!(
+                            "NINFER_EMU_MEMORY_MB={v}: expected a positive number of MiB"
+                        )
                     })?,
                     Err(_) => cuda::EMU_MEMORY_BYTES,
                 };

@@ -35,7 +35,16 @@ impl Mat {
 }
 
 /// The column-major call for `y[m, n] = x[m, k] · w[n, k]ᵀ (+ y when accumulate)`.
-pub fn row_major_wt(m: usize, n: usize, k: usize, x: Mat, w: Mat, y: Mat, accumulate: bool, input: GemmInput) -> ColGemm {
+pub fn row_major_wt(
+    m: usize,
+    n: usize,
+    k: usize,
+    x: Mat,
+    w: Mat,
+    y: Mat,
+    accumulate: bool,
+    input: GemmInput,
+) -> ColGemm {
     ColGemm {
         trans_a: true,
         trans_b: false,

@@ -198,26 +198,24 @@ impl CudaModel {
         }
         let mut st = self.state.lock().unwrap();
         let kvn = kv.name();
-        self.gpu.prepare(
-            &[
-                Program {
-                    module: "attention",
-                    kv: Some(kvn),
-                },
-                Program {
-                    module: "qkv",
-                    kv: Some(kvn),
-                },
-                Program {
-                    module: "elementwise",
-                    kv: None,
-                },
-                Program {
-                    module: "head",
-                    kv: None,
-                },
-            ],
-        )?;
+        self.gpu.prepare(&[
+            Program {
+                module: "attention",
+                kv: Some(kvn),
+            },
+            Program {
+                module: "qkv",
+                kv: Some(kvn),
+            },
+            Program {
+                module: "elementwise",
+                kv: None,
+            },
+            Program {
+                module: "head",
+                kv: None,
+            },
+        ])?;
         let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
         self.ensure_buffers(&mut st, longest)?;
         self.ensure_rope(&mut st, longest)?;
@@ -588,7 +586,7 @@ impl CudaModel {
             for v0 in (0..c.vocab_size).step_by(vc_max) {
                 let vc = vc_max.min(c.vocab_size - v0);
                 self.blas.gemm(
-                &self.gpu,
+                    &self.gpu,
                     rb,
                     vc,
                     d,

@@ -78,7 +78,6 @@ pub fn precompile(programs: &[Program], arch: &str) -> Result<()> {
     })
 }
 
-
 /// An open GPU: its context, loaded modules and cuBLAS handle.
 pub struct RealGpu {
     info: GpuInfo,

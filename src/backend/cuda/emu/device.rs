@@ -34,7 +34,9 @@ impl EmuGpu {
                 .ok()
                 .filter(|&m| m > 0)
                 .map(|m| m << 20)
-                .ok_or_else(|| anyhow!("NINFER_EMU_MEMORY_MB={v}: expected a positive number of MiB"))?,
+                .ok_or_else(|| {
+                    anyhow!("NINFER_EMU_MEMORY_MB={v}: expected a positive number of MiB")
+                })?,
             Err(_) => crate::backend::cuda::EMU_MEMORY_BYTES as usize,
         };
         Ok(EmuGpu {
@@ -58,7 +60,9 @@ impl EmuGpu {
         let live = self.live.lock().unwrap();
         match live.range(..=addr).next_back() {
             Some((&base, &len)) if addr + bytes as u64 <= base + len as u64 => Ok(()),
-            _ => bail!("emulated device: {what} of {bytes} bytes at {addr:#x} is outside every allocation"),
+            _ => bail!(
+                "emulated device: {what} of {bytes} bytes at {addr:#x} is outside every allocation"
+            ),
         }
     }
 
@@ -84,7 +88,8 @@ impl Backend for EmuGpu {
                 self.info.memory_bytes
             );
         }
-        let layout = Layout::from_size_align(bytes, ALIGN).map_err(|e| anyhow!("allocation: {e}"))?;
+        let layout =
+            Layout::from_size_align(bytes, ALIGN).map_err(|e| anyhow!("allocation: {e}"))?;
         // SAFETY: a non-zero size (the caller never asks for 0).
         let p = unsafe { std::alloc::alloc(layout) };
         if p.is_null() {

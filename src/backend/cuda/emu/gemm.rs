@@ -126,7 +126,16 @@ pub fn run(g: &ColGemm, a: &[u8], b: &[u8], c: &mut [f32]) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn call(trans_a: bool, trans_b: bool, m: usize, n: usize, k: usize, lda: usize, ldb: usize, ldc: usize) -> ColGemm {
+    fn call(
+        trans_a: bool,
+        trans_b: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        lda: usize,
+        ldb: usize,
+        ldc: usize,
+    ) -> ColGemm {
         ColGemm {
             trans_a,
             trans_b,
@@ -154,7 +163,7 @@ mod tests {
     #[test]
     fn the_four_forms_follow_column_major_semantics() {
         let want = [4.0, 10.0, 5.0, 11.0]; // column-major [2, 2]
-        // A stored as [2, 3] column-major (lda 2), or Aᵀ stored [3, 2] (lda 3).
+                                           // A stored as [2, 3] column-major (lda 2), or Aᵀ stored [3, 2] (lda 3).
         let a_n = [1.0, 4.0, 2.0, 5.0, 3.0, 6.0];
         let a_t = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         // B stored [3, 2] (ldb 3), or Bᵀ stored [2, 3] (ldb 2).
@@ -208,8 +217,12 @@ mod tests {
     fn the_tn_fast_path_equals_the_loop() {
         let (m, n, k) = (5, 3, 7);
         let (lda, ldb, ldc) = (k + 2, k + 1, m + 3);
-        let a: Vec<f32> = (0..extent(k, m, lda)).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
-        let b: Vec<f32> = (0..extent(k, n, ldb)).map(|i| ((i * 5) % 13) as f32 - 6.0).collect();
+        let a: Vec<f32> = (0..extent(k, m, lda))
+            .map(|i| ((i * 7) % 11) as f32 - 5.0)
+            .collect();
+        let b: Vec<f32> = (0..extent(k, n, ldb))
+            .map(|i| ((i * 5) % 13) as f32 - 6.0)
+            .collect();
         let g = call(true, false, m, n, k, lda, ldb, ldc);
         let mut fast = vec![0f32; extent(m, n, ldc)];
         run(&g, &bytes(&a), &bytes(&b), &mut fast).unwrap();

@@ -47,10 +47,56 @@ pub fn entries() -> Vec<String> {
     v
 }
 
+/// A defect planted in the kernel text, for tests that show the emulated-device checks
+/// catch it (`NINFER_EMU_FAULT=<name>`): every occurrence of `from` becomes `to`.
+pub struct Fault {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub from: &'static str,
+    pub to: &'static str,
+}
+
+pub const FAULTS: [Fault; 4] = [
+    Fault {
+        name: "e4m3-truncate",
+        what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
+        from: "u32 normal = ((abs + 0x7FFFFu + ((abs >> 20) & 1u)) >> 20) - 960u;",
+        to: "u32 normal = (abs >> 20) - 960u;",
+    },
+    Fault {
+        name: "attn-tile-bound",
+        what: "the tensor-core attention stops one key tile early when the last query is a tile's first key",
+        from: "for (int kt0 = 0; kt0 <= last_pos; kt0 += AM_KEYS)",
+        to: "for (int kt0 = 0; kt0 < last_pos; kt0 += AM_KEYS)",
+    },
+    Fault {
+        name: "gqa-interleaved",
+        what: "query head h reads KV head h % Hkv instead of h / (Hq / Hkv)",
+        from: "int kvh = h / (hq / hkv);",
+        to: "int kvh = h % hkv;",
+    },
+    Fault {
+        name: "bf16-store-overrun",
+        what: "the bf16 K/V store writes one element past each vector",
+        from: "if (j < D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);",
+        to: "if (j <= D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);",
+    },
+];
+
+/// The planted fault of that name.
+pub fn fault(name: &str) -> Result<&'static Fault> {
+    FAULTS.iter().find(|f| f.name == name).ok_or_else(|| {
+        let names: Vec<&str> = FAULTS.iter().map(|f| f.name).collect();
+        anyhow!(
+            "NINFER_EMU_FAULT={name}: no such planted fault (known: {})",
+            names.join(", ")
+        )
+    })
+}
+
 /// The one C++ translation unit: header, shared device code, every module with every KV
-/// variant, the self tests, the entry table and the runtime. `fault` replaces one exact
-/// piece of kernel text with another (tests that show a planted fault is caught).
-pub fn translation_unit(fault: Option<(&str, &str)>) -> Result<String> {
+/// variant, the self tests, the entry table and the runtime, with `fault` planted.
+pub fn translation_unit(fault: Option<&Fault>) -> Result<String> {
     // `#line` keeps compiler messages and barrier sites in the files' own numbering.
     let file = |t: &mut String, name: &str, text: &str| {
         t.push_str(&format!("\n#line 1 \"kernels/{name}\"\n"));
@@ -68,29 +114,35 @@ pub fn translation_unit(fault: Option<(&str, &str)>) -> Result<String> {
         t.push_str(&format!(" EMU_ENTRY({e})"));
     }
     file(&mut t, "emu_runtime.cpp", RUNTIME);
-    if let Some((from, to)) = fault {
-        let n = t.matches(from).count();
-        if n != 1 {
-            bail!("the planted fault's text occurs {n} times in the kernels (must be exactly once): {from:?}");
+    if let Some(f) = fault {
+        if !t.contains(f.from) {
+            bail!(
+                "planted fault {}: its text is no longer in the kernels: {:?}",
+                f.name,
+                f.from
+            );
         }
-        t = t.replacen(from, to, 1);
+        t = t.replace(f.from, f.to);
     }
     Ok(t)
 }
 
 /// How the library is built.
-#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BuildOptions {
     pub sanitize_address: bool,
-    pub fault: Option<(String, String)>,
+    pub fault: Option<&'static Fault>,
 }
 
 impl BuildOptions {
-    pub fn from_env() -> BuildOptions {
-        BuildOptions {
+    /// `NINFER_EMU_SANITIZE=address`, `NINFER_EMU_FAULT=<name>`.
+    pub fn from_env() -> Result<BuildOptions> {
+        Ok(BuildOptions {
             sanitize_address: std::env::var("NINFER_EMU_SANITIZE").is_ok_and(|v| v == "address"),
-            fault: None,
-        }
+            fault: match std::env::var("NINFER_EMU_FAULT") {
+                Ok(n) => Some(fault(&n)?),
+                Err(_) => None,
+            },
+        })
     }
 
     fn flags(&self) -> Vec<&'static str> {
@@ -147,11 +199,7 @@ fn cache_dir() -> PathBuf {
 impl Library {
     /// Builds (or finds in the cache) and loads the library for `opts`.
     pub fn build(opts: &BuildOptions) -> Result<Library> {
-        let fault = opts
-            .fault
-            .as_ref()
-            .map(|(a, b)| (a.as_str(), b.as_str()));
-        let text = translation_unit(fault)?;
+        let text = translation_unit(opts.fault)?;
         let cxx = compiler();
         let version = std::process::Command::new(&cxx)
             .arg("--version")
@@ -184,7 +232,11 @@ impl Library {
                 .map_err(|e| anyhow!("`{cxx}` did not run ({e})"))?;
             if !r.status.success() {
                 let log = String::from_utf8_lossy(&r.stderr);
-                let first: Vec<&str> = log.lines().filter(|l| l.contains("error")).take(5).collect();
+                let first: Vec<&str> = log
+                    .lines()
+                    .filter(|l| l.contains("error"))
+                    .take(5)
+                    .collect();
                 bail!(
                     "compiling the kernels for the emulated device failed ({cxx}): {}",
                     first.join(" | ")
@@ -197,6 +249,13 @@ impl Library {
                 so.display(),
                 t.elapsed().as_secs_f64()
             ));
+        }
+        if let Some(f) = opts.fault {
+            // Always said, whatever the log level: a planted fault must never go unnoticed.
+            eprintln!(
+                "warning: emulated device built with planted fault {}: {}",
+                f.name, f.what
+            );
         }
         // SAFETY: a library this function just compiled from the embedded sources; its
         // initializers only set up static storage.
@@ -219,9 +278,13 @@ impl Library {
     /// The process-wide library for the environment's options, built at first use.
     pub fn shared() -> Result<&'static Library> {
         static L: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
-        L.get_or_init(|| Library::build(&BuildOptions::from_env()).map_err(|e| format!("{e:#}")))
-            .as_ref()
-            .map_err(|e| anyhow!("{e}"))
+        L.get_or_init(|| {
+            BuildOptions::from_env()
+                .and_then(|o| Library::build(&o))
+                .map_err(|e| format!("{e:#}"))
+        })
+        .as_ref()
+        .map_err(|e| anyhow!("{e}"))
     }
 
     /// The parameter count of `entry`, or None when the library has no such kernel.
@@ -274,5 +337,30 @@ impl Library {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unit_has_every_entry_and_every_fault_applies() {
+        let t = translation_unit(None).unwrap();
+        for e in entries() {
+            assert!(t.contains(&format!("EMU_ENTRY({e})")), "{e}");
+        }
+        for f in &FAULTS {
+            let planted = translation_unit(Some(f)).unwrap();
+            assert!(
+                !planted.contains(f.from) && planted.contains(f.to),
+                "{}",
+                f.name
+            );
+        }
+        assert!(fault("nope")
+            .unwrap_err()
+            .to_string()
+            .contains("known: e4m3-truncate"));
     }
 }

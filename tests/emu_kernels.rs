@@ -1,0 +1,1114 @@
+//! Every CUDA kernel, executed on the emulated device (`kernels/*.cu` compiled as C++ with
+//! `kernels/emu.h`), held to its Rust twin: bit for bit where the kernel promises it, else
+//! within a bound measured here and stated with its margin.
+//!
+//! Buffers are exactly their size (no rounding up), so the AddressSanitizer run of this
+//! file (`ci/emu-asan.sh`) sees any access past an array. The emulator's own mechanics
+//! (warp exchanges, `mma`, divergent barriers) are checked first.
+
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use ninfer_perplexity::backend::cpu::attention::{causal_attention, AttnShape};
+use ninfer_perplexity::backend::cpu::norm::{rms_norm_inplace, rms_norm_row, swiglu};
+use ninfer_perplexity::backend::cpu::rope::{inv_freq, RopeTable};
+use ninfer_perplexity::backend::cuda::device::{DevBuf, Gpu};
+use ninfer_perplexity::backend::cuda::launch::{self, Arg, KernelParam, KvArg, Launch, Ptr};
+use ninfer_perplexity::backend::cuda::model::decode_nonfinite;
+use ninfer_perplexity::backend::cuda::plan::{self, AttnKernel};
+use ninfer_perplexity::kv::{Elem, KvDtype};
+use ninfer_perplexity::model::{ForwardError, Part};
+use std::sync::OnceLock;
+
+fn gpu() -> &'static Gpu {
+    static G: OnceLock<Gpu> = OnceLock::new();
+    G.get_or_init(|| Gpu::emulated().expect("the emulated CUDA device (needs g++)"))
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn sym(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym() * scale).collect()
+    }
+}
+
+fn up<T: bytemuck::Pod>(v: &[T]) -> DevBuf {
+    gpu().upload(v).unwrap()
+}
+
+fn p<T>(b: &DevBuf) -> Ptr<T> {
+    Ptr::new(b.ptr)
+}
+
+fn read_f32(b: &DevBuf, n: usize) -> Vec<f32> {
+    gpu().read(b, 0, n).unwrap()
+}
+
+fn bf16_round(v: f32) -> f32 {
+    bf16::from_f32(v).to_f32()
+}
+
+/// Largest |a - b| over `scale` (the reference's largest magnitude, at least 1e-30).
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30) as f64;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((*x as f64) - (*y as f64)).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+// ------------------------------------------------------------------ the emulator itself
+
+/// A launcher for the emulator's self-test kernels (kernels/emu_selftest.cu), which the
+/// GPU programs do not contain.
+struct Raw(Vec<Arg>);
+impl Launch for Raw {
+    const SOURCE: (&'static str, &'static [&'static str]) = ("emu_selftest", &[]);
+    fn signature() -> Vec<(&'static str, &'static str)> {
+        vec![]
+    }
+    fn args(&self) -> Vec<Arg> {
+        self.0.clone()
+    }
+}
+
+#[test]
+fn warp_exchanges_follow_their_definitions() {
+    let x: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 - 20.0).collect();
+    let (xb, out) = (up(&x), gpu().alloc(6 * 64 * 4).unwrap());
+    gpu()
+        .launch(
+            "emu_selftest_warp_ops",
+            (1, 1, 1),
+            64,
+            0,
+            &Raw(vec![p::<f32>(&xb).arg(), p::<f32>(&out).arg()]),
+        )
+        .unwrap();
+    let o = read_f32(&out, 6 * 64);
+    let total: f32 = x.iter().sum();
+    for i in 0..64 {
+        let (w, l) = (i / 32, i % 32);
+        let lane = |j: usize| x[w * 32 + j];
+        let want = [
+            lane(l ^ 5),
+            lane(3),
+            if l + 1 < 32 { lane(l + 1) } else { x[i] },
+            0xAAAA_AAAAu32 as f32,
+            total,
+            (0..32).map(lane).fold(f32::MIN, f32::max),
+        ];
+        assert_eq!(&o[6 * i..6 * i + 6], &want, "thread {i}");
+    }
+}
+
+/// One mma.m16n8k16 against the product computed here (integers: exact in any order).
+#[test]
+fn mma_follows_the_ptx_fragment_layout() {
+    let a: Vec<f32> = (0..256).map(|i| ((i * 7) % 9) as f32 - 4.0).collect(); // [16, 16]
+    let b: Vec<f32> = (0..128).map(|i| ((i * 5) % 7) as f32 - 3.0).collect(); // [16, 8]
+    let c: Vec<f32> = (0..128).map(|i| i as f32).collect(); // [16, 8]
+    let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect() };
+    let (ab, bb, cb) = (up(&bits(&a)), up(&bits(&b)), up(&c));
+    gpu()
+        .launch(
+            "emu_selftest_mma",
+            (1, 1, 1),
+            32,
+            0,
+            &Raw(vec![
+                p::<u16>(&ab).arg(),
+                p::<u16>(&bb).arg(),
+                p::<f32>(&cb).arg(),
+            ]),
+        )
+        .unwrap();
+    let got = read_f32(&cb, 128);
+    for r in 0..16 {
+        for n in 0..8 {
+            let want = c[r * 8 + n] + (0..16).map(|k| a[r * 16 + k] * b[k * 8 + n]).sum::<f32>();
+            assert_eq!(got[r * 8 + n], want, "C[{r}][{n}]");
+        }
+    }
+}
+
+/// A `__syncthreads` reached by only part of the block, or at two different places, fails
+/// the launch with a message; it never hangs.
+#[test]
+fn a_divergent_barrier_fails_the_launch() {
+    let out = gpu().alloc(64 * 4).unwrap();
+    let e = gpu()
+        .launch(
+            "emu_selftest_divergent_barrier",
+            (1, 1, 1),
+            64,
+            0,
+            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(16)]),
+        )
+        .unwrap_err();
+    let m = format!("{e:#}");
+    assert!(m.contains("divergent __syncthreads"), "{m}");
+    let e = gpu()
+        .launch(
+            "emu_selftest_early_exit",
+            (1, 1, 1),
+            64,
+            0,
+            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(40)]),
+        )
+        .unwrap_err();
+    let m = format!("{e:#}");
+    assert!(
+        m.contains("divergent __syncthreads") && m.contains("24 have exited"),
+        "{m}"
+    );
+    // Every thread reaching the barrier completes.
+    gpu()
+        .launch(
+            "emu_selftest_early_exit",
+            (1, 1, 1),
+            64,
+            0,
+            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(64)]),
+        )
+        .unwrap();
+    assert_eq!(read_f32(&out, 64), vec![1.0; 64]);
+}
+
+#[test]
+fn a_launch_with_the_wrong_arguments_is_refused() {
+    let e = gpu()
+        .launch(
+            "emu_selftest_mma",
+            (1, 1, 1),
+            32,
+            0,
+            &Raw(vec![Arg::I32(1)]),
+        )
+        .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("takes 3 parameters, 1 were given"),
+        "{e:#}"
+    );
+    let e = gpu()
+        .launch("no_such_kernel", (1, 1, 1), 32, 0, &Raw(vec![]))
+        .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("no kernel `no_such_kernel`"),
+        "{e:#}"
+    );
+}
+
+// ------------------------------------------------------------------ element-wise kernels
+
+/// embed_gather widens exactly; rms_norm reproduces the CPU row norm bit for bit (both sum
+/// squares in f64, where the order changes nothing at f32 output); both output precisions,
+/// with and without a row gather.
+#[test]
+fn embedding_and_rms_norm_are_bit_exact() {
+    let mut r = Rng(7);
+    for d in [64usize, 576, 1000] {
+        let vocab = 37;
+        let table = r.vec(vocab * d, 2.0);
+        let table_bf16: Vec<u16> = table.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let tokens: Vec<i32> = (0..9).map(|i| (i * 11 % vocab) as i32).collect();
+        let m = tokens.len();
+        let tb = up(&tokens);
+        let x = gpu().alloc(m * d * 4).unwrap();
+        for bf in [0, 1] {
+            let emb = if bf == 1 { up(&table_bf16) } else { up(&table) };
+            gpu()
+                .launch(
+                    "embed_gather",
+                    (m as u32, 1, 1),
+                    256,
+                    0,
+                    &launch::EmbedGather {
+                        tokens: p(&tb),
+                        embed: p(&emb),
+                        embed_bf16: bf,
+                        x: p(&x),
+                        d: d as i32,
+                    },
+                )
+                .unwrap();
+            let got = read_f32(&x, m * d);
+            for (i, &t) in tokens.iter().enumerate() {
+                for j in 0..d {
+                    let v = table[t as usize * d + j];
+                    let want = if bf == 1 { bf16_round(v) } else { v };
+                    assert_eq!(
+                        got[i * d + j].to_bits(),
+                        want.to_bits(),
+                        "d {d} row {i} col {j}"
+                    );
+                }
+            }
+        }
+        // rms_norm over the gathered rows, and over rows picked by index.
+        let xs = r.vec(m * d, 3.0);
+        let w = r.vec(d, 1.5);
+        let (xb, wb) = (up(&xs), up(&w));
+        let pick: Vec<i32> = vec![4, 0, 8, 4];
+        let pb = up(&pick);
+        for (rows, n) in [(None, m), (Some(&pb), pick.len())] {
+            for bf in [0, 1] {
+                let out = gpu().alloc(n * d * if bf == 1 { 2 } else { 4 }).unwrap();
+                gpu()
+                    .launch(
+                        "rms_norm",
+                        (n as u32, 1, 1),
+                        256,
+                        0,
+                        &launch::RmsNorm {
+                            x: p(&xb),
+                            rows: rows.map_or(Ptr::NULL, p),
+                            w: p(&wb),
+                            out: p(&out),
+                            out_bf16: bf,
+                            d: d as i32,
+                            eps: 1e-5,
+                        },
+                    )
+                    .unwrap();
+                let got: Vec<f32> = if bf == 1 {
+                    let b: Vec<u16> = gpu().read(&out, 0, n * d).unwrap();
+                    b.into_iter().map(|v| bf16::from_bits(v).to_f32()).collect()
+                } else {
+                    read_f32(&out, n * d)
+                };
+                for i in 0..n {
+                    let src = rows.map_or(i, |_| pick[i] as usize);
+                    let mut want = vec![0f32; d];
+                    rms_norm_row(&xs[src * d..(src + 1) * d], &w, 1e-5, &mut want);
+                    for j in 0..d {
+                        let wv = if bf == 1 {
+                            bf16_round(want[j])
+                        } else {
+                            want[j]
+                        };
+                        assert_eq!(
+                            got[i * d + j].to_bits(),
+                            wv.to_bits(),
+                            "d {d} row {i} col {j} bf16 {bf}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// swiglu differs from the CPU only through `expf` (the host's libm here, the GPU's own on
+/// a device, the CPU backend's vectorized exp): measured max relative difference 2.3e-7
+/// per element, bound 4.8e-7 (twice that, about 4 float ulps).
+#[test]
+fn swiglu_is_within_expf_rounding() {
+    let mut r = Rng(11);
+    let (rows, f) = (7usize, 300usize);
+    let gu = r.vec(rows * 2 * f, 12.0);
+    let gb = up(&gu);
+    let act = gpu().alloc(rows * f * 4).unwrap();
+    gpu()
+        .launch(
+            "swiglu",
+            (plan::blocks_for(rows * f, 256), 1, 1),
+            256,
+            0,
+            &launch::Swiglu {
+                gu: p(&gb),
+                act: p(&act),
+                out_bf16: 0,
+                rows: rows as i64,
+                f: f as i32,
+            },
+        )
+        .unwrap();
+    let got = read_f32(&act, rows * f);
+    let mut want = vec![0f32; rows * f];
+    swiglu(&gu, f, &mut want);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| ((a - b).abs() / b.abs().max(1e-30)) as f64)
+        .fold(0.0, f64::max);
+    eprintln!("swiglu: worst relative difference {worst:e}");
+    assert!(worst <= 4.8e-7, "swiglu max relative difference {worst:e}");
+}
+
+// ------------------------------------------------------------------ q/k/v preparation
+
+/// Exact byte sizes of a stored K or V tensor (no padding: the sanitizer sees overruns).
+fn kv_exact(elem: Elem, n: usize, d: usize) -> (usize, usize, usize) {
+    match elem {
+        Elem::F32 => (4 * n * d, 0, 0),
+        Elem::Bf16 => (2 * n * d, 0, 0),
+        Elem::Int8 | Elem::Fp8 => (n * d, 4 * n, 0),
+        Elem::Nvfp4 => (n * d.div_ceil(2), 4 * n, n * d.div_ceil(16)),
+    }
+}
+
+struct Stored {
+    data: DevBuf,
+    scale: DevBuf,
+    bscale: DevBuf,
+    elem: Elem,
+    n: usize,
+    d: usize,
+}
+
+impl Stored {
+    fn new(elem: Elem, n: usize, d: usize) -> Stored {
+        let (a, s, b) = kv_exact(elem, n, d);
+        let g = gpu();
+        Stored {
+            data: g.alloc(a).unwrap(),
+            scale: g.alloc(s).unwrap(),
+            bscale: g.alloc(b).unwrap(),
+            elem,
+            n,
+            d,
+        }
+    }
+    fn arg(&self) -> KvArg {
+        KvArg {
+            data: self.data.ptr,
+            scale: self.scale.ptr,
+            bscale: self.bscale.ptr,
+        }
+    }
+    /// Vector i's bytes in the CPU's `encode_bytes` layout: payload, block scales, scale.
+    fn bytes(&self) -> Vec<Vec<u8>> {
+        let (a, s, b) = kv_exact(self.elem, self.n, self.d);
+        let g = gpu();
+        let data: Vec<u8> = g.read(&self.data, 0, a).unwrap();
+        let scale: Vec<u8> = g.read(&self.scale, 0, s).unwrap();
+        let bscale: Vec<u8> = g.read(&self.bscale, 0, b).unwrap();
+        let (pa, pb) = (a / self.n, b / self.n);
+        (0..self.n)
+            .map(|i| {
+                let mut v = data[i * pa..(i + 1) * pa].to_vec();
+                v.extend_from_slice(&bscale[i * pb..(i + 1) * pb]);
+                if s > 0 {
+                    v.extend_from_slice(&scale[4 * i..4 * i + 4]);
+                }
+                v
+            })
+            .collect()
+    }
+    /// Stores `x` (n vectors) with the device encoder of the width qkv_prep uses.
+    fn encode(&self, x: &[f32]) {
+        let nk = [2usize, 4, 8]
+            .into_iter()
+            .find(|&nk| self.d <= 32 * nk)
+            .unwrap();
+        let xb = up(x);
+        gpu()
+            .launch(
+                &format!("kv_encode_{}_nk{nk}", self.elem.name()),
+                (plan::blocks_for(self.n, 8), 1, 1),
+                256,
+                0,
+                &launch::KvEncode {
+                    x: p(&xb),
+                    n: self.n as i64,
+                    D: self.d as i32,
+                    t: self.arg(),
+                },
+            )
+            .unwrap();
+    }
+}
+
+struct QkvCase {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    bias: bool,
+    qk_norm: bool,
+}
+
+/// qkv_prep against the CPU forward's own steps (bias add, per-head q/k RMSNorm, RoPE
+/// with the CPU's table, the Main KV codec): q bit for bit in f32, its bf16 rounding in
+/// bf16; K and V stored bytes bit for bit, every KV representation, every register width.
+#[test]
+fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
+    let cases = [
+        QkvCase {
+            hq: 4,
+            hkv: 2,
+            d: 64,
+            bias: true,
+            qk_norm: false,
+        },
+        QkvCase {
+            hq: 8,
+            hkv: 1,
+            d: 128,
+            bias: false,
+            qk_norm: true,
+        },
+        QkvCase {
+            hq: 2,
+            hkv: 2,
+            d: 256,
+            bias: true,
+            qk_norm: true,
+        },
+        QkvCase {
+            hq: 3,
+            hkv: 1,
+            d: 80,
+            bias: false,
+            qk_norm: false,
+        },
+    ];
+    let mut r = Rng(23);
+    for c in &cases {
+        // Two windows packed: 5 rows then 3, positions restarting at 0.
+        let pos: Vec<i32> = vec![0, 1, 2, 3, 4, 0, 1, 2];
+        let win: Vec<i32> = vec![0, 0, 0, 0, 0, 1, 1, 1];
+        let m = pos.len();
+        let nh = c.hq + 2 * c.hkv;
+        let width = nh * c.d;
+        let qkv = r.vec(m * width, 2.0);
+        let bias = r.vec(width, 0.5);
+        let qn = r.vec(c.d, 1.0);
+        let kn = r.vec(c.d, 1.0);
+        let inv = inv_freq(c.d, 10000.0, None);
+        let table = RopeTable::new(&inv, 8);
+        let (qb, bb, qnb, knb) = (up(&qkv), up(&bias), up(&qn), up(&kn));
+        let (cb, sb, pb, wb) = (up(&table.cos), up(&table.sin), up(&pos), up(&win));
+        // The CPU steps, window by window.
+        let mut q_want = vec![0f32; m * c.hq * c.d];
+        let mut k_want = vec![0f32; m * c.hkv * c.d];
+        let mut v_want = vec![0f32; m * c.hkv * c.d];
+        for (lo, hi) in [(0usize, 5usize), (5, 8)] {
+            let t = hi - lo;
+            let mut q = vec![0f32; t * c.hq * c.d];
+            let mut k = vec![0f32; t * c.hkv * c.d];
+            let mut v = vec![0f32; t * c.hkv * c.d];
+            for i in 0..t {
+                let mut row = qkv[(lo + i) * width..(lo + i + 1) * width].to_vec();
+                if c.bias {
+                    row.iter_mut().zip(&bias).for_each(|(a, b)| *a += b);
+                }
+                let (qd, kvd) = (c.hq * c.d, c.hkv * c.d);
+                q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                k[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                v[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+            }
+            if c.qk_norm {
+                rms_norm_inplace(&mut q, &qn, 1e-6);
+                rms_norm_inplace(&mut k, &kn, 1e-6);
+            }
+            table.apply(&mut q, c.hq);
+            table.apply(&mut k, c.hkv);
+            q_want[lo * c.hq * c.d..hi * c.hq * c.d].copy_from_slice(&q);
+            k_want[lo * c.hkv * c.d..hi * c.hkv * c.d].copy_from_slice(&k);
+            v_want[lo * c.hkv * c.d..hi * c.hkv * c.d].copy_from_slice(&v);
+        }
+        for kv in KvDtype::ALL {
+            let n = m * c.hkv;
+            let (ks, vs) = (
+                Stored::new(kv.key_elem(), n, c.d),
+                Stored::new(kv.value_elem(), n, c.d),
+            );
+            for q_bf16 in [0, 1] {
+                let qout = gpu()
+                    .alloc(m * c.hq * c.d * if q_bf16 == 1 { 2 } else { 4 })
+                    .unwrap();
+                let err = up(&[u64::MAX]);
+                let entry = plan::qkv_entry(kv, c.d).unwrap();
+                gpu()
+                    .launch(
+                        &entry,
+                        (plan::blocks_for(m * nh, plan::QKV_WARPS), 1, 1),
+                        (plan::QKV_WARPS * 32) as u32,
+                        0,
+                        &launch::QkvPrep {
+                            qkv: p(&qb),
+                            bias: if c.bias { p(&bb) } else { Ptr::NULL },
+                            q_norm: if c.qk_norm { p(&qnb) } else { Ptr::NULL },
+                            k_norm: if c.qk_norm { p(&knb) } else { Ptr::NULL },
+                            rope_cos: p(&cb),
+                            rope_sin: p(&sb),
+                            pos: p(&pb),
+                            win: p(&wb),
+                            q_out: p(&qout),
+                            q_bf16,
+                            kt: ks.arg(),
+                            vt: vs.arg(),
+                            err: p(&err),
+                            layer: 3,
+                            rows: m as i64,
+                            hq: c.hq as i32,
+                            hkv: c.hkv as i32,
+                            D: c.d as i32,
+                            eps: 1e-6,
+                        },
+                    )
+                    .unwrap();
+                let what = format!(
+                    "{} d {} hq {} hkv {} {entry} q_bf16 {q_bf16}",
+                    kv.name(),
+                    c.d,
+                    c.hq,
+                    c.hkv
+                );
+                let q_got: Vec<f32> = if q_bf16 == 1 {
+                    let b: Vec<u16> = gpu().read(&qout, 0, q_want.len()).unwrap();
+                    b.into_iter().map(|v| bf16::from_bits(v).to_f32()).collect()
+                } else {
+                    read_f32(&qout, q_want.len())
+                };
+                for (i, (a, b)) in q_got.iter().zip(&q_want).enumerate() {
+                    let b = if q_bf16 == 1 { bf16_round(*b) } else { *b };
+                    assert_eq!(a.to_bits(), b.to_bits(), "{what}: q[{i}]");
+                }
+                for (st, want, part) in [(&ks, &k_want, "K"), (&vs, &v_want, "V")] {
+                    for (i, got) in st.bytes().iter().enumerate() {
+                        let exp = st.elem.encode_bytes(&want[i * c.d..(i + 1) * c.d]);
+                        assert_eq!(got, &exp, "{what}: stored {part} vector {i}");
+                    }
+                }
+                assert_eq!(
+                    gpu().read::<u64>(&err, 0, 1).unwrap()[0],
+                    u64::MAX,
+                    "{what}: no error"
+                );
+            }
+        }
+    }
+}
+
+/// A non-finite K or V value is recorded as the CPU reports it (window, layer, part,
+/// position, head), the smallest record winning.
+#[test]
+fn qkv_prep_records_the_first_non_finite_kv_value() {
+    let (hq, hkv, d, m) = (2usize, 2usize, 64usize, 6usize);
+    let nh = hq + 2 * hkv;
+    let mut qkv = vec![0.25f32; m * nh * d];
+    // Row 4 (window 1, position 1): V head 1 element 9 NaN; row 5: K head 0 infinite.
+    qkv[4 * nh * d + (hq + hkv + 1) * d + 9] = f32::NAN;
+    qkv[5 * nh * d + hq * d + 3] = f32::INFINITY;
+    let pos: Vec<i32> = vec![0, 1, 2, 0, 1, 2];
+    let win: Vec<i32> = vec![0, 0, 0, 1, 1, 1];
+    let table = RopeTable::new(&inv_freq(d, 10000.0, None), 4);
+    let (qb, cb, sb, pb, wb) = (up(&qkv), up(&table.cos), up(&table.sin), up(&pos), up(&win));
+    let (ks, vs) = (
+        Stored::new(Elem::Int8, m * hkv, d),
+        Stored::new(Elem::Int8, m * hkv, d),
+    );
+    let qout = gpu().alloc(m * hq * d * 4).unwrap();
+    let err = up(&[u64::MAX]);
+    gpu()
+        .launch(
+            "qkv_prep_int8_nk2",
+            (plan::blocks_for(m * nh, plan::QKV_WARPS), 1, 1),
+            (plan::QKV_WARPS * 32) as u32,
+            0,
+            &launch::QkvPrep {
+                qkv: p(&qb),
+                bias: Ptr::NULL,
+                q_norm: Ptr::NULL,
+                k_norm: Ptr::NULL,
+                rope_cos: p(&cb),
+                rope_sin: p(&sb),
+                pos: p(&pb),
+                win: p(&wb),
+                q_out: p(&qout),
+                q_bf16: 0,
+                kt: ks.arg(),
+                vt: vs.arg(),
+                err: p(&err),
+                layer: 5,
+                rows: m as i64,
+                hq: hq as i32,
+                hkv: hkv as i32,
+                D: d as i32,
+                eps: 1e-6,
+            },
+        )
+        .unwrap();
+    let key = gpu().read::<u64>(&err, 0, 1).unwrap()[0];
+    // Window 1's key at position 2 sorts before its value at position 1 (part bit 39).
+    let (w, e) = decode_nonfinite(key, hkv, d);
+    assert_eq!(w, 1);
+    assert_eq!(
+        e,
+        ForwardError::NonFinite {
+            part: Part::Key,
+            layer: 5,
+            pos: 2,
+            head: 0
+        }
+    );
+}
+
+// ------------------------------------------------------------------ attention
+
+/// CPU reference: each window alone through `causal_attention`, over the K/V values the
+/// cache gives back.
+fn cpu_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    lens: &[usize],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    kv: KvDtype,
+) -> Vec<f32> {
+    let mut out = vec![0f32; q.len()];
+    let mut row = 0;
+    for &t in lens {
+        let (qs, ks) = (
+            row * hq * d..(row + t) * hq * d,
+            row * hkv * d..(row + t) * hkv * d,
+        );
+        let mut kk = k[ks.clone()].to_vec();
+        let mut vv = v[ks].to_vec();
+        kk.chunks_mut(d).for_each(|x| kv.roundtrip_k(x));
+        vv.chunks_mut(d).for_each(|x| kv.roundtrip_v(x));
+        let shape = AttnShape {
+            tokens: t,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+        };
+        causal_attention(&q[qs.clone()], &kk, &vv, &shape, 0, &mut out[qs]);
+        row += t;
+    }
+    out
+}
+
+/// Runs one attention kernel over packed windows; returns the f32 output.
+fn device_attention(
+    kernel: AttnKernel,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    lens: &[usize],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    kv: KvDtype,
+) -> Vec<f32> {
+    let m: usize = lens.iter().sum();
+    let n = m * hkv;
+    let (ks, vs) = (
+        Stored::new(kv.key_elem(), n, d),
+        Stored::new(kv.value_elem(), n, d),
+    );
+    ks.encode(k);
+    vs.encode(v);
+    let mut spans = Vec::new();
+    let mut row = 0;
+    for &t in lens {
+        spans.push((row, t));
+        row += t;
+    }
+    let tiles: Vec<[i32; 4]> = plan::attention_tiles(&spans, kernel.rows_per_tile())
+        .into_iter()
+        .map(|t| t.to_int4())
+        .collect();
+    let tb = up(&tiles);
+    let grid = (tiles.len() as u32, hq as u32, 1);
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let entry = kernel.entry(kv);
+    match kernel {
+        AttnKernel::F32 => {
+            let qb = up(q);
+            let out = gpu().alloc(q.len() * 4).unwrap();
+            gpu()
+                .launch(
+                    &entry,
+                    grid,
+                    128,
+                    kernel.dynamic_smem(d),
+                    &launch::AttnF32 {
+                        q: p(&qb),
+                        kt: ks.arg(),
+                        vt: vs.arg(),
+                        tiles: p(&tb),
+                        out: p(&out),
+                        out_bf16: 0,
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                        D: d as i32,
+                        scale,
+                    },
+                )
+                .unwrap();
+            read_f32(&out, q.len())
+        }
+        AttnKernel::Mma { .. } => {
+            let qh: Vec<u16> = q.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+            let qb = up(&qh);
+            let out = gpu().alloc(q.len() * 2).unwrap();
+            gpu()
+                .launch(
+                    &entry,
+                    grid,
+                    128,
+                    0,
+                    &launch::AttnMma {
+                        q: p(&qb),
+                        kt: ks.arg(),
+                        vt: vs.arg(),
+                        tiles: p(&tb),
+                        out: p(&out),
+                        hq: hq as i32,
+                        hkv: hkv as i32,
+                        sl2: scale * std::f32::consts::LOG2_E,
+                    },
+                )
+                .unwrap();
+            let b: Vec<u16> = gpu().read(&out, 0, q.len()).unwrap();
+            b.into_iter().map(|v| bf16::from_bits(v).to_f32()).collect()
+        }
+    }
+}
+
+struct AttnCase {
+    lens: &'static [usize],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+/// Window lengths that cut tiles every way: single rows, partial and exact tiles of both
+/// kernels (16 and 64 rows), a few hundred rows.
+const ATTN_CASES: [AttnCase; 5] = [
+    AttnCase {
+        lens: &[1, 17, 64, 3],
+        hq: 4,
+        hkv: 4,
+        d: 64,
+    },
+    AttnCase {
+        lens: &[65, 1, 130],
+        hq: 4,
+        hkv: 2,
+        d: 128,
+    },
+    AttnCase {
+        lens: &[300, 2],
+        hq: 8,
+        hkv: 1,
+        d: 64,
+    },
+    AttnCase {
+        lens: &[33, 16],
+        hq: 6,
+        hkv: 2,
+        d: 256,
+    },
+    AttnCase {
+        lens: &[15, 40],
+        hq: 3,
+        hkv: 1,
+        d: 80,
+    },
+];
+
+/// The f32 kernel is within 1e-6 of the CPU (relative to the output's magnitude; measured
+/// worst 2.4e-7: online vs blocked softmax and expf vs the CPU's exp), every KV
+/// representation, GQA 1:1 to 8:1, head dims 64, 80, 128, 256.
+#[test]
+fn f32_attention_matches_the_cpu() {
+    let mut r = Rng(31);
+    let mut worst = 0f64;
+    for c in &ATTN_CASES {
+        let m: usize = c.lens.iter().sum();
+        let q = r.vec(m * c.hq * c.d, 1.5);
+        let k = r.vec(m * c.hkv * c.d, 1.5);
+        let v = r.vec(m * c.hkv * c.d, 1.0);
+        // Every representation on the first cases; the long one with two (time).
+        let kvs: &[KvDtype] = if m > 200 {
+            &[KvDtype::F32, KvDtype::K8v4]
+        } else {
+            &KvDtype::ALL
+        };
+        for &kv in kvs {
+            let want = cpu_attention(&q, &k, &v, c.lens, c.hq, c.hkv, c.d, kv);
+            let got = device_attention(AttnKernel::F32, &q, &k, &v, c.lens, c.hq, c.hkv, c.d, kv);
+            let e = max_rel(&got, &want);
+            worst = worst.max(e);
+            assert!(
+                e <= 1e-6,
+                "{} lens {:?} hq {} hkv {} d {}: {e:e}",
+                kv.name(),
+                c.lens,
+                c.hq,
+                c.hkv,
+                c.d
+            );
+        }
+    }
+    eprintln!("f32 attention: worst relative difference {worst:e}");
+}
+
+/// The tensor-core kernel (head dims 64 and 128) is within bf16 rounding of the CPU: K, V,
+/// q and the probabilities are rounded to bf16 for the products and the output is bf16, so
+/// the bound is 2^-7 of the output's magnitude (one bf16 ulp at 1; measured worst 4.2e-3).
+#[test]
+fn tensor_core_attention_matches_the_cpu_within_bf16_rounding() {
+    let mut r = Rng(37);
+    let mut worst = 0f64;
+    for c in ATTN_CASES.iter().filter(|c| c.d == 64 || c.d == 128) {
+        let m: usize = c.lens.iter().sum();
+        let q: Vec<f32> = r
+            .vec(m * c.hq * c.d, 1.5)
+            .into_iter()
+            .map(bf16_round)
+            .collect();
+        let k = r.vec(m * c.hkv * c.d, 1.5);
+        let v = r.vec(m * c.hkv * c.d, 1.0);
+        let kvs: &[KvDtype] = if m > 200 {
+            &[KvDtype::Bf16, KvDtype::Nvfp4]
+        } else {
+            &KvDtype::ALL
+        };
+        for &kv in kvs {
+            let want = cpu_attention(&q, &k, &v, c.lens, c.hq, c.hkv, c.d, kv);
+            let got = device_attention(
+                AttnKernel::Mma { head_dim: c.d },
+                &q,
+                &k,
+                &v,
+                c.lens,
+                c.hq,
+                c.hkv,
+                c.d,
+                kv,
+            );
+            let e = max_rel(&got, &want);
+            worst = worst.max(e);
+            assert!(
+                e <= 1.0 / 128.0,
+                "{} lens {:?} hq {} hkv {} d {}: {e:e}",
+                kv.name(),
+                c.lens,
+                c.hq,
+                c.hkv,
+                c.d
+            );
+        }
+    }
+    eprintln!("tensor-core attention: worst relative difference {worst:e}");
+}
+
+// ------------------------------------------------------------------ the head
+
+/// head_reduce over vocabulary chunks (the last one partial, targets at chunk edges) and
+/// head_finish give the log-softmax of the logits they are fed, computed here in f64:
+/// measured: the same bits on these rows; bound 1e-6 (f32 max and expf per chunk).
+#[test]
+fn the_head_matches_the_cpu() {
+    let mut r = Rng(41);
+    let (rows, d, vocab, chunk) = (5usize, 48usize, 1000usize, 384usize);
+    let h = r.vec(rows * d, 1.0);
+    let w = r.vec(vocab * d, 1.0);
+    let targets: Vec<u32> = vec![0, 999, 384, 383, 767];
+    // Logits computed here (the GEMM is not under test), folded chunk by chunk by the kernels.
+    let all: Vec<f32> = (0..rows)
+        .flat_map(|i| {
+            let (h, w) = (&h, &w);
+            (0..vocab).map(move |t| (0..d).map(|j| h[i * d + j] * w[t * d + j]).sum::<f32>())
+        })
+        .collect();
+    let want: Vec<f32> = (0..rows)
+        .map(|i| {
+            let l = &all[i * vocab..(i + 1) * vocab];
+            let mx = l.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+            let s: f64 = l.iter().map(|&v| (v as f64 - mx).exp()).sum();
+            (l[targets[i] as usize] as f64 - mx - s.ln()) as f32
+        })
+        .collect();
+    let tb = up(&targets.iter().map(|&t| t as i32).collect::<Vec<i32>>());
+    let (mx, sm, tg) = (
+        gpu().alloc(rows * 4).unwrap(),
+        gpu().alloc(rows * 8).unwrap(),
+        gpu().alloc(rows * 4).unwrap(),
+    );
+    for v0 in (0..vocab).step_by(chunk) {
+        let vc = chunk.min(vocab - v0);
+        let logits: Vec<f32> = (0..rows)
+            .flat_map(|i| all[i * vocab + v0..i * vocab + v0 + vc].to_vec())
+            .collect();
+        let lb = up(&logits);
+        gpu()
+            .launch(
+                "head_reduce",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &launch::HeadReduce {
+                    logits: p(&lb),
+                    vc: vc as i32,
+                    v0: v0 as i32,
+                    targets: p(&tb),
+                    run_max: p(&mx),
+                    run_sum: p(&sm),
+                    run_target: p(&tg),
+                },
+            )
+            .unwrap();
+    }
+    let out = gpu().alloc(rows * 4).unwrap();
+    gpu()
+        .launch(
+            "head_finish",
+            (1, 1, 1),
+            256,
+            0,
+            &launch::HeadFinish {
+                run_max: p(&mx),
+                run_sum: p(&sm),
+                run_target: p(&tg),
+                out: p(&out),
+                rows: rows as i32,
+            },
+        )
+        .unwrap();
+    let got = read_f32(&out, rows);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("head: worst |difference| {worst:e}");
+    for i in 0..rows {
+        assert!(
+            (got[i] - want[i]).abs() <= 1e-6,
+            "row {i}: {} vs {}",
+            got[i],
+            want[i]
+        );
+    }
+}
+
+// ------------------------------------------------------------------ the checks catch faults
+
+/// Runs tests of this binary in a child process with `env` set; returns (passed, output).
+fn child(tests: &[&str], env: &[(&str, String)]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args(tests).args(["--exact", "--test-threads", "1"]);
+    // A separate library cache per configuration keeps the children from sharing builds.
+    cmd.env("NINFER_CHILD", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn in_child() -> bool {
+    std::env::var_os("NINFER_CHILD").is_some()
+}
+
+/// Each planted fault (src/backend/cuda/emu/mod.rs `FAULTS`) makes the check aimed at it
+/// fail; the same checks pass on the clean kernels (the other tests of this file).
+#[test]
+fn planted_kernel_faults_fail_these_checks() {
+    if in_child() {
+        return;
+    }
+    for (fault, test) in [
+        (
+            "e4m3-truncate",
+            "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
+        ),
+        (
+            "attn-tile-bound",
+            "tensor_core_attention_matches_the_cpu_within_bf16_rounding",
+        ),
+        ("gqa-interleaved", "f32_attention_matches_the_cpu"),
+        (
+            "gqa-interleaved",
+            "tensor_core_attention_matches_the_cpu_within_bf16_rounding",
+        ),
+    ] {
+        let (ok, out) = child(&[test], &[("NINFER_EMU_FAULT", fault.to_string())]);
+        assert!(!ok, "{test} passed with the planted fault {fault}:\n{out}");
+        assert!(
+            out.contains("planted fault"),
+            "{fault}: the child did not build the fault:\n{out}"
+        );
+    }
+}
+
+/// The whole file once more under AddressSanitizer, every buffer exactly its size: no
+/// access outside an allocation. A planted one-element overrun of the bf16 store is
+/// reported, which shows the sanitizer is really watching.
+#[test]
+fn the_kernels_run_clean_under_address_sanitizer() {
+    if in_child() {
+        return;
+    }
+    let lib = std::process::Command::new("g++")
+        .arg("-print-file-name=libasan.so")
+        .output()
+        .expect("g++");
+    let lib = String::from_utf8_lossy(&lib.stdout).trim().to_string();
+    assert!(
+        std::path::Path::new(&lib).is_file(),
+        "no libasan.so from g++ ({lib})"
+    );
+    let env = |fault: Option<&str>| {
+        let mut e = vec![
+            ("LD_PRELOAD", lib.clone()),
+            ("NINFER_EMU_SANITIZE", "address".to_string()),
+            (
+                "ASAN_OPTIONS",
+                "detect_leaks=0:abort_on_error=0".to_string(),
+            ),
+        ];
+        if let Some(f) = fault {
+            e.push(("NINFER_EMU_FAULT", f.to_string()));
+        }
+        e
+    };
+    let all = [
+        "warp_exchanges_follow_their_definitions",
+        "mma_follows_the_ptx_fragment_layout",
+        "embedding_and_rms_norm_are_bit_exact",
+        "swiglu_is_within_expf_rounding",
+        "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
+        "qkv_prep_records_the_first_non_finite_kv_value",
+        "f32_attention_matches_the_cpu",
+        "tensor_core_attention_matches_the_cpu_within_bf16_rounding",
+        "the_head_matches_the_cpu",
+    ];
+    let (ok, out) = child(&all, &env(None));
+    assert!(
+        ok && !out.contains("AddressSanitizer"),
+        "under AddressSanitizer:\n{out}"
+    );
+    let (ok, out) = child(
+        &["qkv_prep_reproduces_the_cpu_steps_bit_for_bit"],
+        &env(Some("bf16-store-overrun")),
+    );
+    assert!(
+        !ok && out.contains("heap-buffer-overflow"),
+        "the planted overrun was not reported:\n{out}"
+    );
+}
