@@ -2,7 +2,7 @@
 # The CUDA scorer's GPU check: builds (or unpacks prebuilt binaries), runs the device KV
 # codec and CUDA-vs-CPU parity tests, benchmarks SmolLM2 on the quick corpus for every KV
 # format and a Qwen3-8B-shaped random-weight artifact at context 4096 / stride 2048, and
-# prints a short table last. Sized for one H200 in under 8 minutes. See docs/cuda.md.
+# prints a short table last. See docs/cuda.md.
 #
 #   bash ci/gpu-check.sh                 GPU machine with cargo: build here, then check.
 #   bash ci/gpu-check.sh bundle          Build machine (no GPU needed): stripped binaries,
@@ -16,10 +16,31 @@
 #   bash ci/gpu-check.sh run             GPU machine: check from the bundle; SmolLM2 rows need
 #                                        both stashed parts, else they are skipped and say so.
 #
-# Environment: GPU_CHECK_LAYERS (36: layers of the Qwen3-8B-shaped model), GPU_CHECK_WINDOWS
-# (16), GPU_CHECK_PARITY_TOKENS (1024), OUT (where logs and JSON go; default
-# eval/.cache/gpu-check-out).
+# Deadline (build and run): one for the whole script, GPU_CHECK_DEADLINE_S seconds from its
+# start (default 540, under the device tool's 600 s cut; in build mode the cargo build counts
+# too). Each step gets min(its own timeout, the seconds left), and is skipped, and recorded
+# as "skipped (deadline)", when fewer than 20 s are left; a skipped step makes the exit
+# status 1. The summary table is printed from an EXIT trap, so it also comes when a step
+# failed, was skipped, or the script was interrupted (INT, TERM, HUP; not SIGKILL).
+#
+# Output: logs and JSON are written into a temporary work directory (its path is printed),
+# and at the end (also from the EXIT trap) $OUT gets exactly two files: gpu-check.tar.gz
+# (the whole work directory: step logs, steps.txt, gpu.txt, parity.jsonl, bench.json,
+# smollm2-*.json, run-*/) and summary.txt (the table). The device tool brings back at most
+# 8 files from $OUT.
+#
+# CUDA libraries: every candidate directory (/usr/local/nvidia/lib64, /usr/local/nvidia/lib,
+# /usr/local/cuda/lib64, /usr/local/cuda/targets/x86_64-linux/lib, pip wheels'
+# site-packages/nvidia/*/lib found through python3, /usr/lib/x86_64-linux-gnu) that holds
+# any of libcuda.so*, libcublas.so*, libnvrtc.so* is added, de-duplicated, to
+# LD_LIBRARY_PATH and to NINFER_CUDA_LIB_DIR (colon separated, after any value already
+# set); stderr says which directory provided which library.
+#
+# Environment: GPU_CHECK_DEADLINE_S (540), GPU_CHECK_LAYERS (36: layers of the
+# Qwen3-8B-shaped model), GPU_CHECK_WINDOWS (16), GPU_CHECK_PARITY_TOKENS (1024), OUT
+# (where gpu-check.tar.gz and summary.txt go; default eval/.cache/gpu-check-out).
 set -uo pipefail
+t_start=$(date +%s)
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 mode="${1:-build}"
@@ -80,97 +101,36 @@ build | run) ;;
   ;;
 esac
 
-t_start=$(date +%s)
+deadline_s="${GPU_CHECK_DEADLINE_S:-540}"
+case "$deadline_s" in
+'' | *[!0-9]*) echo "gpu-check: GPU_CHECK_DEADLINE_S must be a whole number of seconds" >&2; exit 2 ;;
+esac
+min_step_s=20
+elapsed_s() { echo $(( $(date +%s) - t_start )); }
+left_s() { echo $(( t_start + deadline_s - $(date +%s) )); }
+cap_s() { # min(N, seconds left), at least 1
+  local l; l=$(left_s)
+  [ "$l" -lt "$1" ] && set -- "$l"
+  [ "$1" -lt 1 ] && set -- 1
+  echo "$1"
+}
+
 OUT="${OUT:-$root/eval/.cache/gpu-check-out}"
 mkdir -p "$OUT"
-rm -f "$OUT"/parity.jsonl "$OUT"/bench.json "$OUT"/smollm2-*.json
+# $OUT holds only the two packed files; drop them and what older versions left loose there.
+rm -rf "$OUT"/gpu-check.tar.gz "$OUT"/summary.txt "$OUT"/parity.jsonl "$OUT"/bench.json \
+  "$OUT"/smollm2-*.json "$OUT"/steps.txt "$OUT"/gpu.txt "$OUT"/run-* \
+  "$OUT"/nvrtc.log "$OUT"/kv-codecs.log "$OUT"/parity.log "$OUT"/smollm2-*.log "$OUT"/bench.log
+work="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")" || { say "cannot create a work directory"; exit 1; }
+steps="$work/steps.txt"
+: >"$steps"
+say "logs and JSON in $work; packed into $OUT/gpu-check.tar.gz at the end (deadline ${deadline_s}s)"
 export NINFER_REPO="$root"
-export NINFER_PARITY_OUT="$OUT/parity.jsonl"
+export NINFER_PARITY_OUT="$work/parity.jsonl"
 export NINFER_PARITY_TOKENS="${GPU_CHECK_PARITY_TOKENS:-1024}"
 
-# CUDA libraries: the driver's and the toolkit's or pip wheels' lib directories.
-libdirs=""
-for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-  $(python3 -c 'import site,glob,os; print(" ".join(sorted({os.path.dirname(p) for s in site.getsitepackages() for p in glob.glob(s+"/nvidia/*/lib/lib*.so*")})))' 2>/dev/null); do
-  if ls "$d"/libcuda.so* "$d"/libcublas.so.* "$d"/libnvrtc.so.* >/dev/null 2>&1; then libdirs="$libdirs:$d"; fi
-done
-export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-say "library path: $LD_LIBRARY_PATH"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt" >&2
-
-if [ "$mode" = run ]; then
-  bin="$(mktemp -d)"
-  tar -C "$bin" -xJf "$carry/bundle.tar.xz" || { say "no bundle in $carry (run: bash ci/gpu-check.sh bundle)"; exit 1; }
-  mkdir -p eval/corpora/perplexity-1m/streams models/cache
-  cp -n "$bin"/streams/*.txt eval/corpora/perplexity-1m/streams/
-  [ -f "$bin/qwen3-tokenizer.json" ] && cp -n "$bin/qwen3-tokenizer.json" models/cache/
-  export NINFER_CUDA_CACHE_DIR="$bin/cubin"
-  NP="$bin/bin/ninfer-perplexity"; PACK="$bin/bin/ninfer-pack"
-  tb() { echo "$bin/bin/$1"; } # a test executable
-  # SmolLM2 from the GGUF carried in two parts by earlier `stash` calls.
-  if [ ! -f models/smollm2-135m-bf16.ninfer ]; then
-    p0=""; p1=""
-    for d in /tmp/ninfer-stash "$stash/a" "$stash/b"; do
-      [ -z "$p0" ] && [ -f "$d/smollm2.gguf.part-00" ] && p0="$d/smollm2.gguf.part-00"
-      [ -z "$p1" ] && [ -f "$d/smollm2.gguf.part-01" ] && p1="$d/smollm2.gguf.part-01"
-    done
-    if [ -n "$p0" ] && [ -n "$p1" ]; then
-      cat "$p0" "$p1" >/tmp/smollm2.gguf
-      if echo "$gguf_sha256  /tmp/smollm2.gguf" | sha256sum -c --quiet -; then
-        mkdir -p models
-        "$PACK" gguf /tmp/smollm2.gguf -o models/smollm2-135m-bf16.ninfer --weights bf16 >&2
-      else
-        say "the stashed SmolLM2 GGUF parts do not hash to the pinned sha256: SmolLM2 rows skipped"
-      fi
-    else
-      say "SmolLM2 GGUF parts not stashed (see docs/cuda.md): SmolLM2 rows skipped"
-    fi
-  fi
-else
-  export NINFER_CUDA_CACHE_DIR="$root/eval/.cache/cubin"
-  cargo build --release --quiet --bins || exit 1
-  for t in "${tests[@]}"; do cargo test --release --quiet --no-run --test "$t" >/dev/null 2>&1 || exit 1; done
-  NP="$root/target/release/ninfer-perplexity"; PACK="$root/target/release/ninfer-pack"
-  tb() { test_binary "$1"; }
-  [ -f models/smollm2-135m-bf16.ninfer ] || bash eval/prepare-smollm2.sh >&2 || true
-fi
-say "setup done in $(( $(date +%s) - t_start ))s"
-
-status=0
-step() { # name, timeout seconds, command...
-  local name="$1" limit="$2"; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >>"$OUT/steps.txt"
-  if [ $rc -ne 0 ]; then status=1; say "$name FAILED (rc $rc), tail of $OUT/$name.log:"; tail -n 25 "$OUT/$name.log" >&2; fi
-  return 0
-}
-: >"$OUT/steps.txt"
-
-# 1. Kernels compile for this device (fills the CUBIN cache when building here).
-[ "$mode" = build ] && step nvrtc 240 "$(tb cuda_nvrtc)" --nocapture
-# 2. Device codecs store the CPU's bits.
-step kv-codecs 120 "$(tb cuda_kv)" --ignored --nocapture --test-threads 1
-# 3. Parity with the CPU reference.
-skip=()
-[ -f models/smollm2-135m-bf16.ninfer ] || { skip=(--skip smollm2); say "no SmolLM2 artifact: its parity is skipped"; }
-step parity 300 "$(tb cuda_parity)" --ignored --nocapture --test-threads 1 "${skip[@]}"
-# 4. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
-if [ -f models/smollm2-135m-bf16.ninfer ]; then
-  for kv in f32 bf16 int8 fp8 nvfp4 k8v4; do
-    rm -rf "$OUT/run-$kv"
-    step "smollm2-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
-      --quick --device cuda --kv-dtype "$kv" --output "$OUT/run-$kv" --log-level warn
-    [ -f "$OUT/run-$kv/report.json" ] && cp "$OUT/run-$kv/report.json" "$OUT/smollm2-$kv.json"
-  done
-fi
-# 5. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
-NINFER_BENCH_OUT="$OUT/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
-  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda_bench)" --ignored --nocapture
-
-say "finished in $(( $(date +%s) - t_start ))s (logs in $OUT)"
-python3 - "$OUT" <<'PY'
+summary() { # the table, from the work directory
+  python3 - "$work" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 def load(p):
@@ -183,7 +143,11 @@ print("== steps ==")
 print(open(os.path.join(out, "steps.txt")).read().rstrip())
 par = []
 if os.path.exists(os.path.join(out, "parity.jsonl")):
-    par = [json.loads(l) for l in open(os.path.join(out, "parity.jsonl")) if l.strip()]
+    for l in open(os.path.join(out, "parity.jsonl")):
+        try:
+            par.append(json.loads(l))
+        except ValueError:
+            pass  # blank, or cut short by an interrupted step
 rows = {}
 for r in par:
     if "case" in r:
@@ -225,4 +189,195 @@ if b:
 else:
     print("== random-weight benchmark: no result ==")
 PY
-exit $status
+}
+
+status=0
+step_pid=""
+step_name=""
+finished=""
+stop_step() { # the running step, if any (timeout forwards the signal to the test)
+  if [ -n "$step_pid" ]; then kill -TERM "$step_pid" 2>/dev/null; step_pid=""; fi
+}
+finish() { # EXIT trap: the table (stdout and $OUT/summary.txt) and the tarball, always
+  local rc=$?
+  [ -n "$finished" ] && return
+  finished=1
+  stop_step
+  [ "$rc" -eq 0 ] && [ "$status" -ne 0 ] && rc=$status
+  echo "total $(elapsed_s)s of a ${deadline_s}s deadline, exit status $rc" >>"$steps"
+  local sum="$work/summary.txt"
+  summary >"$sum" 2>"$work/summary.err" ||
+    { echo "(the summary script failed, see summary.err in the tarball; the steps:)"; cat "$steps"; } >>"$sum"
+  cat "$sum"
+  cp "$sum" "$OUT/summary.txt"
+  if tar -C "$work" -czf "$OUT/gpu-check.tar.gz" .; then
+    say "packed $work into $OUT/gpu-check.tar.gz; table in $OUT/summary.txt"
+  else
+    say "packing $work into $OUT/gpu-check.tar.gz failed"
+  fi
+  exit "$rc"
+}
+on_signal() { # name, exit status
+  echo "interrupted by SIG$1 after $(elapsed_s)s${step_name:+, during $step_name}" >>"$steps"
+  say "interrupted by SIG$1"
+  stop_step
+  exit "$2"
+}
+trap finish EXIT
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
+
+# CUDA libraries: every candidate directory holding the driver (libcuda), cuBLAS or NVRTC;
+# on an H200 machine the driver and the toolkit or pip wheels are in different directories.
+mapfile -t pip_dirs < <(python3 - 2>/dev/null <<'PY'
+import glob, os, site
+roots = []
+try:
+    roots += site.getsitepackages()
+except Exception:
+    pass
+try:
+    roots.append(site.getusersitepackages())
+except Exception:
+    pass
+seen = []
+for r in roots:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        if d not in seen:
+            seen.append(d)
+print("\n".join(seen))
+PY
+)
+libdirs=""
+seen_dirs=" "
+found_libs=" "
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+  "${pip_dirs[@]}" /usr/lib/x86_64-linux-gnu; do
+  [ -n "$d" ] && [ -d "$d" ] || continue
+  real="$(readlink -f "$d")"
+  case "$seen_dirs" in *" $real "*) continue ;; esac
+  seen_dirs="$seen_dirs$real "
+  here=""
+  for lib in libcuda libcublas libnvrtc; do
+    for f in "$d/$lib".so*; do
+      [ -e "$f" ] || continue
+      here="$here ${f##*/}"
+      found_libs="$found_libs$lib "
+    done
+  done
+  [ -n "$here" ] || continue
+  libdirs="${libdirs:+$libdirs:}$d"
+  say "library dir $d:$here"
+done
+for lib in libcuda libcublas libnvrtc; do
+  case "$found_libs" in *" $lib "*) ;; *) say "no $lib.so* in any candidate directory (left to the loader's default search)" ;; esac
+done
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+${libdirs:+:}$LD_LIBRARY_PATH}"
+if [ -n "$libdirs" ]; then
+  export NINFER_CUDA_LIB_DIR="${NINFER_CUDA_LIB_DIR:+$NINFER_CUDA_LIB_DIR:}$libdirs"
+fi
+say "library path: $LD_LIBRARY_PATH"
+say "NINFER_CUDA_LIB_DIR: ${NINFER_CUDA_LIB_DIR:-}"
+timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 |
+  tee "$work/gpu.txt" >&2
+
+if [ "$mode" = run ]; then
+  bin="$(mktemp -d)"
+  tar -C "$bin" -xJf "$carry/bundle.tar.xz" || {
+    say "no bundle in $carry (run: bash ci/gpu-check.sh bundle)"
+    echo "setup FAILED: no bundle in $carry" >>"$steps"
+    exit 1
+  }
+  mkdir -p eval/corpora/perplexity-1m/streams models/cache
+  cp -n "$bin"/streams/*.txt eval/corpora/perplexity-1m/streams/
+  [ -f "$bin/qwen3-tokenizer.json" ] && cp -n "$bin/qwen3-tokenizer.json" models/cache/
+  export NINFER_CUDA_CACHE_DIR="$bin/cubin"
+  NP="$bin/bin/ninfer-perplexity"; PACK="$bin/bin/ninfer-pack"
+  tb() { echo "$bin/bin/$1"; } # a test executable
+  # SmolLM2 from the GGUF carried in two parts by earlier `stash` calls.
+  if [ ! -f models/smollm2-135m-bf16.ninfer ]; then
+    p0=""; p1=""
+    for d in /tmp/ninfer-stash "$stash/a" "$stash/b"; do
+      [ -z "$p0" ] && [ -f "$d/smollm2.gguf.part-00" ] && p0="$d/smollm2.gguf.part-00"
+      [ -z "$p1" ] && [ -f "$d/smollm2.gguf.part-01" ] && p1="$d/smollm2.gguf.part-01"
+    done
+    if [ -n "$p0" ] && [ -n "$p1" ]; then
+      cat "$p0" "$p1" >/tmp/smollm2.gguf
+      if echo "$gguf_sha256  /tmp/smollm2.gguf" | sha256sum -c --quiet -; then
+        mkdir -p models
+        timeout -k 10 "$(cap_s 120)" "$PACK" gguf /tmp/smollm2.gguf -o models/smollm2-135m-bf16.ninfer --weights bf16 >&2 ||
+          { say "packing SmolLM2 failed: SmolLM2 rows skipped"; echo "setup: packing SmolLM2 FAILED" >>"$steps"; status=1; }
+      else
+        say "the stashed SmolLM2 GGUF parts do not hash to the pinned sha256: SmolLM2 rows skipped"
+      fi
+    else
+      say "SmolLM2 GGUF parts not stashed (see docs/cuda.md): SmolLM2 rows skipped"
+    fi
+  fi
+else
+  export NINFER_CUDA_CACHE_DIR="$root/eval/.cache/cubin"
+  cargo build --release --quiet --bins || { echo "setup FAILED: cargo build" >>"$steps"; exit 1; }
+  for t in "${tests[@]}"; do
+    cargo test --release --quiet --no-run --test "$t" >/dev/null 2>&1 ||
+      { echo "setup FAILED: cargo test --no-run --test $t" >>"$steps"; exit 1; }
+  done
+  NP="$root/target/release/ninfer-perplexity"; PACK="$root/target/release/ninfer-pack"
+  tb() { test_binary "$1"; }
+  [ -f models/smollm2-135m-bf16.ninfer ] || bash eval/prepare-smollm2.sh >&2 || true
+fi
+say "setup done in $(elapsed_s)s, $(left_s)s left"
+echo "setup done in $(elapsed_s)s" >>"$steps"
+
+step() { # name, timeout seconds, command...
+  local name="$1" limit="$2"; shift 2
+  local left note="" t0 rc
+  left=$(left_s)
+  if [ "$left" -lt "$min_step_s" ]; then
+    echo "$name skipped (deadline): ${left}s left, planned ${limit}s" >>"$steps"
+    say "$name skipped (deadline): ${left}s left"
+    status=1
+    return 0
+  fi
+  if [ "$left" -lt "$limit" ]; then note=" (cut from ${limit}s by the deadline)"; limit=$left; fi
+  t0=$(date +%s)
+  # In the background, so that a signal to this script is handled at once (wait returns).
+  timeout -k 10 "$limit" "$@" >"$work/$name.log" 2>&1 &
+  step_pid=$!
+  step_name=$name
+  wait "$step_pid"
+  rc=$?
+  step_pid=""
+  step_name=""
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s, limit ${limit}s$note" >>"$steps"
+  if [ $rc -ne 0 ]; then
+    status=1
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && say "$name timed out after ${limit}s"
+    say "$name FAILED (rc $rc), tail of $name.log:"
+    tail -n 25 "$work/$name.log" >&2
+  fi
+  return 0
+}
+
+# 1. Kernels compile for this device (fills the CUBIN cache when building here).
+[ "$mode" = build ] && step nvrtc 240 "$(tb cuda_nvrtc)" --nocapture
+# 2. Device codecs store the CPU's bits.
+step kv-codecs 120 "$(tb cuda_kv)" --ignored --nocapture --test-threads 1
+# 3. Parity with the CPU reference.
+skip=()
+[ -f models/smollm2-135m-bf16.ninfer ] || { skip=(--skip smollm2); say "no SmolLM2 artifact: its parity is skipped"; }
+step parity 300 "$(tb cuda_parity)" --ignored --nocapture --test-threads 1 "${skip[@]}"
+# 4. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
+if [ -f models/smollm2-135m-bf16.ninfer ]; then
+  for kv in f32 bf16 int8 fp8 nvfp4 k8v4; do
+    step "smollm2-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+      --quick --device cuda --kv-dtype "$kv" --output "$work/run-$kv" --log-level warn
+    [ -f "$work/run-$kv/report.json" ] && cp "$work/run-$kv/report.json" "$work/smollm2-$kv.json"
+  done
+fi
+# 5. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
+NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
+  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda_bench)" --ignored --nocapture
+
+say "finished in $(elapsed_s)s"
+exit $status # the EXIT trap prints the table and packs $work into $OUT
