@@ -18,7 +18,7 @@
 use ninfer_perplexity::artifact::Artifact;
 use ninfer_perplexity::backend::cuda::plan::Precision;
 use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
-use ninfer_perplexity::backend::cuda::{bench, CudaModel};
+use ninfer_perplexity::backend::cuda::{bench, CudaModel, Target};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::flops::{window_flops, Work};
 use ninfer_perplexity::score::{windows, Protocol};
@@ -83,7 +83,7 @@ fn random_model_throughput_against_the_gemm_rate() {
     let a = Artifact::open(&art).unwrap();
     let c = a.config.clone();
     let t = Instant::now();
-    let m = CudaModel::load(&a, 0, Precision::Bf16, &mut |_, _| {}).unwrap();
+    let m = CudaModel::load(&a, Target::Cuda(0), Precision::Bf16, &mut |_, _| {}).unwrap();
     let load_s = t.elapsed().as_secs_f64();
     let gemm_tflops = bench::gemm_rate(m.gpu(), 8192, 3, 10).unwrap();
 

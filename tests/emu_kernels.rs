@@ -661,6 +661,7 @@ fn qkv_prep_records_the_first_non_finite_kv_value() {
 
 /// CPU reference: each window alone through `causal_attention`, over the K/V values the
 /// cache gives back.
+#[allow(clippy::too_many_arguments)] // the attention shape, spelled out
 fn cpu_attention(
     q: &[f32],
     k: &[f32],
@@ -695,6 +696,7 @@ fn cpu_attention(
 }
 
 /// Runs one attention kernel over packed windows; returns the f32 output.
+#[allow(clippy::too_many_arguments)] // the attention shape, spelled out
 fn device_attention(
     kernel: AttnKernel,
     q: &[f32],

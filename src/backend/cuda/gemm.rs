@@ -35,6 +35,7 @@ impl Mat {
 }
 
 /// The column-major call for `y[m, n] = x[m, k] · w[n, k]ᵀ (+ y when accumulate)`.
+#[allow(clippy::too_many_arguments)] // the BLAS-shaped call: shape, three operands, mode, type
 pub fn row_major_wt(
     m: usize,
     n: usize,

@@ -17,7 +17,7 @@ use super::weights::DevWeights;
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
-use crate::kv::{Elem, KvDtype};
+use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
 use crate::model::{ForwardError, Part};
 use crate::score::Window;
@@ -233,6 +233,20 @@ impl CudaModel {
             match self.forward_batch(&st, &wins, kv) {
                 Ok(lps) => on_batch(batch.start, lps)?,
                 Err(ScoreError::Window { index, error }) => {
+                    // As on the CPU, the windows before the failing one are delivered
+                    // first: windows are independent, so a pass over just those gives them.
+                    if index > 0 {
+                        match self.forward_batch(&st, &wins[..index], kv) {
+                            Ok(lps) => on_batch(batch.start, lps)?,
+                            Err(ScoreError::Window { index: i, error }) => {
+                                return Err(ScoreError::Window {
+                                    index: batch.start + i,
+                                    error,
+                                })
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
                     return Err(ScoreError::Window {
                         index: batch.start + index,
                         error,
@@ -255,44 +269,36 @@ impl CudaModel {
         // Stored K/V buffers are sized for the widest representation (f32), so one
         // allocation serves every KV dtype.
         let p = plan::plan_memory(&self.config, KvDtype::F32, self.precision, free, longest)?;
-        let c = &self.config;
-        let (d, qd, kvd, f, hd, hkv) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-            c.head_dim,
-            c.num_kv_heads,
+        let z = plan::buffer_sizes(
+            &self.config,
+            self.precision,
+            p.max_rows,
+            p.head_rows,
+            p.vocab_chunk,
         );
-        let rows = p.max_rows;
-        let e = self.precision.elem_bytes();
         let g = &self.gpu;
         let kvbufs = || -> Result<KvBufs> {
-            let n = rows * hkv;
-            let (_, s, _) = plan::kv_arrays(Elem::Int8, n, hd);
-            let (_, _, bs) = plan::kv_arrays(Elem::Nvfp4, n, hd);
-            let (data, _, _) = plan::kv_arrays(Elem::F32, n, hd);
             Ok(KvBufs {
-                data: g.alloc(data)?,
-                scale: g.alloc(s)?,
-                bscale: g.alloc(bs)?,
+                data: g.alloc(z.kv_data)?,
+                scale: g.alloc(z.kv_scale)?,
+                bscale: g.alloc(z.kv_bscale)?,
             })
         };
         let bufs = Buffers {
-            x: g.alloc(rows * d * 4)?,
-            h: g.alloc(rows * d * e)?,
-            scratch: g.alloc(rows * (qd + 2 * kvd).max(2 * f) * 4)?,
-            q: g.alloc(rows * qd * 4)?,
+            x: g.alloc(z.x)?,
+            h: g.alloc(z.h)?,
+            scratch: g.alloc(z.scratch)?,
+            q: g.alloc(z.q)?,
             k: kvbufs()?,
             v: kvbufs()?,
-            attn: g.alloc(rows * qd * e)?,
-            act: g.alloc(rows * f * e)?,
-            logits: g.alloc(p.head_rows * p.vocab_chunk * 4)?,
-            run_max: g.alloc(rows * 4)?,
-            run_sum: g.alloc(rows * 8)?,
-            run_target: g.alloc(rows * 4)?,
-            out: g.alloc(rows * 4)?,
-            err: g.alloc(8)?,
+            attn: g.alloc(z.attn)?,
+            act: g.alloc(z.act)?,
+            logits: g.alloc(z.logits)?,
+            run_max: g.alloc(z.run_max)?,
+            run_sum: g.alloc(z.run_sum)?,
+            run_target: g.alloc(z.run_target)?,
+            out: g.alloc(z.out)?,
+            err: g.alloc(z.err)?,
             plan: p,
         };
         crate::ui::debug(format!(

@@ -177,14 +177,14 @@ pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
     let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
     let e = p.elem_bytes();
     let kv_bytes = kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
-    4 * 4 // token, position, window index, scored-row index
+    4 * 5 // token, position, window index, scored-row index, target
         + 4 * d // residual stream x (f32)
         + e * d // normed input of a GEMM
-        + 4 * (qd + 2 * kvd) // qkv GEMM output (f32)
+        + 4 * (qd + 2 * kvd).max(2 * f) // qkv, later gate/up GEMM output (f32, one buffer)
         + 4 * qd // rotated queries (f32 or bf16)
         + kv_bytes + 64 // stored keys and values (+ rounding slack)
+        + 2 * c.num_kv_heads * (4 + c.head_dim.div_ceil(16)) // their f32 scales and u8 block scales
         + e * qd // attention output
-        + 4 * 2 * f // gate/up GEMM output (f32)
         + e * f // SwiGLU output
 }
 
@@ -221,11 +221,14 @@ pub fn plan_memory(
     longest: usize,
 ) -> Result<MemPlan> {
     let per_row = bytes_per_row(c, kv, p);
-    let budget = free.saturating_sub(RESERVE_BYTES.min(free / 8));
+    let rope = rope_bytes(c, longest);
+    let budget = free
+        .saturating_sub(RESERVE_BYTES.min(free / 8))
+        .saturating_sub(rope);
     // Head: up to an eighth of the budget, at most 2 GiB, at least one row x 1024 entries.
     let head_budget = (budget / 8).clamp(4 * 1024, 2 << 30);
     let vocab = c.vocab_size;
-    let per_head_row = 4 * 8 + p.elem_bytes() * c.hidden_size; // state + normed row
+    let per_head_row = 4 + 8 + 4 + 4; // running max, sum, target logit, output
     let act_budget = budget.saturating_sub(head_budget);
     let max_rows = (act_budget / (per_row + per_head_row)).min(MAX_ROWS_CAP);
     if max_rows < longest.max(1) {
@@ -242,13 +245,92 @@ pub fn plan_memory(
     } else {
         (chunk / 256 * 256).max(256)
     };
-    let planned = max_rows * (per_row + per_head_row) + 4 * head_rows * vocab_chunk;
+    let planned = max_rows * (per_row + per_head_row) + 4 * head_rows * vocab_chunk + rope;
     Ok(MemPlan {
         max_rows,
         head_rows,
         vocab_chunk,
         planned_bytes: planned,
     })
+}
+
+/// Device bytes of the RoPE cos/sin tables for windows of up to `longest` tokens (the model
+/// keeps `next_power_of_two(longest)` positions of `head_dim / 2` f32 each, twice).
+pub fn rope_bytes(c: &ModelConfig, longest: usize) -> usize {
+    2 * 4 * longest.max(1).next_power_of_two() * (c.head_dim / 2)
+}
+
+/// Bytes of each activation buffer the CUDA model allocates for a plan (the model allocates
+/// exactly these; [`plan_memory`] budgets at least their sum). Stored K/V arrays are sized
+/// for the widest representation, so one allocation serves every KV dtype.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferSizes {
+    pub x: usize,
+    pub h: usize,
+    pub scratch: usize,
+    pub q: usize,
+    /// Each of K and V: payload, f32 scales, u8 block scales.
+    pub kv_data: usize,
+    pub kv_scale: usize,
+    pub kv_bscale: usize,
+    pub attn: usize,
+    pub act: usize,
+    pub logits: usize,
+    pub run_max: usize,
+    pub run_sum: usize,
+    pub run_target: usize,
+    pub out: usize,
+    pub err: usize,
+}
+
+pub fn buffer_sizes(
+    c: &ModelConfig,
+    p: Precision,
+    rows: usize,
+    head_rows: usize,
+    vocab_chunk: usize,
+) -> BufferSizes {
+    let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let e = p.elem_bytes();
+    let n = rows * c.num_kv_heads;
+    let (kv_data, _, _) = kv_arrays(Elem::F32, n, c.head_dim);
+    let (_, kv_scale, _) = kv_arrays(Elem::Int8, n, c.head_dim);
+    let (_, _, kv_bscale) = kv_arrays(Elem::Nvfp4, n, c.head_dim);
+    BufferSizes {
+        x: rows * d * 4,
+        h: rows * d * e,
+        scratch: rows * (qd + 2 * kvd).max(2 * f) * 4,
+        q: rows * qd * 4,
+        kv_data,
+        kv_scale,
+        kv_bscale,
+        attn: rows * qd * e,
+        act: rows * f * e,
+        logits: head_rows * vocab_chunk * 4,
+        run_max: rows * 4,
+        run_sum: rows * 8,
+        run_target: rows * 4,
+        out: rows * 4,
+        err: 8,
+    }
+}
+
+impl BufferSizes {
+    pub fn total(&self) -> usize {
+        self.x
+            + self.h
+            + self.scratch
+            + self.q
+            + 2 * (self.kv_data + self.kv_scale + self.kv_bscale)
+            + self.attn
+            + self.act
+            + self.logits
+            + self.run_max
+            + self.run_sum
+            + self.run_target
+            + self.out
+            + self.err
+    }
 }
 
 /// Device bytes of the weights in a precision: matrices in the GEMM element type, the
@@ -413,7 +495,7 @@ mod tests {
     fn memory_plan_scales_down_and_refuses_what_cannot_fit() {
         let c = qwen3_8b();
         let p = plan_memory(&c, KvDtype::Nvfp4, Precision::Bf16, 4 << 30, 4096).unwrap();
-        assert!(p.max_rows >= 4096 && p.max_rows < 16_384, "{p:?}");
+        assert!(p.max_rows >= 4096 && p.max_rows < MAX_ROWS_CAP / 2, "{p:?}");
         assert!(p.planned_bytes <= 4 << 30);
         let e = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, 256 << 20, 4096)
             .unwrap_err()
@@ -435,5 +517,48 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("bf16, f32"));
+    }
+
+    /// The plan covers every buffer the model allocates for it, the per-pass index arrays
+    /// and the RoPE tables, for shapes with many KV heads (where the scale arrays weigh
+    /// most) and long windows.
+    #[test]
+    fn the_plan_covers_every_allocation() {
+        let mut small = crate::backend::cuda::random::preset("smollm2-135m").unwrap();
+        small.num_layers = 2;
+        let mut wide = crate::backend::cuda::random::preset("qwen3-8b").unwrap();
+        wide.num_kv_heads = 32;
+        wide.head_dim = 16;
+        wide.num_heads = 32;
+        // Many small KV heads and a narrow MLP: the scale arrays outweigh any slack.
+        let mut narrow = crate::backend::cuda::random::preset("qwen3-8b").unwrap();
+        (narrow.hidden_size, narrow.intermediate_size) = (64, 8);
+        (narrow.num_heads, narrow.num_kv_heads, narrow.head_dim) = (16, 16, 4);
+        for c in [
+            small,
+            wide,
+            narrow,
+            crate::backend::cuda::random::preset("llama3-8b").unwrap(),
+        ] {
+            for p in [Precision::Bf16, Precision::F32] {
+                for (free, longest) in [(1usize << 30, 4096usize), (8 << 30, 1), (80 << 30, 32768)]
+                {
+                    let Ok(plan) = plan_memory(&c, KvDtype::F32, p, free, longest) else {
+                        continue;
+                    };
+                    let z = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk);
+                    let ints = 4 * 5 * plan.max_rows;
+                    let used = z.total() + ints + rope_bytes(&c, longest);
+                    assert!(
+                        used <= plan.planned_bytes,
+                        "{:?} {} free {free} longest {longest}: allocates {used} > planned {}",
+                        c.family,
+                        p.name(),
+                        plan.planned_bytes
+                    );
+                    assert!(plan.planned_bytes <= free, "plan exceeds free memory");
+                }
+            }
+        }
     }
 }

@@ -49,6 +49,7 @@ pub fn entries() -> Vec<String> {
 
 /// A defect planted in the kernel text, for tests that show the emulated-device checks
 /// catch it (`NINFER_EMU_FAULT=<name>`): every occurrence of `from` becomes `to`.
+#[derive(Debug)]
 pub struct Fault {
     pub name: &'static str,
     pub what: &'static str,
