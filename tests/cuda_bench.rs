@@ -6,8 +6,8 @@
 //! Target (issue 6): at least 40% of the measured bf16 dense rate. The numbers are printed
 //! and written as JSON to `$NINFER_BENCH_OUT` when set.
 //!
-//! Settings (environment): NINFER_BENCH_ARTIFACT (an existing artifact to use; else one is
-//! generated at eval/.cache/random/<preset>-L<layers>.ninfer and kept), NINFER_BENCH_PRESET
+//! Settings (environment): NINFER_BENCH_ARTIFACT (an existing artifact to use; else random
+//! weights of the preset's shape are generated in memory), NINFER_BENCH_PRESET
 //! (qwen3-8b), NINFER_BENCH_LAYERS (the preset's), NINFER_BENCH_WINDOWS (16),
 //! NINFER_BENCH_KV (bf16), NINFER_BENCH_CONTEXT (4096), NINFER_BENCH_STRIDE (2048).
 //!
@@ -17,12 +17,11 @@
 
 use ninfer_perplexity::artifact::Artifact;
 use ninfer_perplexity::backend::cuda::plan::Precision;
-use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
+use ninfer_perplexity::backend::cuda::random::preset;
 use ninfer_perplexity::backend::cuda::{bench, CudaModel, Target};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::flops::{window_flops, Work};
 use ninfer_perplexity::score::{windows, Protocol};
-use std::path::PathBuf;
 use std::time::Instant;
 
 fn env_or<T: std::str::FromStr>(k: &str, d: T) -> T {
@@ -41,36 +40,6 @@ fn random_model_throughput_against_the_gemm_rate() {
     let preset_name = std::env::var("NINFER_BENCH_PRESET").unwrap_or_else(|_| "qwen3-8b".into());
     let mut config = preset(&preset_name).unwrap();
     config.num_layers = env_or("NINFER_BENCH_LAYERS", config.num_layers);
-    let art = match std::env::var("NINFER_BENCH_ARTIFACT") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => {
-            let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
-            let p = repo
-                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-                .join(format!(
-                    "eval/.cache/random/{preset_name}-L{}.ninfer",
-                    config.num_layers
-                ));
-            let fresh = Artifact::open(&p)
-                .map(|a| a.config == config)
-                .unwrap_or(false);
-            if !fresh {
-                let t = Instant::now();
-                let spec = RandomSpec {
-                    config: config.clone(),
-                    seed: 1,
-                    tokenizer_json: None,
-                };
-                write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
-                eprintln!(
-                    "generated {} in {:.1}s",
-                    p.display(),
-                    t.elapsed().as_secs_f64()
-                );
-            }
-            p
-        }
-    };
     let kv = KvDtype::parse(&std::env::var("NINFER_BENCH_KV").unwrap_or_else(|_| "bf16".into()))
         .unwrap();
     let p = Protocol::new(
@@ -80,10 +49,17 @@ fn random_model_throughput_against_the_gemm_rate() {
     .unwrap();
     let n_windows: usize = env_or("NINFER_BENCH_WINDOWS", 16);
 
-    let a = Artifact::open(&art).unwrap();
-    let c = a.config.clone();
+    // NINFER_BENCH_ARTIFACT: an existing artifact; else random weights of the preset's
+    // shape, generated in memory one tensor at a time (nothing written to disk).
     let t = Instant::now();
-    let m = CudaModel::load(&a, Target::Cuda(0), Precision::Bf16, &mut |_, _| {}).unwrap();
+    let m = match std::env::var("NINFER_BENCH_ARTIFACT") {
+        Ok(p) => {
+            let a = Artifact::open(std::path::Path::new(&p)).unwrap();
+            CudaModel::load(&a, Target::Cuda(0), Precision::Bf16, &mut |_, _| {}).unwrap()
+        }
+        Err(_) => CudaModel::load_random(&config, 1, Target::Cuda(0), Precision::Bf16).unwrap(),
+    };
+    let c = m.config().clone();
     let load_s = t.elapsed().as_secs_f64();
     let gemm_tflops = bench::gemm_rate(m.gpu(), 8192, 3, 10).unwrap();
 
@@ -121,7 +97,7 @@ fn random_model_throughput_against_the_gemm_rate() {
     let tflops = flops / score_s / 1e12;
     let mem = m.memory_report();
     let out = serde_json::json!({
-        "artifact": art.display().to_string(), "preset": preset_name, "layers": c.num_layers,
+        "artifact": std::env::var("NINFER_BENCH_ARTIFACT").unwrap_or_else(|_| "random weights in memory".into()), "preset": preset_name, "layers": c.num_layers,
         "params": c.num_params(), "kv": kv.name(), "context": p.context, "stride": p.stride,
         "windows": ws.len(), "processed_tokens": processed, "load_s": load_s, "warmup_s": warm_s,
         "score_s": score_s, "tokens_per_s": processed as f64 / score_s, "tflops": tflops,

@@ -614,3 +614,34 @@ fn emulated_windows_before_a_failing_one_are_delivered() {
         "{msg}"
     );
 }
+
+/// The benchmark's in-memory random weights are the very values `write_random_artifact`
+/// stores: the same windows score to the same bits from either.
+#[test]
+fn emulated_random_weights_in_memory_equal_the_written_artifact() {
+    let d = tempfile::tempdir().unwrap();
+    let art = d.path().join("random-hd128.ninfer");
+    write_random_artifact(
+        &RandomSpec {
+            config: small_hd128(),
+            seed: 4,
+            tokenizer_json: None,
+        },
+        &art,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let a = Artifact::open(&art).unwrap();
+    let from_disk = CudaModel::load(&a, Target::Emulated, Precision::Bf16, &mut |_, _| {}).unwrap();
+    let in_memory =
+        CudaModel::load_random(&small_hd128(), 4, Target::Emulated, Precision::Bf16).unwrap();
+    let ids: Vec<u32> = (0..150u32).map(|i| i * 13 % 251).collect();
+    let p = Protocol::new(96, 48).unwrap();
+    let x = gpu_logprobs(&from_disk, &ids, p, KvDtype::Fp8);
+    let y = gpu_logprobs(&in_memory, &ids, p, KvDtype::Fp8);
+    assert!(!x.is_empty());
+    assert!(
+        x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "in-memory weights differ"
+    );
+}

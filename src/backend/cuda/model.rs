@@ -13,7 +13,7 @@ use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
-use super::weights::DevWeights;
+use super::weights::{DevWeights, Source};
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
@@ -112,7 +112,34 @@ impl CudaModel {
         precision: Precision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel> {
-        let c = a.config.clone();
+        Self::load_from(&Source::Artifact(a), target, precision, progress)
+    }
+
+    /// A model of `config` with the random weights `write_random_artifact` would store for
+    /// `seed`, generated in memory one tensor at a time (for benchmarks of large shapes).
+    pub fn load_random(
+        config: &ModelConfig,
+        seed: u64,
+        target: Target,
+        precision: Precision,
+    ) -> Result<CudaModel> {
+        use anyhow::Context;
+        config.validate().context("random model")?;
+        Self::load_from(
+            &Source::Random { config, seed },
+            target,
+            precision,
+            &mut |_, _| {},
+        )
+    }
+
+    fn load_from(
+        a: &Source,
+        target: Target,
+        precision: Precision,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<CudaModel> {
+        let c = a.config().clone();
         if c.hybrid.is_some() {
             bail!(
                 "the CUDA backend does not run {} (hybrid) models yet; use --device cpu",

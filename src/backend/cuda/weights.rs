@@ -5,9 +5,52 @@
 use super::device::{DevBuf, Gpu};
 use super::plan::Precision;
 use crate::artifact::Artifact;
+use crate::model::config::ModelConfig;
 use crate::model::tensors::{Fused, MixerTensors, ModelTensors};
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 use rayon::prelude::*;
+
+/// Where the weights come from: an artifact, or random values generated in memory (the
+/// GPU benchmark's large shapes, never written to disk).
+pub enum Source<'a> {
+    Artifact(&'a Artifact),
+    Random { config: &'a ModelConfig, seed: u64 },
+}
+
+impl Source<'_> {
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Source::Artifact(a) => &a.config,
+            Source::Random { config, .. } => config,
+        }
+    }
+
+    /// One tensor widened to f32 (random ones: the values `write_random_artifact` stores).
+    fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
+        match self {
+            Source::Artifact(a) => a.tensor_f32(name),
+            Source::Random { config, seed } => {
+                let shape = config
+                    .expected_tensors()
+                    .into_iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, s)| s)
+                    .ok_or_else(|| anyhow!("random weights: no tensor {name}"))?;
+                let (dtype, bytes) = super::random::tensor_bytes(name, &shape, *seed);
+                Ok(match dtype {
+                    "F32" => bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
+                    _ => bytes
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect(),
+                })
+            }
+        }
+    }
+}
 
 pub(super) struct LayerW {
     pub(super) attn_norm: DevBuf,
@@ -32,12 +75,12 @@ impl DevWeights {
     /// Uploads every tensor, one at a time (host memory holds at most one widened tensor).
     /// `progress` sees (tensors done, tensors total).
     pub(super) fn upload(
-        a: &Artifact,
+        a: &Source,
         gpu: &Gpu,
         precision: Precision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<DevWeights> {
-        let c = &a.config;
+        let c = a.config();
         let names = ModelTensors::of(c);
         let total = ModelTensors::count(c);
         let mut done = 0usize;

@@ -195,7 +195,7 @@ mod tests {
         g.beta = 1.0;
         g.alpha = 2.0;
         let mut c = vec![1.0, 2.0, -7.0]; // ldc 3: the third is padding, untouched
-        run(&g, &bytes(&a), &bytes(&b[..2]), &mut c[..2]).unwrap();
+        run(&g, &bytes(&a[..5]), &bytes(&b[..2]), &mut c[..2]).unwrap();
         // C = 2 · [1·10 + 2·100, 3·10 + 4·100] + [1, 2]
         assert_eq!(c, [421.0, 862.0, -7.0]);
         let mut g = call(false, false, 1, 1, 2, 1, 2, 1);
