@@ -13,6 +13,16 @@ python3 -m unittest discover -s eval/corpora/perplexity-1m -q
 # without a GPU; a failed download fails here rather than silently skipping that test.
 NINFER_NVRTC_LIB_DIR="$(bash ci/install-nvrtc.sh)"
 export NINFER_NVRTC_LIB_DIR
+# The emulated CUDA device (tests/emu_kernels.rs, cuda_kv, cuda_parity, the harness's emu
+# tier) compiles the kernels with g++ at first use.
+if ! command -v g++ >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q g++ >/dev/null
+  else
+    echo "ci: the emulated CUDA device needs g++ (apt-get install g++)" >&2
+    exit 1
+  fi
+fi
 cargo test --release "$@"
 # The CPU bits must not depend on how the crate is built (a build without .cargo/config.toml).
 bash ci/install-check.sh

@@ -21,7 +21,7 @@ pub struct Entry {
     pub digest: Option<String>,
     /// How to produce the file (a command).
     pub produce: String,
-    /// Test tiers that use it: "cpu", "gpu".
+    /// Test tiers that use it: "cpu", "gpu", "emu" (the CUDA model on the emulated device).
     #[serde(default)]
     pub tiers: Vec<String>,
     #[serde(default)]
@@ -44,7 +44,7 @@ impl Entry {
 }
 
 /// The test tiers an artifact can belong to.
-pub const TIERS: [&str; 2] = ["cpu", "gpu"];
+pub const TIERS: [&str; 3] = ["cpu", "gpu", "emu"];
 
 /// How far a re-run's mean NLL (nats per token) may move from its baseline before the
 /// regression harness calls it drift: `|new - old| <= abs + rel * |old|`.

@@ -322,11 +322,11 @@ fn bad_flag_values_list_the_choices() {
         ),
         (
             &["--tier=fast"][..],
-            "--tier: unknown tier `fast` (valid: cpu, gpu)",
+            "--tier: unknown tier `fast` (valid: cpu, gpu, emu)",
         ),
         (
             &["--device", "tpu"][..],
-            "--device: unknown device `tpu` (valid: cpu, cuda, cuda:N)",
+            "--device: unknown device `tpu` (valid: cpu, cuda, cuda:N, emu)",
         ),
         (&["--artifact", "nope"][..], "`nope` is not registered in"),
         (&["--kv-dtype"][..], "--kv-dtype needs a value"),
@@ -509,7 +509,7 @@ fn malformed_registry_names_the_file_and_the_field() {
             format!(
                 r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": ["cpu", "tpu"]}}]}}"#
             ),
-            "`artifacts[0].tiers[1]`: unknown tier `tpu` (valid: cpu, gpu)",
+            "`artifacts[0].tiers[1]`: unknown tier `tpu` (valid: cpu, gpu, emu)",
         ),
         (
             format!(r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tiers": "cpu"}}]}}"#),

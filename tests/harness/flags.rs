@@ -9,20 +9,24 @@ use ninfer_perplexity::backend::Precision;
 use ninfer_perplexity::kv::KvDtype;
 use std::ffi::OsString;
 
-/// Where a trial runs. Trial names carry the device only for CUDA (`cuda/...`).
+/// Where a trial runs. Trial names carry the device except for the CPU (`cuda/...`,
+/// `emu/...`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DeviceKind {
     Cpu,
     Cuda,
+    /// The CUDA model on the emulated device.
+    Emu,
 }
 
 impl DeviceKind {
-    pub const ALL: [DeviceKind; 2] = [DeviceKind::Cpu, DeviceKind::Cuda];
+    pub const ALL: [DeviceKind; 3] = [DeviceKind::Cpu, DeviceKind::Cuda, DeviceKind::Emu];
 
     pub fn name(self) -> &'static str {
         match self {
             DeviceKind::Cpu => "cpu",
             DeviceKind::Cuda => "cuda",
+            DeviceKind::Emu => "emu",
         }
     }
 }
@@ -33,15 +37,18 @@ impl DeviceKind {
 pub enum Tier {
     Cpu,
     Gpu,
+    /// The CUDA tier's code on the emulated device: a few short trials in every CI run.
+    Emu,
 }
 
 impl Tier {
-    pub const ALL: [Tier; 2] = [Tier::Cpu, Tier::Gpu];
+    pub const ALL: [Tier; 3] = [Tier::Cpu, Tier::Gpu, Tier::Emu];
 
     pub fn name(self) -> &'static str {
         match self {
             Tier::Cpu => "cpu",
             Tier::Gpu => "gpu",
+            Tier::Emu => "emu",
         }
     }
 }
@@ -78,10 +85,11 @@ pub const HELP: &str = "\
 Regression harness flags (given after `--`, before or among the libtest flags):
   --kv-dtype LIST   only these KV formats: bf16, int8, fp8, nvfp4, k8v4, f32
   --artifact LIST   only these registered artifacts (eval/registry.json)
-  --device LIST     only trials on these devices: cpu, cuda (or cuda:N to pick a GPU)
-  --tier LIST       only these tiers: cpu (short prefix, every KV format), gpu (full corpus)
-  --precision P     CUDA trials' arithmetic: bf16 (default) or f32; baselines are kept per
-                    precision (device class cuda-smXY-P)
+  --device LIST     only trials on these devices: cpu, cuda (or cuda:N to pick a GPU), emu
+  --tier LIST       only these tiers: cpu (short prefix, every KV format), gpu (full corpus),
+                    emu (the CUDA model on the emulated device: quick streams, short prefix)
+  --precision P     CUDA and emulated trials' arithmetic: bf16 (default) or f32; baselines
+                    are kept per precision (device class cuda-smXY-P, emu-P)
 LIST is one value or several separated by commas; each flag may be repeated.
 Environment:
   NINFER_HARNESS_FLAGS=FLAGS      the flags above, for `cargo test` over every test binary
@@ -179,10 +187,11 @@ fn parse_device(v: &str) -> Result<DeviceKind, String> {
     match v {
         "cpu" => Ok(DeviceKind::Cpu),
         "cuda" => Ok(DeviceKind::Cuda),
+        "emu" => Ok(DeviceKind::Emu),
         _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(_)) => Ok(DeviceKind::Cuda),
             _ => Err(format!(
-                "--device: unknown device `{v}` (valid: cpu, cuda, cuda:N)"
+                "--device: unknown device `{v}` (valid: cpu, cuda, cuda:N, emu)"
             )),
         },
     }

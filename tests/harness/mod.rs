@@ -8,6 +8,10 @@
 //!   [`CPU_TIER_STRIDE`], every KV format. Trial names: `<artifact>/<stream>/<kv>`.
 //! - `gpu`: every artifact registered for it, on CUDA, the whole corpus with the default
 //!   protocol (context 4096, stride 2048), every KV format. Names: `cuda/<artifact>/<stream>/<kv>`.
+//! - `emu`: the CUDA tier's path (the CUDA model, its precision and device class, non-CPU
+//!   baselines) on the emulated device, so it runs in every CI run: artifacts registered
+//!   for it, the four quick streams cut to [`EMU_TIER_PREFIX`] tokens, the CPU tier's
+//!   protocol, the KV formats [`EMU_TIER_KV`] (or `--kv-dtype`). Names: `emu/<artifact>/<stream>/<kv>`.
 //!
 //! Compiled into the `harness` test binary (`tests/harness.rs`) and into `harness_gate`
 //! (`tests/harness_gate.rs`), which runs it in child processes.
@@ -32,6 +36,12 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
+
+/// Emulated tier: tokens per quick stream (the emulated device runs SmolLM2 at tens of
+/// tokens per second).
+pub const EMU_TIER_PREFIX: usize = 128;
+/// Emulated tier: KV formats unless `--kv-dtype` names others (one unrounded, one rounded).
+pub const EMU_TIER_KV: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Nvfp4];
 
 /// CPU tier: tokens scored per stream (a prefix of the stream's tokenization).
 pub const CPU_TIER_PREFIX: usize = 256;
@@ -108,6 +118,7 @@ pub fn trial_name(device: DeviceKind, artifact: &str, stream: &str, kv: KvDtype)
     match device {
         DeviceKind::Cpu => format!("{artifact}/{stream}/{}", kv.name()),
         DeviceKind::Cuda => format!("cuda/{artifact}/{stream}/{}", kv.name()),
+        DeviceKind::Emu => format!("emu/{artifact}/{stream}/{}", kv.name()),
     }
 }
 
@@ -135,6 +146,7 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
         let device = match tier {
             Tier::Cpu => DeviceKind::Cpu,
             Tier::Gpu => DeviceKind::Cuda,
+            Tier::Emu => DeviceKind::Emu,
         };
         if !flags.wants_device(device) {
             continue;
@@ -145,10 +157,17 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
                 Some(CPU_TIER_PREFIX),
             ),
             Tier::Gpu => (Protocol::new(GPU_TIER_CONTEXT, GPU_TIER_STRIDE), None),
+            Tier::Emu => (
+                Protocol::new(CPU_TIER_CONTEXT, CPU_TIER_STRIDE),
+                Some(EMU_TIER_PREFIX),
+            ),
         };
         let protocol = protocol.map_err(|e| format!("tier {}: {e}", tier.name()))?;
         let device_reason = match device {
             DeviceKind::Cpu => None,
+            DeviceKind::Emu => (!ninfer_perplexity::backend::cuda::BUILT).then(|| {
+                "built without the CUDA backend (the emulated device runs its kernels)".to_string()
+            }),
             DeviceKind::Cuda => cuda_unavailable
                 .get_or_insert_with(|| {
                     Device::select(DeviceRequest::Cuda(flags.cuda_index), 1)
@@ -169,8 +188,14 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
                 )
             });
             for stream in &corpus.manifest.streams {
+                if tier == Tier::Emu && !stream.quick {
+                    continue;
+                }
                 for kv in KvDtype::ALL {
                     if !flags.wants_kv(kv) || !entry.runs_kv(kv.name()) {
+                        continue;
+                    }
+                    if tier == Tier::Emu && flags.kv.is_empty() && !EMU_TIER_KV.contains(&kv) {
                         continue;
                     }
                     specs.push(Spec {
@@ -180,7 +205,7 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
                         cuda_index: flags.cuda_index,
                         precision: match device {
                             DeviceKind::Cpu => None,
-                            DeviceKind::Cuda => flags.precision,
+                            DeviceKind::Cuda | DeviceKind::Emu => flags.precision,
                         },
                         artifact: entry.clone(),
                         stream: stream.clone(),
@@ -230,6 +255,7 @@ fn engine_for(root: &Path, spec: &Spec) -> Result<Arc<Engine>, String> {
     let request = match spec.device {
         DeviceKind::Cpu => DeviceRequest::Cpu,
         DeviceKind::Cuda => DeviceRequest::Cuda(spec.cuda_index),
+        DeviceKind::Emu => DeviceRequest::Emu,
     };
     let path = root.join(&spec.artifact.path);
     let key = format!("{}|{request:?}|{:?}", path.display(), spec.precision);
