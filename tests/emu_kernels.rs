@@ -15,7 +15,7 @@ use ninfer_perplexity::backend::cpu::rope::{inv_freq, RopeTable};
 use ninfer_perplexity::backend::cuda::device::{DevBuf, Gpu};
 use ninfer_perplexity::backend::cuda::launch::{self, Arg, KernelParam, KvArg, Launch, Ptr};
 use ninfer_perplexity::backend::cuda::model::decode_nonfinite;
-use ninfer_perplexity::backend::cuda::plan::{self, AttnKernel};
+use ninfer_perplexity::backend::cuda::plan::{self, AttnKernel, Precision};
 use ninfer_perplexity::kv::{Elem, KvDtype};
 use ninfer_perplexity::model::{ForwardError, Part};
 use std::sync::OnceLock;
@@ -1099,6 +1099,7 @@ fn the_kernels_run_clean_under_address_sanitizer() {
         "f32_attention_matches_the_cpu",
         "tensor_core_attention_matches_the_cpu_within_bf16_rounding",
         "the_head_matches_the_cpu",
+        "a_weight_that_dequantizes_to_infinity_fails_the_load",
     ];
     let (ok, out) = child(&all, &env(None));
     assert!(
@@ -1112,5 +1113,98 @@ fn the_kernels_run_clean_under_address_sanitizer() {
     assert!(
         !ok && out.contains("heap-buffer-overflow"),
         "the planted overrun was not reported:\n{out}"
+    );
+}
+
+// ------------------------------------------------------------------ quantized weights
+
+/// The CUDA loader's on-device dequantization (kernels/weights.cu) gives the CPU loader's
+/// values bit for bit: f32 exactly, bf16 as their bf16 rounding; every quantized matrix of
+/// the first and last layers of the fp8 and nvfp4 SmolLM2 artifacts (the kernels are the
+/// same for every tensor; all shapes of a layer are covered).
+#[test]
+fn quantized_weights_dequantize_on_the_device_to_the_cpu_values() {
+    use ninfer_perplexity::artifact::Artifact;
+    use ninfer_perplexity::backend::cuda::weights::dequantize_into;
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    for name in ["smollm2-135m-fp8", "smollm2-135m-nvfp4"] {
+        let path = root.join(format!("models/{name}.ninfer"));
+        assert!(
+            path.exists(),
+            "{} is missing: run `bash eval/prepare-smollm2.sh`",
+            path.display()
+        );
+        let a = Artifact::open(&path).unwrap();
+        let last = a.config.num_layers - 1;
+        let mut checked = 0;
+        for (t, _) in a.config.expected_tensors() {
+            let layer_ok = t.contains(".layers.0.") || t.contains(&format!(".layers.{last}."));
+            let Some(q) = a.quantized(&t).filter(|_| layer_ok) else {
+                continue;
+            };
+            let q = q.unwrap();
+            let want = a.tensor_f32(&t).unwrap();
+            for p in [Precision::F32, Precision::Bf16] {
+                let buf = gpu().alloc(want.len() * p.elem_bytes()).unwrap();
+                let n = dequantize_into(gpu(), &q, p, &buf, 0, &t, name.into()).unwrap();
+                assert_eq!(n, buf.bytes);
+                let got: Vec<f32> = match p {
+                    Precision::F32 => read_f32(&buf, want.len()),
+                    Precision::Bf16 => gpu()
+                        .read::<u16>(&buf, 0, want.len())
+                        .unwrap()
+                        .into_iter()
+                        .map(|b| bf16::from_bits(b).to_f32())
+                        .collect(),
+                };
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let w = if p == Precision::Bf16 {
+                        bf16_round(*w)
+                    } else {
+                        *w
+                    };
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{name} {t} {} element {i}",
+                        p.name()
+                    );
+                }
+            }
+            checked += 1;
+        }
+        assert_eq!(
+            checked, 14,
+            "{name}: seven quantized matrices in each of two layers"
+        );
+    }
+}
+
+/// A weight that dequantizes to infinity fails the load with the tensor named, as on the CPU.
+#[test]
+fn a_weight_that_dequantizes_to_infinity_fails_the_load() {
+    use ninfer_perplexity::backend::cuda::weights::dequantize_into;
+    use ninfer_perplexity::quant::fp8::{Fp8Scale, Fp8Tensor};
+    use ninfer_perplexity::quant::QuantTensor;
+    let q = QuantTensor::Fp8(Fp8Tensor {
+        rows: 2,
+        cols: 3,
+        codes: vec![0x38, 0x38, 0x38, 0x38, 0x7E, 0x38], // 1.0 ... 448 ... 1.0
+        scale: Fp8Scale::Tensor(1e37),
+    });
+    let buf = gpu().alloc(6 * 2).unwrap();
+    let e = dequantize_into(
+        gpu(),
+        &q,
+        Precision::Bf16,
+        &buf,
+        0,
+        "model.w",
+        "x.ninfer".into(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "x.ninfer: tensor `model.w` holds a non-finite value at flat index 4"
     );
 }

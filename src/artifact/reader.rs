@@ -252,6 +252,22 @@ impl Artifact {
         })
     }
 
+    /// A quantized matrix as stored (payload and scales), validated; `None` for a dense
+    /// tensor. The CUDA loader dequantizes these on the device.
+    pub fn quantized(&self, name: &str) -> Option<Result<crate::quant::QuantTensor>> {
+        let (layout, o, i) = self.layouts.get(name)?;
+        let part = |n: &str| {
+            let e = &self.tensors[n];
+            (&e.shape[..], &self.mmap[e.start..e.end])
+        };
+        let q = quantized::assemble(name, layout, *o, *i, part);
+        Some(
+            q.validate()
+                .map(|()| q)
+                .with_context(|| format!("{}: tensor `{name}`", self.path.display())),
+        )
+    }
+
     /// One tensor widened to f32 (row-major). A NaN or infinity in it is an error naming the
     /// tensor: a broken weight must fail at load, not turn into a wrong score.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {

@@ -60,6 +60,14 @@ impl QuantTensor {
         }
     }
 
+    /// Checks the parts fit the shape and every scale and code is usable.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            QuantTensor::Fp8(t) => t.validate(),
+            QuantTensor::Nvfp4(t) => t.validate(),
+        }
+    }
+
     /// The exact f32 values, row-major; an invalid scale is an error naming it.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         match self {

@@ -16,7 +16,7 @@ pub struct KernelModule {
     pub per_kv: bool,
 }
 
-pub const MODULES: [KernelModule; 5] = [
+pub const MODULES: [KernelModule; 6] = [
     KernelModule {
         name: "elementwise",
         source: include_str!("../../../kernels/elementwise.cu"),
@@ -40,6 +40,11 @@ pub const MODULES: [KernelModule; 5] = [
     KernelModule {
         name: "codec",
         source: include_str!("../../../kernels/codec.cu"),
+        per_kv: false,
+    },
+    KernelModule {
+        name: "weights",
+        source: include_str!("../../../kernels/weights.cu"),
         per_kv: false,
     },
 ];
@@ -129,6 +134,7 @@ impl Program {
                 ]
             }
             ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
+            ("weights", _) => vec!["dequant_nvfp4".into(), "dequant_fp8".into()],
             ("codec", _) => {
                 let mut v: Vec<String> = ELEM_NAMES
                     .iter()
@@ -215,11 +221,13 @@ mod tests {
             "swiglu",
             "head_reduce",
             "head_finish",
+            "dequant_nvfp4",
+            "dequant_fp8",
         ] {
             assert!(Program::of(e).is_some(), "{e}");
         }
         assert!(Program::of("nope").is_none());
-        assert_eq!(Program::all().len(), 3 + 2 * KV_NAMES.len());
+        assert_eq!(Program::all().len(), 4 + 2 * KV_NAMES.len());
     }
 
     /// The host's launch constants equal the kernels' compile-time ones.

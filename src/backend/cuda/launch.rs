@@ -301,6 +301,36 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `dequant_nvfp4`: `n` nvfp4 weights to bf16 or f32; the first non-finite index to `err`.
+    DequantNvfp4 = ("weights", ["dequant_nvfp4"]) {
+        packed: Ptr<u8>,
+        bscale: Ptr<u8>,
+        g: f32,
+        /// 1: divide by `g` (`_global_scale`), 0: multiply (`_scale_2`).
+        divide: i32,
+        n: i64,
+        out: Ptr<Any>,
+        out_bf16: i32,
+        err: Ptr<u64>,
+    }
+}
+
+kernel_args! {
+    /// `dequant_fp8`: `[rows, cols]` e4m3 weights times their scales (`kind` 0 tensor,
+    /// 1 row, 2 128 x 128 block) to bf16 or f32; the first non-finite index to `err`.
+    DequantFp8 = ("weights", ["dequant_fp8"]) {
+        codes: Ptr<u8>,
+        scale: Ptr<f32>,
+        kind: i32,
+        rows: i64,
+        cols: i32,
+        out: Ptr<Any>,
+        out_bf16: i32,
+        err: Ptr<u64>,
+    }
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -323,6 +353,8 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<KvEncode>(),
         one::<KvDecode>(),
         one::<ElementEncode>(),
+        one::<DequantNvfp4>(),
+        one::<DequantFp8>(),
     ]
 }
 

@@ -35,7 +35,7 @@ pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod real;
 #[cfg(feature = "cuda")]
-mod weights;
+pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub use model::CudaModel;

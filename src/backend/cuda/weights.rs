@@ -3,10 +3,14 @@
 //! exactly as the CPU path stacks them.
 
 use super::device::{DevBuf, Gpu};
-use super::plan::Precision;
+use super::launch::{self, Any, Ptr};
+use super::plan::{self, Precision};
 use crate::artifact::Artifact;
 use crate::model::config::ModelConfig;
 use crate::model::tensors::{Fused, MixerTensors, ModelTensors};
+use crate::quant::fp8::Fp8Scale;
+use crate::quant::nvfp4::Global;
+use crate::quant::QuantTensor;
 use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
@@ -22,6 +26,22 @@ impl Source<'_> {
         match self {
             Source::Artifact(a) => &a.config,
             Source::Random { config, .. } => config,
+        }
+    }
+
+    /// A quantized matrix as stored, when the source has one under `name`.
+    fn quantized(&self, name: &str) -> Option<Result<QuantTensor>> {
+        match self {
+            Source::Artifact(a) => a.quantized(name),
+            Source::Random { .. } => None,
+        }
+    }
+
+    /// What error messages name as the file.
+    fn label(&self) -> String {
+        match self {
+            Source::Artifact(a) => a.path().display().to_string(),
+            Source::Random { .. } => "random weights".to_string(),
         }
     }
 
@@ -90,14 +110,19 @@ impl DevWeights {
             progress(done, total);
         };
         // A stacked matrix: its parts' rows concatenated, in the precision's element type.
+        // Quantized parts cross to the device as stored and are dequantized there.
         let matrix = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
             let buf = gpu.alloc(f.rows * f.cols * e)?;
             let mut off = 0;
             for n in &f.parts {
-                let t = a.tensor_f32(n)?;
-                let bytes = to_device_elems(&t, precision);
-                gpu.write(&buf, off, &bytes)?;
-                off += bytes.len();
+                if let Some(q) = a.quantized(n) {
+                    off += dequantize_into(gpu, &q?, precision, &buf, off, n, a.label())?;
+                } else {
+                    let t = a.tensor_f32(n)?;
+                    let bytes = to_device_elems(&t, precision);
+                    gpu.write(&buf, off, &bytes)?;
+                    off += bytes.len();
+                }
                 tick(1);
             }
             debug_assert_eq!(off, buf.bytes);
@@ -155,6 +180,82 @@ impl DevWeights {
             lm_head,
         })
     }
+}
+
+/// Dequantizes `q` on the device into `dst` at byte `offset`, in the precision's element
+/// type; returns the bytes written. A non-finite weight is the CPU loader's error.
+pub fn dequantize_into(
+    gpu: &Gpu,
+    q: &QuantTensor,
+    precision: Precision,
+    dst: &DevBuf,
+    offset: usize,
+    name: &str,
+    file: String,
+) -> Result<usize> {
+    let n = q.rows() * q.cols();
+    let e = precision.elem_bytes();
+    if offset + n * e > dst.bytes {
+        anyhow::bail!("{file}: tensor `{name}` does not fit its stacked matrix");
+    }
+    let out_bf16 = (precision == Precision::Bf16) as i32;
+    let err = gpu.upload(&[u64::MAX])?;
+    let out = Ptr::<Any>::new(dst.at(offset));
+    let grid = (plan::blocks_for(n, 256), 1, 1);
+    match q {
+        QuantTensor::Nvfp4(t) => {
+            let (packed, bscale) = (gpu.upload(&t.packed)?, gpu.upload(&t.block_scales)?);
+            let (g, divide) = match t.global {
+                Global::Multiply(g) => (g, 0),
+                Global::Divide(g) => (g, 1),
+            };
+            gpu.launch(
+                "dequant_nvfp4",
+                grid,
+                256,
+                0,
+                &launch::DequantNvfp4 {
+                    packed: Ptr::new(packed.ptr),
+                    bscale: Ptr::new(bscale.ptr),
+                    g,
+                    divide,
+                    n: n as i64,
+                    out,
+                    out_bf16,
+                    err: Ptr::new(err.ptr),
+                },
+            )?;
+        }
+        QuantTensor::Fp8(t) => {
+            let (kind, scales): (i32, &[f32]) = match &t.scale {
+                Fp8Scale::Tensor(s) => (0, std::slice::from_ref(s)),
+                Fp8Scale::Channel(v) => (1, v),
+                Fp8Scale::Block(v) => (2, v),
+            };
+            let (codes, scale) = (gpu.upload(&t.codes)?, gpu.upload(scales)?);
+            gpu.launch(
+                "dequant_fp8",
+                grid,
+                256,
+                0,
+                &launch::DequantFp8 {
+                    codes: Ptr::new(codes.ptr),
+                    scale: Ptr::new(scale.ptr),
+                    kind,
+                    rows: t.rows as i64,
+                    cols: t.cols as i32,
+                    out,
+                    out_bf16,
+                    err: Ptr::new(err.ptr),
+                },
+            )?;
+        }
+    }
+    let first = gpu.read::<u64>(&err, 0, 1)?[0];
+    if first != u64::MAX {
+        anyhow::bail!("{file}: tensor `{name}` holds a non-finite value at flat index {first}");
+    }
+    Ok(n * e)
 }
 
 fn to_device_elems(v: &[f32], p: Precision) -> Vec<u8> {

@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 4] = [
+pub const FAULTS: [Fault; 5] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -75,6 +75,12 @@ pub const FAULTS: [Fault; 4] = [
         what: "query head h reads KV head h % Hkv instead of h / (Hq / Hkv)",
         from: "int kvh = h / (hq / hkv);",
         to: "int kvh = h % hkv;",
+    },
+    Fault {
+        name: "nvfp4-global-inverted",
+        what: "nvfp4 weights divide by a multiplying global scale and multiply by a dividing one",
+        from: "v = divide ? __fdiv_rn(v, g) : __fmul_rn(v, g);",
+        to: "v = divide ? __fmul_rn(v, g) : __fdiv_rn(v, g);",
     },
     Fault {
         name: "bf16-store-overrun",
