@@ -39,6 +39,9 @@ struct emu_dim3 {
 struct float2 {
     float x, y;
 };
+struct int2 {
+    int x, y;
+};
 struct int4 {
     int x, y, z, w;
 };

@@ -174,7 +174,14 @@ impl Mix<'_> {
 /// (`conv` tap-major `[K, conv_dim]`), rows before the window's start being zero. Compiled
 /// for AVX2+FMA too (same bits).
 #[multiversion(targets("x86_64+avx2+fma"))]
-fn conv_silu_row(proj: &[f32], width: usize, conv: &[f32], kw: usize, t: usize, row: &mut [f32]) {
+pub fn conv_silu_row(
+    proj: &[f32],
+    width: usize,
+    conv: &[f32],
+    kw: usize,
+    t: usize,
+    row: &mut [f32],
+) {
     let ch = row.len();
     row.fill(0.0);
     for j in 0..kw {
@@ -192,7 +199,7 @@ fn conv_silu_row(proj: &[f32], width: usize, conv: &[f32], kw: usize, t: usize, 
 
 /// `y ·= act(z)` elementwise. Compiled for AVX2+FMA too (same bits).
 #[multiversion(targets("x86_64+avx2+fma"))]
-fn gate_row(y: &mut [f32], z: &[f32], gate: OutputGate) {
+pub fn gate_row(y: &mut [f32], z: &[f32], gate: OutputGate) {
     for (a, &zv) in y.iter_mut().zip(z) {
         *a *= match gate {
             OutputGate::Silu => silu(zv),
@@ -202,7 +209,7 @@ fn gate_row(y: &mut [f32], z: &[f32], gate: OutputGate) {
 }
 
 #[inline(always)]
-fn sigmoid(x: f32) -> f32 {
+pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + exp::exp(-x))
 }
 
@@ -212,7 +219,7 @@ fn silu(x: f32) -> f32 {
 }
 
 /// `log(1 + e^x)`, as torch's softplus: `x` itself above 20.
-fn softplus(x: f32) -> f32 {
+pub fn softplus(x: f32) -> f32 {
     if x > 20.0 {
         x
     } else {
@@ -221,7 +228,7 @@ fn softplus(x: f32) -> f32 {
 }
 
 /// `x ← x · scale / sqrt(Σx² + 1e-6)`.
-fn l2_normalize(x: &mut [f32], scale: f32) {
+pub fn l2_normalize(x: &mut [f32], scale: f32) {
     let ss: f32 = x.iter().map(|a| a * a).sum();
     let f = scale / (ss + 1e-6).sqrt();
     x.iter_mut().for_each(|a| *a *= f);

@@ -16,7 +16,7 @@ pub struct KernelModule {
     pub per_kv: bool,
 }
 
-pub const MODULES: [KernelModule; 6] = [
+pub const MODULES: [KernelModule; 7] = [
     KernelModule {
         name: "elementwise",
         source: include_str!("../../../kernels/elementwise.cu"),
@@ -45,6 +45,11 @@ pub const MODULES: [KernelModule; 6] = [
     KernelModule {
         name: "weights",
         source: include_str!("../../../kernels/weights.cu"),
+        per_kv: false,
+    },
+    KernelModule {
+        name: "delta_net",
+        source: include_str!("../../../kernels/delta_net.cu"),
         per_kv: false,
     },
 ];
@@ -135,6 +140,15 @@ impl Program {
             }
             ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
             ("weights", _) => vec!["dequant_nvfp4".into(), "dequant_fp8".into()],
+            ("delta_net", _) => [
+                "delta_conv_silu",
+                "delta_prep",
+                "delta_rule_recurrent",
+                "delta_gated_norm",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
             ("codec", _) => {
                 let mut v: Vec<String> = ELEM_NAMES
                     .iter()
@@ -223,11 +237,15 @@ mod tests {
             "head_finish",
             "dequant_nvfp4",
             "dequant_fp8",
+            "delta_conv_silu",
+            "delta_prep",
+            "delta_rule_recurrent",
+            "delta_gated_norm",
         ] {
             assert!(Program::of(e).is_some(), "{e}");
         }
         assert!(Program::of("nope").is_none());
-        assert_eq!(Program::all().len(), 4 + 2 * KV_NAMES.len());
+        assert_eq!(Program::all().len(), 5 + 2 * KV_NAMES.len());
     }
 
     /// The host's launch constants equal the kernels' compile-time ones.

@@ -52,6 +52,8 @@ impl<T> Ptr<T> {
 pub enum Any {}
 /// CUDA's `int4` (four `i32`).
 pub enum Int4 {}
+/// CUDA's `int2` (two `i32`).
+pub enum Int2 {}
 
 /// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, f32 scales, u8
 /// block scales.
@@ -86,6 +88,7 @@ ptr_param!(u8, "u8*");
 ptr_param!(u16, "u16*");
 ptr_param!(u64, "u64*");
 ptr_param!(Int4, "int4*");
+ptr_param!(Int2, "int2*");
 ptr_param!(Any, "void*");
 
 impl KernelParam for i32 {
@@ -331,6 +334,76 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `delta_conv_silu`: the causal depthwise conv of q|k|v and SiLU, packed windows.
+    DeltaConvSilu = ("delta_net", ["delta_conv_silu"]) {
+        proj: Ptr<f32>,
+        width: i32,
+        /// `[K, conv_dim]`, tap-major.
+        conv: Ptr<f32>,
+        kw: i32,
+        pos: Ptr<i32>,
+        rows: i64,
+        conv_dim: i32,
+        c: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `delta_prep`: q/k L2 norms in place, beta and g per (row, value head).
+    DeltaPrep = ("delta_net", ["delta_prep"]) {
+        c: Ptr<f32>,
+        conv_dim: i32,
+        proj: Ptr<f32>,
+        width: i32,
+        a_log: Ptr<f32>,
+        dt_bias: Ptr<f32>,
+        rows: i64,
+        hk: i32,
+        dk: i32,
+        hv: i32,
+        dv: i32,
+        q_scale: f32,
+        beta: Ptr<f32>,
+        g: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `delta_rule_recurrent`: the gated delta rule's token recurrence, one block per
+    /// (window, value head); `spans` are `(first row, rows)` per window.
+    DeltaRule = ("delta_net", ["delta_rule_recurrent"]) {
+        c: Ptr<f32>,
+        conv_dim: i32,
+        beta: Ptr<f32>,
+        g: Ptr<f32>,
+        spans: Ptr<Int2>,
+        hk: i32,
+        dk: i32,
+        hv: i32,
+        dv: i32,
+        o: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `delta_gated_norm`: `rmsnorm(o) · w · act(z)` per value head.
+    DeltaGatedNorm = ("delta_net", ["delta_gated_norm"]) {
+        o: Ptr<f32>,
+        proj: Ptr<f32>,
+        width: i32,
+        conv_dim: i32,
+        w: Ptr<f32>,
+        n: i64,
+        hv: i32,
+        dv: i32,
+        eps: f64,
+        sigmoid_gate: i32,
+        y: Ptr<Any>,
+        out_bf16: i32,
+    }
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -355,6 +428,10 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<ElementEncode>(),
         one::<DequantNvfp4>(),
         one::<DequantFp8>(),
+        one::<DeltaConvSilu>(),
+        one::<DeltaPrep>(),
+        one::<DeltaRule>(),
+        one::<DeltaGatedNorm>(),
     ]
 }
 

@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 5] = [
+pub const FAULTS: [Fault; 6] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -81,6 +81,12 @@ pub const FAULTS: [Fault; 5] = [
         what: "nvfp4 weights divide by a multiplying global scale and multiply by a dividing one",
         from: "v = divide ? __fdiv_rn(v, g) : __fmul_rn(v, g);",
         to: "v = divide ? __fmul_rn(v, g) : __fdiv_rn(v, g);",
+    },
+    Fault {
+        name: "delta-keys-tiled",
+        what: "Gated DeltaNet value head j reads key head j % Hk instead of j / (Hv / Hk)",
+        from: "int kh = j / (hv / hk);",
+        to: "int kh = j % hk;",
     },
     Fault {
         name: "bf16-store-overrun",
