@@ -63,7 +63,8 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
 
-    /// auto, cpu, cuda or cuda:N.
+    /// auto, cpu, cuda, cuda:N, or emu (the CUDA model on an emulated device: slow, a
+    /// developer device for testing the CUDA path without a GPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
 
@@ -233,7 +234,7 @@ impl Args {
                 artifact: a.clone(),
             }),
         };
-        if reference.is_some() && matches!(device, DeviceRequest::Cuda(_)) {
+        if reference.is_some() && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu) {
             bail!("--reference-kv and --reference-artifact run on the CPU backend only, for now (use --device cpu)");
         }
         Ok(RunConfig {
@@ -278,6 +279,17 @@ mod tests {
             }
         );
         assert_eq!(c.kv, KvDtype::Bf16);
+    }
+
+    #[test]
+    fn a_reference_pass_is_refused_on_cuda_and_the_emulated_device() {
+        for dev in ["cuda", "cuda:1", "emu"] {
+            let e = parse(&["m", "--text", "a", "--device", dev, "--reference-kv", "f32"])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("run on the CPU backend only"), "{dev}: {e}");
+        }
+        assert!(parse(&["m", "--text", "a", "--device", "emu"]).is_ok());
     }
 
     #[test]
