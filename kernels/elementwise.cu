@@ -80,3 +80,24 @@ extern "C" __global__ void cast_f32_bf16(const float* __restrict__ in, u16* __re
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16(in[i]);
 }
+
+// The gated attention's output gate (qwen3_5): attn[r, i] *= sigmoid(qkv[r * row_stride +
+// gate_off + i]) for i < qd, the gate being the projection's columns after q, k and v.
+// CPU twin: the gated branch of the attention block in src/model/forward.rs.
+// Grid: (ceil(rows * qd / 256)), block 256.
+extern "C" __global__ void attn_output_gate(void* __restrict__ attn, int attn_bf16, const float* __restrict__ qkv,
+                                            int row_stride, int gate_off, i64 rows, int qd) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * qd) return;
+    i64 r = idx / qd;
+    int i = (int)(idx - r * qd);
+    float gv = qkv[r * row_stride + gate_off + i];
+    float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gv)));
+    if (attn_bf16) {
+        u16* a = (u16*)attn;
+        a[idx] = f32_to_bf16(__fmul_rn(bf16_to_f32(a[idx]), sg));
+    } else {
+        float* a = (float*)attn;
+        a[idx] = __fmul_rn(a[idx], sg);
+    }
+}

@@ -3,18 +3,21 @@
 // src/backend/cpu/rope.rs and the codecs of src/kv/.
 //
 // One warp per (row, head) vector of head_dim D values, heads ordered q (Hq), k (Hkv),
-// v (Hkv) as the fused qkv GEMM lays them out. Lane l holds elements l + 32k.
+// v (Hkv) as the fused qkv GEMM lays them out, each row `row_stride` values long (more than
+// (Hq + 2 Hkv) D when the GEMM also emits an attention gate after them). Lane l holds
+// elements l + 32k. RoPE rotates the first `rot` dims (D, or fewer: partial RoPE), pairing
+// j with j + rot/2; the rest pass through.
 
 #define QKV_WARPS 8
 
-// Cos/sin tables are computed on the host exactly as RopeTable does: [positions, D/2].
+// Cos/sin tables are computed on the host exactly as RopeTable does: [positions, rot/2].
 template <int KF, int VF, int NK>
 __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict__ bias,
                          const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                          const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
                          const i32* __restrict__ pos, const i32* __restrict__ win, void* __restrict__ q_out,
                          int q_bf16, KvTensor kt, KvTensor vt, u64* err, int layer, i64 rows, int hq, int hkv,
-                         int D, double eps) {
+                         int D, int row_stride, int rot, double eps) {
     __shared__ float stage[QKV_WARPS][NK * 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int nh = hq + 2 * hkv;
@@ -24,8 +27,7 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
     int h = (int)(gw - row * nh);
     int kind = h < hq ? 0 : (h < hq + hkv ? 1 : 2);
     int hh = kind == 0 ? h : (kind == 1 ? h - hq : h - hq - hkv);
-    i64 width = (i64)nh * D;
-    const float* src = qkv + row * width + (i64)h * D;
+    const float* src = qkv + row * (i64)row_stride + (i64)h * D;
 
     float v[NK];
 #pragma unroll
@@ -53,7 +55,7 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
                 if (j < D) v[k] = __fmul_rn(nw[j], __fmul_rn(v[k], inv));
             }
         }
-        // Rotate-half RoPE through a per-warp staging row: j pairs with j + D/2.
+        // Rotate-half RoPE through a per-warp staging row: j pairs with j + rot/2.
         float* s = stage[warp];
 #pragma unroll
         for (int k = 0; k < NK; ++k) {
@@ -61,14 +63,14 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
             if (j < D) s[j] = v[k];
         }
         __syncwarp();
-        int half = D >> 1;
+        int half = rot >> 1;
         i64 p = pos[row];
         const float* c = rope_cos + p * half;
         const float* sn = rope_sin + p * half;
 #pragma unroll
         for (int k = 0; k < NK; ++k) {
             int j = lane + 32 * k;
-            if (j < D) {
+            if (j < rot) {
                 int jj = j < half ? j : j - half;
                 float x1 = s[jj], x2 = s[jj + half];
                 float cj = c[jj], sj = sn[jj];
@@ -132,9 +134,10 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
     extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) NAME(                                       \
         const float* qkv, const float* bias, const float* q_norm, const float* k_norm, const float* rope_cos, \
         const float* rope_sin, const i32* pos, const i32* win, void* q_out, int q_bf16, KvTensor kt,         \
-        KvTensor vt, u64* err, int layer, i64 rows, int hq, int hkv, int D, double eps) {                     \
+        KvTensor vt, u64* err, int layer, i64 rows, int hq, int hkv, int D, int row_stride, int rot,          \
+        double eps) {                                                                                         \
         qkv_prep<KF, VF, NK>(qkv, bias, q_norm, k_norm, rope_cos, rope_sin, pos, win, q_out, q_bf16, kt, vt, \
-                             err, layer, rows, hq, hkv, D, eps);                                              \
+                             err, layer, rows, hq, hkv, D, row_stride, rot, eps);                             \
     }
 
 #define QKV_ENTRIES(FMT, KF, VF)                      \

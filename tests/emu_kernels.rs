@@ -437,42 +437,34 @@ struct QkvCase {
     d: usize,
     bias: bool,
     qk_norm: bool,
+    /// Rotary dims (partial RoPE below `d`).
+    rot: usize,
+    /// Gate columns after q, k and v in each row (gated attention: Hq·D), skipped.
+    gate: bool,
 }
 
 /// qkv_prep against the CPU forward's own steps (bias add, per-head q/k RMSNorm, RoPE
-/// with the CPU's table, the Main KV codec): q bit for bit in f32, its bf16 rounding in
-/// bf16; K and V stored bytes bit for bit, every KV representation, every register width.
+/// with the CPU's table, whole or partial, the Main KV codec), rows with and without a gate
+/// after v: q bit for bit in f32, its bf16 rounding in bf16; K and V stored bytes bit for
+/// bit, every KV representation, every register width.
 #[test]
 fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
+    let case = |hq, hkv, d, bias, qk_norm, rot, gate| QkvCase {
+        hq,
+        hkv,
+        d,
+        bias,
+        qk_norm,
+        rot,
+        gate,
+    };
     let cases = [
-        QkvCase {
-            hq: 4,
-            hkv: 2,
-            d: 64,
-            bias: true,
-            qk_norm: false,
-        },
-        QkvCase {
-            hq: 8,
-            hkv: 1,
-            d: 128,
-            bias: false,
-            qk_norm: true,
-        },
-        QkvCase {
-            hq: 2,
-            hkv: 2,
-            d: 256,
-            bias: true,
-            qk_norm: true,
-        },
-        QkvCase {
-            hq: 3,
-            hkv: 1,
-            d: 80,
-            bias: false,
-            qk_norm: false,
-        },
+        case(4, 2, 64, true, false, 64, false),
+        case(8, 1, 128, false, true, 128, false),
+        case(2, 2, 256, true, true, 256, false),
+        case(3, 1, 80, false, false, 80, false),
+        // qwen3_5's gated attention: head_dim 256, a quarter of it rotary, a gate after v.
+        case(4, 2, 256, false, true, 64, true),
     ];
     let mut r = Rng(23);
     for c in &cases {
@@ -482,12 +474,13 @@ fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
         let m = pos.len();
         let nh = c.hq + 2 * c.hkv;
         let width = nh * c.d;
-        let qkv = r.vec(m * width, 2.0);
+        let row_stride = width + if c.gate { c.hq * c.d } else { 0 };
+        let qkv = r.vec(m * row_stride, 2.0);
         let bias = r.vec(width, 0.5);
         let qn = r.vec(c.d, 1.0);
         let kn = r.vec(c.d, 1.0);
-        let inv = inv_freq(c.d, 10000.0, None);
-        let table = RopeTable::new(&inv, 8);
+        let inv = inv_freq(c.rot, 10000.0, None);
+        let table = RopeTable::partial(&inv, 8, c.d);
         let (qb, bb, qnb, knb) = (up(&qkv), up(&bias), up(&qn), up(&kn));
         let (cb, sb, pb, wb) = (up(&table.cos), up(&table.sin), up(&pos), up(&win));
         // The CPU steps, window by window.
@@ -500,7 +493,7 @@ fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
             let mut k = vec![0f32; t * c.hkv * c.d];
             let mut v = vec![0f32; t * c.hkv * c.d];
             for i in 0..t {
-                let mut row = qkv[(lo + i) * width..(lo + i + 1) * width].to_vec();
+                let mut row = qkv[(lo + i) * row_stride..(lo + i) * row_stride + width].to_vec();
                 if c.bias {
                     row.iter_mut().zip(&bias).for_each(|(a, b)| *a += b);
                 }
@@ -556,6 +549,8 @@ fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
                             hq: c.hq as i32,
                             hkv: c.hkv as i32,
                             D: c.d as i32,
+                            row_stride: row_stride as i32,
+                            rot: c.rot as i32,
                             eps: 1e-6,
                         },
                     )
@@ -638,6 +633,8 @@ fn qkv_prep_records_the_first_non_finite_kv_value() {
                 hq: hq as i32,
                 hkv: hkv as i32,
                 D: d as i32,
+                row_stride: (nh * d) as i32,
+                rot: d as i32,
                 eps: 1e-6,
             },
         )
@@ -1101,6 +1098,7 @@ fn the_kernels_run_clean_under_address_sanitizer() {
         "the_head_matches_the_cpu",
         "a_weight_that_dequantizes_to_infinity_fails_the_load",
         "gated_delta_net_kernels_match_their_cpu_twins",
+        "the_attention_output_gate_matches_the_cpu",
     ];
     let (ok, out) = child(&all, &env(None));
     assert!(
@@ -1460,4 +1458,64 @@ fn gated_delta_net_kernels_match_their_cpu_twins() {
         w_conv <= 1e-6 && w_prep <= 1e-6 && w_norm <= 1e-6,
         "conv {w_conv:e} prep {w_prep:e} norm {w_norm:e}"
     );
+}
+
+/// The gated attention's output gate (qwen3_5): `attn *= sigmoid(gate)`, the gate read from
+/// the projection row after q, k and v, as the CPU forward computes it; within `expf`
+/// rounding in f32 (measured 6.1e-8 relative, bound 1e-6), and that value's bf16
+/// rounding in bf16 up to one bf16 ulp (the input is rounded too).
+#[test]
+fn the_attention_output_gate_matches_the_cpu() {
+    use ninfer_perplexity::model::delta_net::sigmoid;
+    let mut r = Rng(61);
+    let (rows, qd, kvd) = (9usize, 96usize, 32usize);
+    let row_stride = qd + 2 * kvd + qd;
+    let qkv = r.vec(rows * row_stride, 6.0);
+    let attn = r.vec(rows * qd, 2.0);
+    let want: Vec<f32> = (0..rows * qd)
+        .map(|i| {
+            let (t, j) = (i / qd, i % qd);
+            attn[i] * sigmoid(qkv[t * row_stride + qd + 2 * kvd + j])
+        })
+        .collect();
+    let qb = up(&qkv);
+    let launch = |buf: &DevBuf, bf: i32| {
+        gpu()
+            .launch(
+                "attn_output_gate",
+                (plan::blocks_for(rows * qd, 256), 1, 1),
+                256,
+                0,
+                &launch::AttnOutputGate {
+                    attn: p(buf),
+                    attn_bf16: bf,
+                    qkv: p(&qb),
+                    row_stride: row_stride as i32,
+                    gate_off: (qd + 2 * kvd) as i32,
+                    rows: rows as i64,
+                    qd: qd as i32,
+                },
+            )
+            .unwrap()
+    };
+    let ab = up(&attn);
+    launch(&ab, 0);
+    let e = max_rel(&read_f32(&ab, rows * qd), &want);
+    eprintln!("attention output gate: worst relative difference {e:e}");
+    assert!(e <= 1e-6, "{e:e}");
+    let attn_h: Vec<u16> = attn.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let hb = up(&attn_h);
+    launch(&hb, 1);
+    let got: Vec<f32> = gpu()
+        .read::<u16>(&hb, 0, rows * qd)
+        .unwrap()
+        .into_iter()
+        .map(|b| bf16::from_bits(b).to_f32())
+        .collect();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= w.abs() / 128.0 + 1e-30,
+            "bf16 element {i}: {g} vs {w}"
+        );
+    }
 }

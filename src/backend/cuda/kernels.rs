@@ -123,6 +123,7 @@ impl Program {
                 "swiglu",
                 "residual_add",
                 "cast_f32_bf16",
+                "attn_output_gate",
             ]
             .iter()
             .map(|s| s.to_string())

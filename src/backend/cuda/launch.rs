@@ -240,6 +240,10 @@ kernel_args! {
         hq: i32,
         hkv: i32,
         D: i32,
+        /// Values per qkv row (at least (hq + 2 hkv) D; more when a gate follows).
+        row_stride: i32,
+        /// Rotary dims (D, or fewer: partial RoPE); the tables hold rot / 2 per position.
+        rot: i32,
         eps: f64,
     }
 }
@@ -404,6 +408,19 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `attn_output_gate`: `attn[r, i] *= sigmoid(qkv[r, gate_off + i])` (gated attention).
+    AttnOutputGate = ("elementwise", ["attn_output_gate"]) {
+        attn: Ptr<Any>,
+        attn_bf16: i32,
+        qkv: Ptr<f32>,
+        row_stride: i32,
+        gate_off: i32,
+        rows: i64,
+        qd: i32,
+    }
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -426,6 +443,7 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<KvEncode>(),
         one::<KvDecode>(),
         one::<ElementEncode>(),
+        one::<AttnOutputGate>(),
         one::<DequantNvfp4>(),
         one::<DequantFp8>(),
         one::<DeltaConvSilu>(),

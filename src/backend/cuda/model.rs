@@ -552,6 +552,8 @@ impl CudaModel {
                     hq: hq as i32,
                     hkv: hkv as i32,
                     D: hd as i32,
+                    row_stride: qkv_w as i32,
+                    rot: hd as i32,
                     eps,
                 },
             )?;
