@@ -12,6 +12,8 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_with, STORE_VARIANTS};
 use ninfer_perplexity::backend::cuda::device::Gpu;
 use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
@@ -29,18 +31,7 @@ fn emu() -> Gpu {
     Gpu::emulated().expect("the emulated CUDA device (needs g++)")
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
+use common::rng::Rng;
 
 /// Vectors with a spread of magnitudes per vector (scales from 1e-30 to 1e30).
 fn random_vectors(n: usize, d: usize, seed: u64) -> Vec<f32> {

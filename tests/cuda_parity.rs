@@ -376,10 +376,9 @@ fn smollm2_shaped() -> ModelConfig {
     }
 }
 
-fn random_case(run: &Run, case: &str, config: ModelConfig, seed: u64) {
-    require(run);
-    let d = tempfile::tempdir().unwrap();
-    let art = d.path().join(format!("{case}.ninfer"));
+/// A random-weight artifact of `config` written into `dir`.
+fn random_artifact(dir: &Path, name: impl AsRef<str>, config: ModelConfig, seed: u64) -> PathBuf {
+    let art = dir.join(name.as_ref());
     write_random_artifact(
         &RandomSpec {
             config,
@@ -390,6 +389,13 @@ fn random_case(run: &Run, case: &str, config: ModelConfig, seed: u64) {
         &mut |_, _| {},
     )
     .unwrap();
+    art
+}
+
+fn random_case(run: &Run, case: &str, config: ModelConfig, seed: u64) {
+    require(run);
+    let d = tempfile::tempdir().unwrap();
+    let art = random_artifact(d.path(), format!("{case}.ninfer"), config, seed);
     let streams = quick_streams(&|t| t.bytes().map(u32::from).collect(), run.tokens);
     assert_none(run_case(run, case, &art, &streams));
 }
@@ -443,17 +449,7 @@ fn emulated_reruns_are_bitwise_and_batching_changes_nothing() {
 fn reruns_case(run: &Run, tokens: usize) {
     require(run);
     let d = tempfile::tempdir().unwrap();
-    let art = d.path().join("random-hd128.ninfer");
-    write_random_artifact(
-        &RandomSpec {
-            config: small_hd128(),
-            seed: 5,
-            tokenizer_json: None,
-        },
-        &art,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let art = random_artifact(d.path(), "random-hd128.ninfer", small_hd128(), 5);
     let a = Artifact::open(&art).unwrap();
     let text =
         std::fs::read_to_string(repo().join("eval/corpora/perplexity-1m/streams/en-ref-1.txt"))
@@ -573,17 +569,7 @@ fn bad_token_case(device: DeviceRequest, class: &str, bounds: Bounds) {
 #[test]
 fn emulated_windows_before_a_failing_one_are_delivered() {
     let d = tempfile::tempdir().unwrap();
-    let art = d.path().join("random-hd128.ninfer");
-    write_random_artifact(
-        &RandomSpec {
-            config: small_hd128(),
-            seed: 9,
-            tokenizer_json: None,
-        },
-        &art,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let art = random_artifact(d.path(), "random-hd128.ninfer", small_hd128(), 9);
     let a = Artifact::open(&art).unwrap();
     let m = CudaModel::load(&a, Target::Emulated, Precision::F32, &mut |_, _| {}).unwrap();
     let mut ids: Vec<u32> = (0..300u32).map(|i| i * 7 % 256).collect();
@@ -620,17 +606,7 @@ fn emulated_windows_before_a_failing_one_are_delivered() {
 #[test]
 fn emulated_random_weights_in_memory_equal_the_written_artifact() {
     let d = tempfile::tempdir().unwrap();
-    let art = d.path().join("random-hd128.ninfer");
-    write_random_artifact(
-        &RandomSpec {
-            config: small_hd128(),
-            seed: 4,
-            tokenizer_json: None,
-        },
-        &art,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let art = random_artifact(d.path(), "random-hd128.ninfer", small_hd128(), 4);
     let a = Artifact::open(&art).unwrap();
     let from_disk = CudaModel::load(&a, Target::Emulated, Precision::Bf16, &mut |_, _| {}).unwrap();
     let in_memory =

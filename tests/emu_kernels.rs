@@ -8,6 +8,8 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use half::bf16;
 use ninfer_perplexity::backend::cpu::attention::{causal_attention, AttnShape};
 use ninfer_perplexity::backend::cpu::norm::{rms_norm_inplace, rms_norm_row, swiglu};
@@ -25,22 +27,7 @@ fn gpu() -> &'static Gpu {
     G.get_or_init(|| Gpu::emulated().expect("the emulated CUDA device (needs g++)"))
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn sym(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.sym() * scale).collect()
-    }
-}
+use common::rng::Rng;
 
 fn up<T: bytemuck::Pod>(v: &[T]) -> DevBuf {
     gpu().upload(v).unwrap()
@@ -83,19 +70,21 @@ impl Launch for Raw {
     }
 }
 
+/// Runs a self-test kernel over one block of `block` threads.
+fn selftest(name: &str, block: u32, args: Vec<Arg>) -> anyhow::Result<()> {
+    gpu().launch(name, (1, 1, 1), block, 0, &Raw(args))
+}
+
 #[test]
 fn warp_exchanges_follow_their_definitions() {
     let x: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 - 20.0).collect();
     let (xb, out) = (up(&x), gpu().alloc(6 * 64 * 4).unwrap());
-    gpu()
-        .launch(
-            "emu_selftest_warp_ops",
-            (1, 1, 1),
-            64,
-            0,
-            &Raw(vec![p::<f32>(&xb).arg(), p::<f32>(&out).arg()]),
-        )
-        .unwrap();
+    selftest(
+        "emu_selftest_warp_ops",
+        64,
+        vec![p::<f32>(&xb).arg(), p::<f32>(&out).arg()],
+    )
+    .unwrap();
     let o = read_f32(&out, 6 * 64);
     let total: f32 = x.iter().sum();
     for i in 0..64 {
@@ -121,19 +110,16 @@ fn mma_follows_the_ptx_fragment_layout() {
     let c: Vec<f32> = (0..128).map(|i| i as f32).collect(); // [16, 8]
     let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect() };
     let (ab, bb, cb) = (up(&bits(&a)), up(&bits(&b)), up(&c));
-    gpu()
-        .launch(
-            "emu_selftest_mma",
-            (1, 1, 1),
-            32,
-            0,
-            &Raw(vec![
-                p::<u16>(&ab).arg(),
-                p::<u16>(&bb).arg(),
-                p::<f32>(&cb).arg(),
-            ]),
-        )
-        .unwrap();
+    selftest(
+        "emu_selftest_mma",
+        32,
+        vec![
+            p::<u16>(&ab).arg(),
+            p::<u16>(&bb).arg(),
+            p::<f32>(&cb).arg(),
+        ],
+    )
+    .unwrap();
     let got = read_f32(&cb, 128);
     for r in 0..16 {
         for n in 0..8 {
@@ -148,62 +134,43 @@ fn mma_follows_the_ptx_fragment_layout() {
 #[test]
 fn a_divergent_barrier_fails_the_launch() {
     let out = gpu().alloc(64 * 4).unwrap();
-    let e = gpu()
-        .launch(
-            "emu_selftest_divergent_barrier",
-            (1, 1, 1),
-            64,
-            0,
-            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(16)]),
-        )
-        .unwrap_err();
+    let e = selftest(
+        "emu_selftest_divergent_barrier",
+        64,
+        vec![p::<f32>(&out).arg(), Arg::I32(16)],
+    )
+    .unwrap_err();
     let m = format!("{e:#}");
     assert!(m.contains("divergent __syncthreads"), "{m}");
-    let e = gpu()
-        .launch(
-            "emu_selftest_early_exit",
-            (1, 1, 1),
-            64,
-            0,
-            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(40)]),
-        )
-        .unwrap_err();
+    let e = selftest(
+        "emu_selftest_early_exit",
+        64,
+        vec![p::<f32>(&out).arg(), Arg::I32(40)],
+    )
+    .unwrap_err();
     let m = format!("{e:#}");
     assert!(
         m.contains("divergent __syncthreads") && m.contains("24 have exited"),
         "{m}"
     );
     // Every thread reaching the barrier completes.
-    gpu()
-        .launch(
-            "emu_selftest_early_exit",
-            (1, 1, 1),
-            64,
-            0,
-            &Raw(vec![p::<f32>(&out).arg(), Arg::I32(64)]),
-        )
-        .unwrap();
+    selftest(
+        "emu_selftest_early_exit",
+        64,
+        vec![p::<f32>(&out).arg(), Arg::I32(64)],
+    )
+    .unwrap();
     assert_eq!(read_f32(&out, 64), vec![1.0; 64]);
 }
 
 #[test]
 fn a_launch_with_the_wrong_arguments_is_refused() {
-    let e = gpu()
-        .launch(
-            "emu_selftest_mma",
-            (1, 1, 1),
-            32,
-            0,
-            &Raw(vec![Arg::I32(1)]),
-        )
-        .unwrap_err();
+    let e = selftest("emu_selftest_mma", 32, vec![Arg::I32(1)]).unwrap_err();
     assert!(
         format!("{e:#}").contains("takes 3 parameters, 1 were given"),
         "{e:#}"
     );
-    let e = gpu()
-        .launch("no_such_kernel", (1, 1, 1), 32, 0, &Raw(vec![]))
-        .unwrap_err();
+    let e = selftest("no_such_kernel", 32, vec![]).unwrap_err();
     assert!(
         format!("{e:#}").contains("no kernel `no_such_kernel`"),
         "{e:#}"

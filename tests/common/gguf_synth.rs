@@ -104,27 +104,7 @@ pub fn write_gguf(kv: &[(String, Val)], tensors: &[RawTensor], alignment: usize)
     out
 }
 
-/// Deterministic bytes (xorshift).
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// An f16 scale in a sane range (no NaN/inf), as little-endian bytes.
-    pub fn scale(&mut self) -> [u8; 2] {
-        let v = ((self.next() % 2000) as f32 - 1000.0) / 4096.0;
-        f16::from_f32(v).to_le_bytes()
-    }
-    pub fn float(&mut self) -> f32 {
-        ((self.next() % 20001) as f32 - 10000.0) / 7919.0
-    }
-}
+pub use super::rng::Rng;
 
 /// Random raw bytes of `n` elements of type `ty`, with sane scales.
 pub fn random_raw(rng: &mut Rng, ty: u32, n: usize) -> Vec<u8> {

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 pub mod gguf_synth;
 pub mod logprobs;
+pub mod rng;
 pub mod trials;
 
 pub fn repo() -> PathBuf {

@@ -21,8 +21,14 @@ const ALIGN: usize = 256; // cudaMalloc's alignment
 pub struct EmuGpu {
     info: GpuInfo,
     lib: &'static Library,
-    /// Live allocations: address -> bytes.
-    live: Mutex<BTreeMap<u64, usize>>,
+    live: Mutex<Live>,
+}
+
+/// Live allocations (address -> bytes) and their total.
+#[derive(Default)]
+struct Live {
+    map: BTreeMap<u64, usize>,
+    bytes: usize,
 }
 
 impl EmuGpu {
@@ -48,7 +54,7 @@ impl EmuGpu {
                 multiprocessors: 1,
             },
             lib,
-            live: Mutex::new(BTreeMap::new()),
+            live: Mutex::new(Live::default()),
         })
     }
 
@@ -58,7 +64,7 @@ impl EmuGpu {
             return Ok(());
         }
         let live = self.live.lock().unwrap();
-        match live.range(..=addr).next_back() {
+        match live.map.range(..=addr).next_back() {
             Some((&base, &len)) if addr + bytes as u64 <= base + len as u64 => Ok(()),
             _ => bail!(
                 "emulated device: {what} of {bytes} bytes at {addr:#x} is outside every allocation"
@@ -67,7 +73,7 @@ impl EmuGpu {
     }
 
     fn used(&self) -> usize {
-        self.live.lock().unwrap().values().sum()
+        self.live.lock().unwrap().bytes
     }
 }
 
@@ -97,12 +103,22 @@ impl Backend for EmuGpu {
         }
         // SAFETY: `p` holds `bytes` bytes.
         unsafe { std::ptr::write_bytes(p, 0xFF, bytes) };
-        self.live.lock().unwrap().insert(p as u64, bytes);
+        let mut live = self.live.lock().unwrap();
+        live.map.insert(p as u64, bytes);
+        live.bytes += bytes;
         Ok(p as u64)
     }
 
     fn free(&self, ptr: u64, bytes: usize) {
-        if self.live.lock().unwrap().remove(&ptr).is_some() {
+        let removed = {
+            let mut live = self.live.lock().unwrap();
+            let r = live.map.remove(&ptr);
+            if r.is_some() {
+                live.bytes -= bytes;
+            }
+            r
+        };
+        if removed.is_some() {
             let layout = Layout::from_size_align(bytes, ALIGN).expect("allocated with it");
             // SAFETY: allocated in `alloc` with this layout, freed once (removed above).
             unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
@@ -197,6 +213,6 @@ impl Backend for EmuGpu {
 impl Drop for EmuGpu {
     fn drop(&mut self) {
         // Buffers outliving the device keep it alive (they hold an Arc), so nothing is left.
-        debug_assert!(self.live.lock().unwrap().is_empty() || std::thread::panicking());
+        debug_assert!(self.live.lock().unwrap().map.is_empty() || std::thread::panicking());
     }
 }
