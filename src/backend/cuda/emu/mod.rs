@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 6] = [
+pub const FAULTS: [Fault; 7] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -87,6 +87,12 @@ pub const FAULTS: [Fault; 6] = [
         what: "Gated DeltaNet value head j reads key head j % Hk instead of j / (Hv / Hk)",
         from: "int kh = j / (hv / hk);",
         to: "int kh = j % hk;",
+    },
+    Fault {
+        name: "delta-chunk-undecayed-carry",
+        what: "the chunked delta rule carries the State into the next chunk without its decay exp(gc_last)",
+        from: "float acc = __fmul_rn(S[idx], carry);",
+        to: "float acc = S[idx];",
     },
     Fault {
         name: "bf16-store-overrun",
