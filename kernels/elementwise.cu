@@ -101,3 +101,19 @@ extern "C" __global__ void attn_output_gate(void* __restrict__ attn, int attn_bf
         a[idx] = __fmul_rn(a[idx], sg);
     }
 }
+
+// Records the first non-finite value of x[rows, cols] (packed rows; row r is position pos[r]
+// of window win[r]) into `err` as window << 48 | layer << 40 | part << 37 | (pos * cols +
+// col): the smallest record is the one the CPU meets first (by window, layer, the part's
+// order in the layer, position, column). The caller keeps pos * cols below 2^37.
+// Grid: (ceil(rows * cols / 256)), block 256.
+extern "C" __global__ void nonfinite_scan(const float* __restrict__ x, i64 rows, int cols, const i32* __restrict__ pos,
+                                          const i32* __restrict__ win, int layer, int part, u64* __restrict__ err) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * cols) return;
+    if (is_finite_f32(x[idx])) return;
+    i64 r = idx / cols;
+    u64 col = (u64)(idx - r * cols);
+    u64 flat = (u64)pos[r] * (u64)cols + col;
+    atomicMin(err, ((u64)win[r] << 48) | ((u64)(layer & 0xFF) << 40) | ((u64)(part & 7) << 37) | flat);
+}

@@ -124,6 +124,7 @@ impl Program {
                 "residual_add",
                 "cast_f32_bf16",
                 "attn_output_gate",
+                "nonfinite_scan",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -145,6 +146,7 @@ impl Program {
                 "delta_conv_silu",
                 "delta_prep",
                 "delta_rule_recurrent",
+                "delta_rule_chunked",
                 "delta_gated_norm",
             ]
             .iter()

@@ -391,6 +391,78 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `delta_rule_chunked`: the same function as [`DeltaRule`] (the same inputs, output and
+    /// grid (windows, Hv)), computed [`DELTA_CHUNK`] tokens at a time in the WY form (CPU
+    /// twin: `cpu::delta_rule::chunked`); equal to the recurrence to f32 rounding, not bit
+    /// for bit. Block: any size (256); dynamic shared memory: [`delta_chunked_smem`]. Takes
+    /// every Dk, Dv up to [`DELTA_CHUNKED_MAX_DIM`] ([`delta_chunked_fits`]).
+    DeltaRuleChunked = ("delta_net", ["delta_rule_chunked"]) {
+        c: Ptr<f32>,
+        conv_dim: i32,
+        beta: Ptr<f32>,
+        g: Ptr<f32>,
+        spans: Ptr<Int2>,
+        hk: i32,
+        dk: i32,
+        hv: i32,
+        dv: i32,
+        /// Null when [`delta_chunked_state_in_shared`] (the State lives in shared memory);
+        /// else global scratch of [`delta_chunked_state_bytes`] per block, block (w, j) at
+        /// float offset `(j · windows + w) · Dk · Dv` (no need to clear it).
+        state: Ptr<f32>,
+        o: Ptr<f32>,
+    }
+}
+
+/// Tokens per chunk of `delta_rule_chunked` (`DELTA_CHUNK` in kernels/delta_net.cu), the
+/// CPU `chunked`'s too.
+pub const DELTA_CHUNK: usize = 64;
+
+/// Largest Dk and Dv `delta_rule_chunked` is guaranteed to take: for every pair up to it the
+/// block's shared memory fits in [`MAX_DYNAMIC_SMEM`](super::plan::MAX_DYNAMIC_SMEM) (the
+/// State moving to global memory where it does not fit; Dk = Dv = 256 needs 225.75 KiB
+/// without it). Past it, a pair whose [`delta_chunked_smem`] exceeds the limit is refused
+/// ([`delta_chunked_fits`] false; a launch would fail).
+pub const DELTA_CHUNKED_MAX_DIM: usize = 256;
+
+/// Dynamic shared memory of `delta_rule_chunked` in bytes, with the State `S[Dk, Dv]` in
+/// shared memory or not: `(S ? Dk·Dv : 0) + 2·C·ldk + C·Dv + 2·C² + 5·C` floats, C =
+/// [`DELTA_CHUNK`], ldk = `Dk | 1` (the layout is in kernels/delta_net.cu).
+pub fn delta_chunked_smem_with(dk: usize, dv: usize, state_in_shared: bool) -> u32 {
+    let (c, ldk) = (DELTA_CHUNK, dk | 1);
+    let s = if state_in_shared { dk * dv } else { 0 };
+    (4 * (s + 2 * c * ldk + c * dv + 2 * c * c + 5 * c)) as u32
+}
+
+/// Whether `delta_rule_chunked` keeps the State in shared memory for (dk, dv) (pass `state`
+/// null): it does when all of it fits (193.75 KiB at Dk = Dv = 128).
+pub fn delta_chunked_state_in_shared(dk: usize, dv: usize) -> bool {
+    delta_chunked_smem_with(dk, dv, true) as usize <= super::plan::MAX_DYNAMIC_SMEM
+}
+
+/// The dynamic shared memory to launch `delta_rule_chunked` with for (dk, dv), the State
+/// placed by [`delta_chunked_state_in_shared`].
+pub fn delta_chunked_smem(dk: usize, dv: usize) -> u32 {
+    delta_chunked_smem_with(dk, dv, delta_chunked_state_in_shared(dk, dv))
+}
+
+/// Global scratch bytes per block (window, value head) for the State: 0 when it lives in
+/// shared memory (`state` null), else `4·Dk·Dv`.
+pub fn delta_chunked_state_bytes(dk: usize, dv: usize) -> usize {
+    if delta_chunked_state_in_shared(dk, dv) {
+        0
+    } else {
+        4 * dk * dv
+    }
+}
+
+/// Whether `delta_rule_chunked` takes (dk, dv): both at least 1 and [`delta_chunked_smem`]
+/// within the limit (true for every pair up to [`DELTA_CHUNKED_MAX_DIM`]).
+pub fn delta_chunked_fits(dk: usize, dv: usize) -> bool {
+    dk >= 1 && dv >= 1 && delta_chunked_smem(dk, dv) as usize <= super::plan::MAX_DYNAMIC_SMEM
+}
+
+kernel_args! {
     /// `delta_gated_norm`: `rmsnorm(o) · w · act(z)` per value head.
     DeltaGatedNorm = ("delta_net", ["delta_gated_norm"]) {
         o: Ptr<f32>,
@@ -421,6 +493,21 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `nonfinite_scan`: the first non-finite value of `x[rows, cols]` as a record in `err`
+    /// (see `model::decode_state_nonfinite`).
+    NonfiniteScan = ("elementwise", ["nonfinite_scan"]) {
+        x: Ptr<f32>,
+        rows: i64,
+        cols: i32,
+        pos: Ptr<i32>,
+        win: Ptr<i32>,
+        layer: i32,
+        part: i32,
+        err: Ptr<u64>,
+    }
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -444,11 +531,13 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<KvDecode>(),
         one::<ElementEncode>(),
         one::<AttnOutputGate>(),
+        one::<NonfiniteScan>(),
         one::<DequantNvfp4>(),
         one::<DequantFp8>(),
         one::<DeltaConvSilu>(),
         one::<DeltaPrep>(),
         one::<DeltaRule>(),
+        one::<DeltaRuleChunked>(),
         one::<DeltaGatedNorm>(),
     ]
 }

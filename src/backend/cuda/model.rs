@@ -13,12 +13,12 @@ use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
-use super::weights::{DevWeights, Source};
+use super::weights::{DeltaW, DevWeights, MixerW, Source};
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::KvDtype;
-use crate::model::config::ModelConfig;
+use crate::model::config::{ModelConfig, OutputGate};
 use crate::model::{ForwardError, Part};
 use crate::score::Window;
 use anyhow::{bail, Result};
@@ -74,7 +74,11 @@ struct Buffers {
     run_sum: DevBuf,
     run_target: DevBuf,
     out: DevBuf,
+    /// [2] u64: the first non-finite K/V record, then the first Gated DeltaNet one.
     err: DevBuf,
+    /// A Gated DeltaNet's conv output `c[rows, conv_dim]` and gates `beta, g [rows, Hv]`.
+    conv: DevBuf,
+    gates: DevBuf,
 }
 
 struct Rope {
@@ -140,11 +144,8 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel> {
         let c = a.config().clone();
-        if c.hybrid.is_some() {
-            bail!(
-                "the CUDA backend does not run {} (hybrid) models yet; use --device cpu",
-                c.family.name()
-            );
+        if let Some(h) = &c.hybrid {
+            plan::check_delta_net(h)?;
         }
         let gpu = Gpu::open_target(target)?;
         if c.head_dim > plan::MAX_HEAD_DIM {
@@ -168,7 +169,7 @@ impl CudaModel {
         let weights = DevWeights::upload(a, &gpu, precision, progress)?;
         let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
         let blas = Blas::new(&gpu, precision)?;
-        let inv_freq = inv_freq(c.head_dim, c.rope_theta, c.rope_scaling.as_ref());
+        let inv_freq = inv_freq(c.rotary_dim(), c.rope_theta, c.rope_scaling.as_ref());
         Ok(CudaModel {
             config: c,
             precision,
@@ -243,6 +244,12 @@ impl CudaModel {
                 kv: None,
             },
         ])?;
+        if self.config.hybrid.is_some() {
+            self.gpu.prepare(&[Program {
+                module: "delta_net",
+                kv: None,
+            }])?;
+        }
         let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
         self.ensure_buffers(&mut st, longest)?;
         self.ensure_rope(&mut st, longest)?;
@@ -326,6 +333,8 @@ impl CudaModel {
             run_target: g.alloc(z.run_target)?,
             out: g.alloc(z.out)?,
             err: g.alloc(z.err)?,
+            conv: g.alloc(z.conv)?,
+            gates: g.alloc(z.gates)?,
             plan: p,
         };
         crate::ui::debug(format!(
@@ -406,6 +415,163 @@ impl CudaModel {
         }
     }
 
+    /// A Gated DeltaNet layer over the packed rows: from the normed rows in `h`, adds
+    /// `out_proj(rmsnorm(o) · act(z))` to `x` (the CPU twin: `model::delta_net::Mix::run`).
+    /// Each window's State starts at zero inside the rule's kernel and never leaves it.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net_block(
+        &self,
+        b: &Buffers,
+        dn: &DeltaW,
+        li: usize,
+        m: usize,
+        ints: &DevBuf,
+        o_pos: usize,
+        o_win: usize,
+        spans: &DevBuf,
+        windows: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let h = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
+        let g = &self.gpu;
+        let d = c.hidden_size;
+        let (hk, hv, dk, dv) = (
+            h.linear_num_key_heads,
+            h.linear_num_value_heads,
+            h.linear_key_head_dim,
+            h.linear_value_head_dim,
+        );
+        let (conv_dim, vdim) = (h.conv_dim(), h.value_dim());
+        let width = conv_dim + vdim + 2 * hv;
+        let (pos, win) = (Ptr::new(ints.at(o_pos)), Ptr::new(ints.at(o_win)));
+        let scan = |x: u64, cols: usize, part: StatePart| -> Result<()> {
+            g.launch(
+                "nonfinite_scan",
+                (plan::blocks_for(m * cols, 256), 1, 1),
+                256,
+                0,
+                &launch::NonfiniteScan {
+                    x: Ptr::new(x),
+                    rows: m as i64,
+                    cols: cols as i32,
+                    pos,
+                    win,
+                    layer: li as i32,
+                    part: part as i32,
+                    err: Ptr::new(b.err.at(8)),
+                },
+            )
+        };
+        // proj[m, width] = [q|k|v, z, b, a]
+        self.blas.gemm(
+            g,
+            m,
+            width,
+            d,
+            Mat::of(&b.h, 0, d),
+            Mat::of(&dn.w_in, 0, d),
+            Mat::of(&b.scratch, 0, width),
+            false,
+        )?;
+        scan(b.scratch.ptr, width, StatePart::Input)?;
+        // c[m, conv_dim] = silu(conv(q|k|v)), then q and k normalised in place; gates.
+        g.launch(
+            "delta_conv_silu",
+            (plan::blocks_for(m * conv_dim, 256), 1, 1),
+            256,
+            0,
+            &launch::DeltaConvSilu {
+                proj: Ptr::new(b.scratch.ptr),
+                width: width as i32,
+                conv: Ptr::new(dn.conv.ptr),
+                kw: h.linear_conv_kernel_dim as i32,
+                pos,
+                rows: m as i64,
+                conv_dim: conv_dim as i32,
+                c: Ptr::new(b.conv.ptr),
+            },
+        )?;
+        let (beta, gdecay) = (b.gates.ptr, b.gates.at(4 * m * hv));
+        g.launch(
+            "delta_prep",
+            (plan::blocks_for(m * (2 * hk + 1), 8), 1, 1),
+            256,
+            0,
+            &launch::DeltaPrep {
+                c: Ptr::new(b.conv.ptr),
+                conv_dim: conv_dim as i32,
+                proj: Ptr::new(b.scratch.ptr),
+                width: width as i32,
+                a_log: Ptr::new(dn.a_log.ptr),
+                dt_bias: Ptr::new(dn.dt_bias.ptr),
+                rows: m as i64,
+                hk: hk as i32,
+                dk: dk as i32,
+                hv: hv as i32,
+                dv: dv as i32,
+                q_scale: 1.0 / (dk as f32).sqrt(),
+                beta: Ptr::new(beta),
+                g: Ptr::new(gdecay),
+            },
+        )?;
+        scan(gdecay, hv, StatePart::Decay)?;
+        scan(beta, hv, StatePart::Beta)?;
+        // o[m, Hv, Dv]: the State's read-out (in `q`, free in this layer), by the chunked
+        // rule with each window's State in shared memory (`plan::check_delta_net`).
+        g.launch(
+            "delta_rule_chunked",
+            (windows as u32, hv as u32, 1),
+            256,
+            launch::delta_chunked_smem(dk, dv) as usize,
+            &launch::DeltaRuleChunked {
+                c: Ptr::new(b.conv.ptr),
+                conv_dim: conv_dim as i32,
+                beta: Ptr::new(beta),
+                g: Ptr::new(gdecay),
+                spans: Ptr::new(spans.ptr),
+                hk: hk as i32,
+                dk: dk as i32,
+                hv: hv as i32,
+                dv: dv as i32,
+                state: Ptr::NULL,
+                o: Ptr::new(b.q.ptr),
+            },
+        )?;
+        scan(b.q.ptr, vdim, StatePart::State)?;
+        // y[m, Hv·Dv] = rmsnorm(o) · w · act(z) (in `attn`, the out-projection's input).
+        g.launch(
+            "delta_gated_norm",
+            (plan::blocks_for(m * hv, 8), 1, 1),
+            256,
+            0,
+            &launch::DeltaGatedNorm {
+                o: Ptr::new(b.q.ptr),
+                proj: Ptr::new(b.scratch.ptr),
+                width: width as i32,
+                conv_dim: conv_dim as i32,
+                w: Ptr::new(dn.norm.ptr),
+                n: m as i64,
+                hv: hv as i32,
+                dv: dv as i32,
+                eps: c.rms_norm_eps,
+                sigmoid_gate: (h.output_gate == OutputGate::Sigmoid) as i32,
+                y: Ptr::new(b.attn.ptr),
+                out_bf16: (self.precision == Precision::Bf16) as i32,
+            },
+        )?;
+        self.blas.gemm(
+            g,
+            m,
+            d,
+            vdim,
+            Mat::of(&b.attn, 0, vdim),
+            Mat::of(&dn.w_out, 0, vdim),
+            Mat::of(&b.x, 0, d),
+            true,
+        )?;
+        Ok(())
+    }
+
     /// One forward pass over packed windows `(tokens, first_target)`; returns each window's
     /// target log-probabilities.
     fn forward_batch(
@@ -481,7 +647,7 @@ impl CudaModel {
         let b = st.bufs.as_ref().expect("allocated");
         let rope = st.rope.as_ref().expect("allocated");
         let w = &self.weights;
-        g.memset(&b.err, 0, 8, 0xFF)?;
+        g.memset(&b.err, 0, 16, 0xFF)?;
 
         g.launch(
             "embed_gather",
@@ -514,60 +680,93 @@ impl CudaModel {
             )
         };
         let qkv_entry = plan::qkv_entry(kv, hd)?;
-        let qkv_w = qd + 2 * kvd;
+        // The State kernels' windows: (first row, rows).
+        let spans_buf = if c.hybrid.is_some() {
+            let sp: Vec<[i32; 2]> = spans.iter().map(|&(r, n)| [r as i32, n as i32]).collect();
+            Some(g.upload(&sp)?)
+        } else {
+            None
+        };
         for (li, l) in w.layers.iter().enumerate() {
-            // Attention block.
             norm(b.x.ptr, Ptr::NULL, &l.attn_norm, b.h.ptr, m)?;
-            self.blas.gemm(
-                &self.gpu,
-                m,
-                qkv_w,
-                d,
-                Mat::of(&b.h, 0, d),
-                Mat::of(&l.wqkv, 0, d),
-                Mat::of(&b.scratch, 0, qkv_w),
-                false,
-            )?;
-            g.launch(
-                &qkv_entry,
-                (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
-                (plan::QKV_WARPS * 32) as u32,
-                0,
-                &launch::QkvPrep {
-                    qkv: Ptr::new(b.scratch.ptr),
-                    bias: l.bqkv.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
-                    q_norm: l.q_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
-                    k_norm: l.k_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
-                    rope_cos: Ptr::new(rope.cos.ptr),
-                    rope_sin: Ptr::new(rope.sin.ptr),
-                    pos: Ptr::new(ints.at(o_pos)),
-                    win: Ptr::new(ints.at(o_win)),
-                    q_out: Ptr::new(b.q.ptr),
-                    q_bf16: matches!(kernel, AttnKernel::Mma { .. }) as i32,
-                    kt: b.k.arg(),
-                    vt: b.v.arg(),
-                    err: Ptr::new(b.err.ptr),
-                    layer: li as i32,
-                    rows: m as i64,
-                    hq: hq as i32,
-                    hkv: hkv as i32,
-                    D: hd as i32,
-                    row_stride: qkv_w as i32,
-                    rot: hd as i32,
-                    eps,
-                },
-            )?;
-            self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
-            self.blas.gemm(
-                &self.gpu,
-                m,
-                d,
-                qd,
-                Mat::of(&b.attn, 0, qd),
-                Mat::of(&l.wo, 0, qd),
-                Mat::of(&b.x, 0, d),
-                true,
-            )?;
+            match &l.mixer {
+                MixerW::Attention(at) => {
+                    // Attention block: [q | k | v (| gate)] rows, the gate left in scratch.
+                    let gate_w = if at.gated { qd } else { 0 };
+                    let qkv_w = qd + 2 * kvd + gate_w;
+                    self.blas.gemm(
+                        &self.gpu,
+                        m,
+                        qkv_w,
+                        d,
+                        Mat::of(&b.h, 0, d),
+                        Mat::of(&at.wqkv, 0, d),
+                        Mat::of(&b.scratch, 0, qkv_w),
+                        false,
+                    )?;
+                    g.launch(
+                        &qkv_entry,
+                        (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
+                        (plan::QKV_WARPS * 32) as u32,
+                        0,
+                        &launch::QkvPrep {
+                            qkv: Ptr::new(b.scratch.ptr),
+                            bias: at.bqkv.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                            q_norm: at.q_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                            k_norm: at.k_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                            rope_cos: Ptr::new(rope.cos.ptr),
+                            rope_sin: Ptr::new(rope.sin.ptr),
+                            pos: Ptr::new(ints.at(o_pos)),
+                            win: Ptr::new(ints.at(o_win)),
+                            q_out: Ptr::new(b.q.ptr),
+                            q_bf16: matches!(kernel, AttnKernel::Mma { .. }) as i32,
+                            kt: b.k.arg(),
+                            vt: b.v.arg(),
+                            err: Ptr::new(b.err.ptr),
+                            layer: li as i32,
+                            rows: m as i64,
+                            hq: hq as i32,
+                            hkv: hkv as i32,
+                            D: hd as i32,
+                            row_stride: qkv_w as i32,
+                            rot: c.rotary_dim() as i32,
+                            eps,
+                        },
+                    )?;
+                    self.launch_attention(b, kv, &tiles_buf, tiles.len())?;
+                    if at.gated {
+                        g.launch(
+                            "attn_output_gate",
+                            (plan::blocks_for(m * qd, 256), 1, 1),
+                            256,
+                            0,
+                            &launch::AttnOutputGate {
+                                attn: Ptr::new(b.attn.ptr),
+                                attn_bf16: bf16_out,
+                                qkv: Ptr::new(b.scratch.ptr),
+                                row_stride: qkv_w as i32,
+                                gate_off: (qd + 2 * kvd) as i32,
+                                rows: m as i64,
+                                qd: qd as i32,
+                            },
+                        )?;
+                    }
+                    self.blas.gemm(
+                        &self.gpu,
+                        m,
+                        d,
+                        qd,
+                        Mat::of(&b.attn, 0, qd),
+                        Mat::of(&at.wo, 0, qd),
+                        Mat::of(&b.x, 0, d),
+                        true,
+                    )?;
+                }
+                MixerW::DeltaNet(dn) => {
+                    let spans_buf = spans_buf.as_ref().expect("uploaded for hybrid models");
+                    self.delta_net_block(b, dn, li, m, &ints, o_pos, o_win, spans_buf, wins.len())?;
+                }
+            }
             // MLP block.
             norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
             self.blas.gemm(
@@ -660,13 +859,19 @@ impl CudaModel {
                 rows: r_total as i32,
             },
         )?;
-        let err: Vec<u64> = g.read(&b.err, 0, 1)?;
+        let err: Vec<u64> = g.read(&b.err, 0, 2)?;
         let lps: Vec<f32> = g.read(&b.out, 0, r_total)?;
         if let Ok((free, total)) = g.mem_info() {
             self.peak_used.fetch_max(total - free, Ordering::Relaxed);
         }
-        if err[0] != u64::MAX {
-            let (index, error) = decode_nonfinite(err[0], hkv, hd);
+        // The record of the earlier (window, layer) is what the CPU meets first; the two
+        // slots never share a layer (a layer has a Main KV or a State, not both).
+        if err[0] != u64::MAX || err[1] != u64::MAX {
+            let (index, error) = if (err[0] >> 40) <= (err[1] >> 40) {
+                decode_nonfinite(err[0], hkv, hd)
+            } else {
+                decode_state_nonfinite(err[1], c)
+            };
             return Err(ScoreError::Window { index, error });
         }
         let mut out = Vec::with_capacity(wins.len());
@@ -700,6 +905,53 @@ pub fn decode_nonfinite(key: u64, hkv: usize, hd: usize) -> (usize, ForwardError
             layer,
             pos: vec / hkv,
             head: vec % hkv,
+        },
+    )
+}
+
+/// What a Gated DeltaNet non-finite record names, in the order a layer computes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum StatePart {
+    /// The projections q|k|v, z, b, a (`[rows, width]`).
+    Input = 0,
+    /// The decay g (`[rows, Hv]`).
+    Decay = 1,
+    /// The write strength beta (`[rows, Hv]`).
+    Beta = 2,
+    /// The State's read-out o (`[rows, Hv, Dv]`).
+    State = 3,
+}
+
+/// Decodes the first non-finite Gated DeltaNet record written by `nonfinite_scan`:
+/// window << 48 | layer << 40 | part << 37 | flat index within the window's tensor, into
+/// the error the CPU reports (`model::delta_net`'s checks).
+pub fn decode_state_nonfinite(key: u64, c: &ModelConfig) -> (usize, ForwardError) {
+    let h = c
+        .hybrid
+        .as_ref()
+        .expect("State records come from hybrid models");
+    let hv = h.linear_num_value_heads;
+    let window = (key >> 48) as usize;
+    let layer = ((key >> 40) & 0xFF) as usize;
+    let flat = (key & ((1u64 << 37) - 1)) as usize;
+    let (part, heads, dim) = match (key >> 37) & 7 {
+        0 => (
+            Part::DeltaNetInput,
+            1,
+            h.conv_dim() + h.value_dim() + 2 * hv,
+        ),
+        1 | 2 => (Part::DeltaNetGate, hv, 1),
+        _ => (Part::State, hv, h.linear_value_head_dim),
+    };
+    let vec = flat / dim;
+    (
+        window,
+        ForwardError::NonFinite {
+            part,
+            layer,
+            pos: vec / heads,
+            head: vec % heads,
         },
     )
 }

@@ -172,20 +172,60 @@ pub fn kv_arrays(elem: Elem, n: usize, head_dim: usize) -> (usize, usize, usize)
     }
 }
 
+/// Widths of the per-row activation buffers, in elements (shared by [`bytes_per_row`] and
+/// [`buffer_sizes`] so the plan and the allocations cannot disagree).
+struct Widths {
+    /// The widest GEMM output held in `scratch` (f32): q|k|v(|gate), gate|up, or a Gated
+    /// DeltaNet's q|k|v|z|b|a projection.
+    scratch: usize,
+    /// Rotated queries (f32), also a Gated DeltaNet's State read-out `o` (f32).
+    q: usize,
+    /// Attention output (precision), also the gated norm's output `y`.
+    attn: usize,
+    /// A Gated DeltaNet's conv output q|k|v (f32); 0 without such layers.
+    conv: usize,
+    /// Its beta and g gates (f32).
+    gates: usize,
+}
+
+fn widths(c: &ModelConfig) -> Widths {
+    let (qd, kvd, f) = (c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let gate = if c.attention_output_gate() { qd } else { 0 };
+    let mut w = Widths {
+        scratch: (qd + 2 * kvd + gate).max(2 * f),
+        q: qd,
+        attn: qd,
+        conv: 0,
+        gates: 0,
+    };
+    if let Some(h) = &c.hybrid {
+        let hv = h.linear_num_value_heads;
+        w.scratch = w.scratch.max(h.conv_dim() + h.value_dim() + 2 * hv);
+        w.q = w.q.max(h.value_dim());
+        w.attn = w.attn.max(h.value_dim());
+        w.conv = h.conv_dim();
+        w.gates = 2 * hv;
+    }
+    w
+}
+
 /// Device bytes one packed row needs across the activation buffers of a forward pass.
 pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
-    let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let (d, f) = (c.hidden_size, c.intermediate_size);
     let e = p.elem_bytes();
+    let w = widths(c);
     let kv_bytes = kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
     4 * 5 // token, position, window index, scored-row index, target
         + 4 * d // residual stream x (f32)
         + e * d // normed input of a GEMM
-        + 4 * (qd + 2 * kvd).max(2 * f) // qkv, later gate/up GEMM output (f32, one buffer)
-        + 4 * qd // rotated queries (f32 or bf16)
+        + 4 * w.scratch // qkv, gate/up or Gated DeltaNet projection (f32, one buffer)
+        + 4 * w.q // rotated queries, or the State's read-out (f32)
         + kv_bytes + 64 // stored keys and values (+ rounding slack)
         + 2 * c.num_kv_heads * (4 + c.head_dim.div_ceil(16)) // their f32 scales and u8 block scales
-        + e * qd // attention output
+        + e * w.attn // attention output, or the gated norm's output
         + e * f // SwiGLU output
+        + 4 * (w.conv + w.gates) // Gated DeltaNet conv output and gates
+        + 8 // the per-window spans of the State kernels (at most one window per row)
 }
 
 /// How a batch uses device memory.
@@ -255,9 +295,9 @@ pub fn plan_memory(
 }
 
 /// Device bytes of the RoPE cos/sin tables for windows of up to `longest` tokens (the model
-/// keeps `next_power_of_two(longest)` positions of `head_dim / 2` f32 each, twice).
+/// keeps `next_power_of_two(longest)` positions of `rotary_dim / 2` f32 each, twice).
 pub fn rope_bytes(c: &ModelConfig, longest: usize) -> usize {
-    2 * 4 * longest.max(1).next_power_of_two() * (c.head_dim / 2)
+    2 * 4 * longest.max(1).next_power_of_two() * (c.rotary_dim() / 2)
 }
 
 /// Bytes of each activation buffer the CUDA model allocates for a plan (the model allocates
@@ -281,6 +321,9 @@ pub struct BufferSizes {
     pub run_target: usize,
     pub out: usize,
     pub err: usize,
+    /// Gated DeltaNet conv output and gates (0 without such layers).
+    pub conv: usize,
+    pub gates: usize,
 }
 
 pub fn buffer_sizes(
@@ -290,8 +333,9 @@ pub fn buffer_sizes(
     head_rows: usize,
     vocab_chunk: usize,
 ) -> BufferSizes {
-    let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+    let (d, f) = (c.hidden_size, c.intermediate_size);
     let e = p.elem_bytes();
+    let w = widths(c);
     let n = rows * c.num_kv_heads;
     let (kv_data, _, _) = kv_arrays(Elem::F32, n, c.head_dim);
     let (_, kv_scale, _) = kv_arrays(Elem::Int8, n, c.head_dim);
@@ -299,19 +343,22 @@ pub fn buffer_sizes(
     BufferSizes {
         x: rows * d * 4,
         h: rows * d * e,
-        scratch: rows * (qd + 2 * kvd).max(2 * f) * 4,
-        q: rows * qd * 4,
+        scratch: rows * w.scratch * 4,
+        q: rows * w.q * 4,
         kv_data,
         kv_scale,
         kv_bscale,
-        attn: rows * qd * e,
+        attn: rows * w.attn * e,
         act: rows * f * e,
         logits: head_rows * vocab_chunk * 4,
         run_max: rows * 4,
         run_sum: rows * 8,
         run_target: rows * 4,
         out: rows * 4,
-        err: 8,
+        // The first non-finite K/V record, then the first non-finite Gated DeltaNet record.
+        err: 16,
+        conv: rows * w.conv * 4,
+        gates: rows * w.gates * 4,
     }
 }
 
@@ -330,6 +377,8 @@ impl BufferSizes {
             + self.run_target
             + self.out
             + self.err
+            + self.conv
+            + self.gates
     }
 }
 
@@ -341,13 +390,43 @@ pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
         .iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
-            if crate::artifact::is_vector_tensor(name, shape) {
+            if stored_f32(name, shape) {
                 4 * n
             } else {
                 e * n
             }
         })
         .sum()
+}
+
+/// Most dynamic shared memory a kernel may take (sm_90: 227 KiB per block).
+pub const MAX_DYNAMIC_SMEM: usize = 227 << 10;
+
+/// Refuses Gated DeltaNet shapes the model's kernels cannot take: the chunked rule holds
+/// each window's State `S[Dk, Dv]` in shared memory with the chunk's work arrays (Dk = Dv =
+/// 128, every released Qwen3.5 / Qwen3-Next, takes 194 KiB), and the gated norm one warp
+/// per head. Also keeps the non-finite records' flat index (`pos · width`, at most
+/// [`MAX_ROWS_CAP`] positions) inside its 37 bits.
+pub fn check_delta_net(h: &crate::model::config::HybridConfig) -> Result<()> {
+    let (dk, dv) = (h.linear_key_head_dim, h.linear_value_head_dim);
+    if !super::launch::delta_chunked_state_in_shared(dk, dv) {
+        bail!(
+            "Gated DeltaNet heads of {dk} x {dv}: the State and the chunk's work arrays need {} KiB of shared memory, more than the CUDA kernels take ({} KiB)",
+            super::launch::delta_chunked_smem_with(dk, dv, true) >> 10,
+            MAX_DYNAMIC_SMEM >> 10
+        );
+    }
+    let width = h.conv_dim() + h.value_dim() + 2 * h.linear_num_value_heads;
+    if (MAX_ROWS_CAP as u64) * (width as u64) >= 1 << 37 {
+        bail!("Gated DeltaNet projections of {width} channels are wider than the CUDA path takes");
+    }
+    Ok(())
+}
+
+/// Whether a tensor lives on the device in f32 whatever the precision: vectors (norms,
+/// biases, a Gated DeltaNet's gates) and the depthwise conv's taps.
+pub fn stored_f32(name: &str, shape: &[usize]) -> bool {
+    crate::artifact::is_vector_tensor(name, shape) || name.ends_with("conv1d.weight")
 }
 
 #[cfg(test)]
@@ -506,6 +585,18 @@ mod tests {
         let p = plan_memory(&small, KvDtype::F32, Precision::F32, 8 << 30, 64).unwrap();
         assert_eq!(p.vocab_chunk, 1000);
         assert_eq!(p.max_rows, MAX_ROWS_CAP);
+    }
+
+    #[test]
+    fn delta_net_shapes_the_kernels_cannot_take_are_refused() {
+        let mut h = crate::backend::cuda::random::preset("qwen3_5-27b")
+            .unwrap()
+            .hybrid
+            .unwrap();
+        check_delta_net(&h).unwrap(); // 128 x 128
+        (h.linear_key_head_dim, h.linear_value_head_dim) = (256, 256);
+        let e = check_delta_net(&h).unwrap_err().to_string();
+        assert!(e.contains("256 x 256") && e.contains("227 KiB"), "{e}");
     }
 
     #[test]

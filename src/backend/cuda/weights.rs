@@ -7,7 +7,7 @@ use super::launch::{self, Any, Ptr};
 use super::plan::{self, Precision};
 use crate::artifact::Artifact;
 use crate::model::config::ModelConfig;
-use crate::model::tensors::{Fused, MixerTensors, ModelTensors};
+use crate::model::tensors::{split_query_gate, Fused, MixerTensors, ModelTensors};
 use crate::quant::fp8::Fp8Scale;
 use crate::quant::nvfp4::Global;
 use crate::quant::QuantTensor;
@@ -72,13 +72,37 @@ impl Source<'_> {
     }
 }
 
-pub(super) struct LayerW {
-    pub(super) attn_norm: DevBuf,
+/// A softmax attention block's weights.
+pub(super) struct AttnW {
+    /// `[q + 2kv, d]`, or `[q + 2kv + q, d]` with the output gate's rows last (as the CPU).
     pub(super) wqkv: DevBuf,
     pub(super) bqkv: Option<DevBuf>,
     pub(super) q_norm: Option<DevBuf>,
     pub(super) k_norm: Option<DevBuf>,
-    pub(super) wo: DevBuf,
+    pub(super) wo: DevBuf, // [d, q]
+    /// Attention's output is multiplied by `sigmoid(gate)`.
+    pub(super) gated: bool,
+}
+
+/// A Gated DeltaNet block's weights (f32 vectors, matrices in the precision).
+pub(super) struct DeltaW {
+    pub(super) w_in: DevBuf, // [conv_dim + Hv·Dv + 2·Hv, d]: q|k|v, z, b, a
+    /// `[K, conv_dim]` f32, tap-major (tap K − 1 multiplies the current token).
+    pub(super) conv: DevBuf,
+    pub(super) dt_bias: DevBuf, // [Hv]
+    pub(super) a_log: DevBuf,   // [Hv]
+    pub(super) norm: DevBuf,    // [Dv], plain
+    pub(super) w_out: DevBuf,   // [d, Hv·Dv]
+}
+
+pub(super) enum MixerW {
+    Attention(AttnW),
+    DeltaNet(DeltaW),
+}
+
+pub(super) struct LayerW {
+    pub(super) attn_norm: DevBuf,
+    pub(super) mixer: MixerW,
     pub(super) mlp_norm: DevBuf,
     pub(super) wgu: DevBuf,
     pub(super) wdown: DevBuf,
@@ -93,7 +117,8 @@ pub(super) struct DevWeights {
 
 impl DevWeights {
     /// Uploads every tensor, one at a time (host memory holds at most one widened tensor).
-    /// `progress` sees (tensors done, tensors total).
+    /// `progress` sees (tensors done, tensors total). Zero-centred norm weights (qwen3_5)
+    /// become their scale `1 + w` in f32, exactly as the CPU loader computes it.
     pub(super) fn upload(
         a: &Source,
         gpu: &Gpu,
@@ -103,71 +128,120 @@ impl DevWeights {
         let c = a.config();
         let names = ModelTensors::of(c);
         let total = ModelTensors::count(c);
+        let zero_centred = c.zero_centred_norms();
         let mut done = 0usize;
         let e = precision.elem_bytes();
         let mut tick = |n: usize| {
             done += n;
             progress(done, total);
         };
-        // A stacked matrix: its parts' rows concatenated, in the precision's element type.
-        // Quantized parts cross to the device as stored and are dequantized there.
+        // Writes tensor `n` into `buf` at byte `off` in the precision's element type;
+        // returns the bytes written. Quantized tensors cross to the device as stored and are
+        // dequantized there.
+        let part = |buf: &DevBuf, off: usize, n: &str| -> Result<usize> {
+            if let Some(q) = a.quantized(n) {
+                dequantize_into(gpu, &q?, precision, buf, off, n, a.label())
+            } else {
+                let bytes = to_device_elems(&a.tensor_f32(n)?, precision);
+                gpu.write(buf, off, &bytes)?;
+                Ok(bytes.len())
+            }
+        };
+        // A stacked matrix: its parts' rows concatenated.
         let matrix = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
             let buf = gpu.alloc(f.rows * f.cols * e)?;
             let mut off = 0;
             for n in &f.parts {
-                if let Some(q) = a.quantized(n) {
-                    off += dequantize_into(gpu, &q?, precision, &buf, off, n, a.label())?;
-                } else {
-                    let t = a.tensor_f32(n)?;
-                    let bytes = to_device_elems(&t, precision);
-                    gpu.write(&buf, off, &bytes)?;
-                    off += bytes.len();
-                }
+                off += part(&buf, off, n)?;
                 tick(1);
             }
             debug_assert_eq!(off, buf.bytes);
             Ok(buf)
         };
-        // A vector (or stacked vectors) in f32.
-        let vector = |parts: &[String], tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
-            let mut v = Vec::new();
-            for n in parts {
-                v.extend(a.tensor_f32(n)?);
+        // A gated attention's q|k|v|gate: q_proj interleaves each head's query and gate
+        // rows, so it is widened on the host (the CPU loader's values), split, and written
+        // around k and v.
+        let gated_qkv = |f: &Fused, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+            let buf = gpu.alloc(f.rows * f.cols * e)?;
+            let (q, gate) = split_query_gate(&a.tensor_f32(&f.parts[0])?, c.num_heads, c.head_dim);
+            tick(1);
+            let mut off = 0;
+            let q = to_device_elems(&q, precision);
+            gpu.write(&buf, off, &q)?;
+            off += q.len();
+            for n in &f.parts[1..] {
+                off += part(&buf, off, n)?;
                 tick(1);
             }
-            gpu.upload(&v)
+            gpu.write(&buf, off, &to_device_elems(&gate, precision))?;
+            Ok(buf)
         };
-        let one = |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), tick);
+        // A vector (or stacked vectors) in f32; `norm`: an RMSNorm scale.
+        let vector =
+            |parts: &[String], norm: bool, tick: &mut dyn FnMut(usize)| -> Result<DevBuf> {
+                let mut v = Vec::new();
+                for n in parts {
+                    v.extend(a.tensor_f32(n)?);
+                    tick(1);
+                }
+                if norm && zero_centred {
+                    v.iter_mut().for_each(|x| *x += 1.0);
+                }
+                gpu.upload(&v)
+            };
+        let one =
+            |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), false, tick);
+        let norm =
+            |n: &String, tick: &mut dyn FnMut(usize)| vector(std::slice::from_ref(n), true, tick);
         let embed = matrix(&names.embed, &mut tick)?;
         let mut layers = Vec::with_capacity(names.layers.len());
         for l in &names.layers {
-            let MixerTensors::Attention(at) = &l.mixer else {
-                anyhow::bail!(
-                    "the CUDA backend does not run hybrid (Gated DeltaNet) layers yet; use --device cpu"
-                );
+            let attn_norm = norm(&l.norm, &mut tick)?;
+            let mixer = match &l.mixer {
+                MixerTensors::Attention(at) => MixerW::Attention(AttnW {
+                    wqkv: if at.gated {
+                        gated_qkv(&at.qkv, &mut tick)?
+                    } else {
+                        matrix(&at.qkv, &mut tick)?
+                    },
+                    bqkv: at
+                        .qkv_bias
+                        .as_ref()
+                        .map(|b| vector(&b.parts, false, &mut tick))
+                        .transpose()?,
+                    q_norm: at.q_norm.as_ref().map(|n| norm(n, &mut tick)).transpose()?,
+                    k_norm: at.k_norm.as_ref().map(|n| norm(n, &mut tick)).transpose()?,
+                    wo: matrix(&at.o_proj, &mut tick)?,
+                    gated: at.gated,
+                }),
+                MixerTensors::DeltaNet(g) => {
+                    let h = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
+                    let (ch, kw) = (h.conv_dim(), h.linear_conv_kernel_dim);
+                    let w = a.tensor_f32(&g.conv)?; // [conv_dim, 1, K]
+                    tick(1);
+                    let taps: Vec<f32> = (0..kw)
+                        .flat_map(|j| (0..ch).map(move |i| (i, j)))
+                        .map(|(i, j)| w[i * kw + j])
+                        .collect();
+                    MixerW::DeltaNet(DeltaW {
+                        w_in: matrix(&g.in_proj, &mut tick)?,
+                        conv: gpu.upload(&taps)?,
+                        dt_bias: one(&g.dt_bias, &mut tick)?,
+                        a_log: one(&g.a_log, &mut tick)?,
+                        norm: one(&g.norm, &mut tick)?, // the gated norm is plain
+                        w_out: matrix(&g.out_proj, &mut tick)?,
+                    })
+                }
             };
-            if at.gated {
-                anyhow::bail!(
-                    "the CUDA backend does not run gated attention (qwen3_5) yet; use --device cpu"
-                );
-            }
             layers.push(LayerW {
-                attn_norm: one(&l.norm, &mut tick)?,
-                wqkv: matrix(&at.qkv, &mut tick)?,
-                bqkv: at
-                    .qkv_bias
-                    .as_ref()
-                    .map(|b| vector(&b.parts, &mut tick))
-                    .transpose()?,
-                q_norm: at.q_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
-                k_norm: at.k_norm.as_ref().map(|n| one(n, &mut tick)).transpose()?,
-                wo: matrix(&at.o_proj, &mut tick)?,
-                mlp_norm: one(&l.mlp.norm, &mut tick)?,
+                attn_norm,
+                mixer,
+                mlp_norm: norm(&l.mlp.norm, &mut tick)?,
                 wgu: matrix(&l.mlp.gate_up, &mut tick)?,
                 wdown: matrix(&l.mlp.down, &mut tick)?,
             });
         }
-        let final_norm = one(&names.final_norm, &mut tick)?;
+        let final_norm = norm(&names.final_norm, &mut tick)?;
         let lm_head = names
             .lm_head
             .as_ref()
