@@ -180,14 +180,15 @@ if any(sm.values()):
         c = f"{cpu[kv]:.2e}" if kv in cpu else "-"
         print(f"{kv:<6} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
     print("  * CPU comparison from the parity step (first tokens of each quick stream, context 512 / stride 256)")
-b = load("bench.json")
-if b:
+for name in ("bench.json", "bench-hybrid.json"):
+  b = load(name)
+  if b:
     print(f"== {b['preset']} random weights, {b['layers']} layers ({b['params']/1e9:.2f}B params), kv {b['kv']}, context {b['context']} / stride {b['stride']}, {b['windows']} windows ==")
     print(f"processed {b['tokens_per_s']:.0f} tokens/s, {b['tflops']:.0f} TFLOP/s = {100*b['fraction_of_gemm']:.0f}% of the measured bf16 GEMM rate "
           f"({b['gemm_bf16_tflops']:.0f} TFLOP/s; target >= 40%); load {b['load_s']:.1f}s, warm-up {b['warmup_s']:.1f}s, "
           f"peak allocated {b['peak_allocated_bytes']/2**30:.1f} GiB, device used {b['peak_used_bytes']/2**30:.1f} GiB")
-else:
-    print("== random-weight benchmark: no result ==")
+  else:
+    print(f"== random-weight benchmark ({name}): no result ==")
 PY
 }
 
@@ -378,6 +379,11 @@ fi
 # 5. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
 NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
   NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda_bench)" --ignored --nocapture
+# 6. The Qwen3.5 27B hybrid's shape (its first GPU_CHECK_HYBRID_LAYERS layers, the 3:1
+#    DeltaNet/attention pattern kept), random weights, same protocol.
+NINFER_BENCH_OUT="$work/bench-hybrid.json" NINFER_BENCH_PRESET=qwen3_5-27b \
+  NINFER_BENCH_LAYERS="${GPU_CHECK_HYBRID_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_HYBRID_WINDOWS:-8}" \
+  step bench-hybrid 150 "$(tb cuda_bench)" --ignored --nocapture
 
 say "finished in $(elapsed_s)s"
 exit $status # the EXIT trap prints the table and packs $work into $OUT

@@ -38,8 +38,8 @@ fn random_model_throughput_against_the_gemm_rate() {
         panic!("this benchmark needs a CUDA GPU ({e})");
     }
     let preset_name = std::env::var("NINFER_BENCH_PRESET").unwrap_or_else(|_| "qwen3-8b".into());
-    let mut config = preset(&preset_name).unwrap();
-    config.num_layers = env_or("NINFER_BENCH_LAYERS", config.num_layers);
+    let config = preset(&preset_name).unwrap();
+    let config = config.with_layers(env_or("NINFER_BENCH_LAYERS", config.num_layers));
     let kv = KvDtype::parse(&std::env::var("NINFER_BENCH_KV").unwrap_or_else(|_| "bf16".into()))
         .unwrap();
     let p = Protocol::new(

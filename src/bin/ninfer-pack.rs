@@ -62,7 +62,7 @@ enum Cmd {
         /// Output .ninfer path.
         #[arg(short, long)]
         output: PathBuf,
-        /// Shape: qwen3-8b, llama3-8b or smollm2-135m.
+        /// Shape: qwen3-8b, llama3-8b, smollm2-135m or qwen3_5-27b (the Qwen3.5 27B hybrid).
         #[arg(long, default_value = "qwen3-8b")]
         preset: String,
         /// Number of layers (default: the preset's).

@@ -278,6 +278,19 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// The same model with `n` layers: a hybrid model's `layer_types` repeat their pattern
+    /// (the first `n` of it, cycled), so fewer layers of a 3:1 model stay 3:1 (benchmarks
+    /// and tests of large shapes).
+    pub fn with_layers(&self, n: usize) -> ModelConfig {
+        let mut c = self.clone();
+        c.num_layers = n;
+        if let Some(h) = &mut c.hybrid {
+            let pattern = std::mem::take(&mut h.layer_types);
+            h.layer_types = pattern.iter().copied().cycle().take(n).collect();
+        }
+        c
+    }
+
     /// What layer `i` mixes its tokens with.
     pub fn layer_kind(&self, i: usize) -> LayerKind {
         match &self.hybrid {

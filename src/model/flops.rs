@@ -15,7 +15,7 @@
 //!   (queries from row `len - scored - 1` on), the o-projection and the MLP run for those rows
 //!   only, while the q/k/v projection still runs for every token.
 
-use crate::model::config::ModelConfig;
+use crate::model::config::{LayerKind, ModelConfig};
 
 /// Which work a FLOP count credits (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,11 +34,24 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
         c.intermediate_size,
         c.vocab_size,
     );
-    let layers = c.num_layers as f64;
     let pairs = |n: f64| n * (n + 1.0) / 2.0; // (query, key) pairs under the causal mask
-    let per_token_linear = 2.0 * (d * (qd + 2 * kvd) + qd * d + d * 2 * f + f * d) as f64;
     let t = len as f64;
-    let body = layers * (t * per_token_linear + 4.0 * pairs(t) * qd as f64);
+    let mlp = 2.0 * (d * 2 * f + f * d) as f64;
+    let gate = if c.attention_output_gate() { qd } else { 0 };
+    let attn_linear = 2.0 * (d * (qd + 2 * kvd + gate) + qd * d) as f64 + mlp;
+    // A Gated DeltaNet layer per token: its projections, the conv, and the State's three
+    // [Dk, Dv] products per value head (Sᵀk, k·deltaᵀ, Sᵀq) as multiply-adds.
+    let delta_linear = c.hybrid.as_ref().map_or(0.0, |h| {
+        let hv = h.linear_num_value_heads;
+        let proj = d * (h.conv_dim() + h.value_dim() + 2 * hv) + h.value_dim() * d;
+        let conv = h.linear_conv_kernel_dim * h.conv_dim();
+        let state = 3 * hv * h.linear_key_head_dim * h.linear_value_head_dim;
+        2.0 * (proj + conv + state) as f64 + mlp
+    });
+    let attn_layers = c.kv_layers() as f64;
+    let delta_layers = c.state_layers() as f64;
+    let body = attn_layers * (t * attn_linear + 4.0 * pairs(t) * qd as f64)
+        + delta_layers * t * delta_linear;
     let head = |rows: usize| 2.0 * rows as f64 * (d * v) as f64;
     match work {
         Work::ForwardPass => body + head(len),
@@ -49,8 +62,17 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
                 return full;
             }
             let skipped_rows = len.saturating_sub(scored + 1) as f64;
-            let per_row_tail = 2.0 * (qd * d + 3 * d * f) as f64; // o-projection, gate/up, down
-            full - skipped_rows * per_row_tail - 4.0 * pairs(skipped_rows) * qd as f64
+            // The last layer's o-projection (or out-projection), gate/up and down.
+            match c.layer_kind(c.num_layers - 1) {
+                LayerKind::FullAttention => {
+                    let per_row_tail = 2.0 * (qd * d + 3 * d * f) as f64;
+                    full - skipped_rows * per_row_tail - 4.0 * pairs(skipped_rows) * qd as f64
+                }
+                LayerKind::LinearAttention => {
+                    let vdim = c.hybrid.as_ref().map_or(0, |h| h.value_dim());
+                    full - skipped_rows * 2.0 * (vdim * d + 3 * d * f) as f64
+                }
+            }
         }
     }
 }
@@ -84,6 +106,33 @@ mod tests {
         s.tie_word_embeddings = true;
         let per_token = window_flops(&s, Work::ForwardPass, 1024, 1023) / 1024.0;
         assert!((per_token / 1e6 - 304.4).abs() < 0.1, "{per_token:e}");
+    }
+
+    #[test]
+    fn hybrid_counts_match_a_hand_count() {
+        use crate::model::config::{HybridConfig, OutputGate};
+        // One Gated DeltaNet layer, one gated attention layer; d 4, 2 query heads of 2, one
+        // KV head, MLP 8, vocab 10; DeltaNet 1 key head of 2, 2 value heads of 3, conv 2.
+        let mut c = ModelConfig::for_test(Family::Qwen3, 2, 4, 2, 1, 2, 8, 10);
+        c.family = Family::Qwen3_5;
+        c.hybrid = Some(HybridConfig {
+            layer_types: vec![LayerKind::LinearAttention, LayerKind::FullAttention],
+            rotary_dim: 2,
+            linear_num_key_heads: 1,
+            linear_num_value_heads: 2,
+            linear_key_head_dim: 2,
+            linear_value_head_dim: 3,
+            linear_conv_kernel_dim: 2,
+            output_gate: OutputGate::Silu,
+        });
+        // MLP: 2*(4*16 + 8*4) = 192. Attention: 2*(4*(4+2*2+4) + 4*4) = 128, + MLP = 320.
+        // DeltaNet: conv_dim 2+2+6 = 10, width 10+6+4 = 20: 2*(4*20 + 6*4 + 2*10 +
+        // 3*2*2*3) = 2*(80+24+20+36) = 320, + MLP = 512. 3 tokens: 6 pairs * 4 * 4 = 96.
+        // Head on 2 rows: 160.
+        assert_eq!(
+            window_flops(&c, Work::HeadOnScoredRows, 3, 2),
+            3.0 * (320.0 + 512.0) + 96.0 + 160.0
+        );
     }
 
     #[test]

@@ -20,8 +20,10 @@ use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
-/// Named shapes. `qwen3-8b` is Qwen3-8B's config.json; `smollm2-135m` SmolLM2-135M's.
-pub const PRESETS: [&str; 3] = ["qwen3-8b", "llama3-8b", "smollm2-135m"];
+/// Named shapes. `qwen3-8b` is Qwen3-8B's config.json; `smollm2-135m` SmolLM2-135M's;
+/// `qwen3_5-27b` the text model of the Qwen3.5 27B hybrid (docs/hybrid.md): 48 Gated
+/// DeltaNet and 16 gated full-attention layers.
+pub const PRESETS: [&str; 4] = ["qwen3-8b", "llama3-8b", "smollm2-135m", "qwen3_5-27b"];
 
 pub fn preset(name: &str) -> Result<ModelConfig> {
     let base = ModelConfig {
@@ -73,6 +75,41 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             qk_norm: false,
             ..base
         },
+        "qwen3_5-27b" => {
+            use crate::model::config::{HybridConfig, LayerKind, OutputGate};
+            let layer_types = (0..64)
+                .map(|i| {
+                    if (i + 1) % 4 == 0 {
+                        LayerKind::FullAttention
+                    } else {
+                        LayerKind::LinearAttention
+                    }
+                })
+                .collect();
+            ModelConfig {
+                family: Family::Qwen3_5,
+                vocab_size: 248_320,
+                hidden_size: 5120,
+                intermediate_size: 17408,
+                num_layers: 64,
+                num_heads: 24,
+                num_kv_heads: 4,
+                head_dim: 256,
+                rope_theta: 10_000_000.0,
+                max_position_embeddings: 262_144,
+                hybrid: Some(HybridConfig {
+                    layer_types,
+                    rotary_dim: 64,
+                    linear_num_key_heads: 16,
+                    linear_num_value_heads: 48,
+                    linear_key_head_dim: 128,
+                    linear_value_head_dim: 128,
+                    linear_conv_kernel_dim: 4,
+                    output_gate: OutputGate::Silu,
+                }),
+                ..base
+            }
+        }
         other => bail!("unknown preset `{other}` (valid: {})", PRESETS.join(", ")),
     })
 }
@@ -148,10 +185,11 @@ pub fn tensor_bytes(name: &str, shape: &[usize], seed: u64) -> (&'static str, Ve
         let data = vec![v; n];
         return ("F32", bytemuck::cast_slice::<f32, u8>(&data).to_vec());
     }
+    // Fan in: every dim after the first (a depthwise conv's `[channels, 1, K]`: K).
     let std = if name == crate::model::tensors::EMBED {
         1.0
     } else {
-        1.0 / (shape[1] as f32).sqrt()
+        1.0 / (shape[1..].iter().product::<usize>() as f32).sqrt()
     };
     let amp = 3f32.sqrt() * std;
     let mut out = vec![0u16; n];
@@ -300,7 +338,7 @@ pub fn run_cli(
 ) -> Result<()> {
     let mut config = preset(preset_name)?;
     if let Some(l) = layers {
-        config.num_layers = l;
+        config = config.with_layers(l);
     }
     config.validate().context("--layers")?;
     crate::outfile::check_output(out, &[])?;
@@ -364,6 +402,18 @@ mod tests {
             s.num_params()
         );
         preset("llama3-8b").unwrap().validate().unwrap();
+        // The Qwen3.5 27B text model: about 27B parameters with its 2 × 1.27B embedding
+        // and head, 48 + 16 layers, the State of docs/hybrid.md.
+        let h = preset("qwen3_5-27b").unwrap();
+        h.validate().unwrap();
+        assert!(
+            (26.0e9..27.5e9).contains(&(h.num_params() as f64)),
+            "{}",
+            h.num_params()
+        );
+        assert_eq!((h.state_layers(), h.kv_layers()), (48, 16));
+        // S: 48 × 48 heads × 128 × 128 f32 = 144 MiB; the conv inputs add 5.6 MiB.
+        assert_eq!(h.state_bytes_per_window() >> 20, 149);
         assert!(preset("gpt5").unwrap_err().to_string().contains("qwen3-8b"));
     }
 
