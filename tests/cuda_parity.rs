@@ -673,21 +673,26 @@ fn emulated_windows_before_a_failing_one_are_delivered() {
 /// stores: the same windows score to the same bits from either.
 #[test]
 fn emulated_random_weights_in_memory_equal_the_written_artifact() {
-    let d = tempfile::tempdir().unwrap();
-    let art = random_artifact(d.path(), "random-hd128.ninfer", small_hd128(), 4);
-    let a = Artifact::open(&art).unwrap();
-    let from_disk = CudaModel::load(&a, Target::Emulated, Precision::Bf16, &mut |_, _| {}).unwrap();
-    let in_memory =
-        CudaModel::load_random(&small_hd128(), 4, Target::Emulated, Precision::Bf16).unwrap();
-    let ids: Vec<u32> = (0..150u32).map(|i| i * 13 % 251).collect();
-    let p = Protocol::new(96, 48).unwrap();
-    let x = gpu_logprobs(&from_disk, &ids, p, KvDtype::Fp8);
-    let y = gpu_logprobs(&in_memory, &ids, p, KvDtype::Fp8);
-    assert!(!x.is_empty());
-    assert!(
-        x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
-        "in-memory weights differ"
-    );
+    // A dense shape, and the 27B hybrid's preset cut to 4 layers and a small width (the
+    // bench's `qwen3_5-27b` path: conv taps, gates and gated q rows from the generator).
+    for (name, config) in [("hd128", small_hd128()), ("hybrid", small_hybrid())] {
+        let d = tempfile::tempdir().unwrap();
+        let art = random_artifact(d.path(), format!("random-{name}.ninfer"), config.clone(), 4);
+        let a = Artifact::open(&art).unwrap();
+        let from_disk =
+            CudaModel::load(&a, Target::Emulated, Precision::Bf16, &mut |_, _| {}).unwrap();
+        let in_memory =
+            CudaModel::load_random(&config, 4, Target::Emulated, Precision::Bf16).unwrap();
+        let ids: Vec<u32> = (0..150u32).map(|i| i * 13 % 251).collect();
+        let p = Protocol::new(96, 48).unwrap();
+        let x = gpu_logprobs(&from_disk, &ids, p, KvDtype::Fp8);
+        let y = gpu_logprobs(&in_memory, &ids, p, KvDtype::Fp8);
+        assert!(!x.is_empty());
+        assert!(
+            x.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: in-memory weights differ"
+        );
+    }
 }
 
 /// A quantized artifact loads through the on-device dequantization and scores like the CPU

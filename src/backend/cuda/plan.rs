@@ -588,6 +588,19 @@ mod tests {
     }
 
     #[test]
+    fn the_27b_hybrid_fits_an_h200_with_windows_of_4096() {
+        let c = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
+        // bf16 matrices, f32 vectors and conv taps: about 53.8 GB.
+        let wb = weight_bytes(&c, Precision::Bf16);
+        assert!((53.0e9..54.5e9).contains(&(wb as f64)), "{wb}");
+        let free = 139usize * (1 << 30) - wb;
+        let p = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, free, 4096).unwrap();
+        assert!(p.max_rows >= 4 * 4096, "{p:?}");
+        // A row needs the Gated DeltaNet projection (16,480 f32) in the GEMM scratch.
+        assert!(bytes_per_row(&c, KvDtype::Bf16, Precision::Bf16) > 4 * 16_480);
+    }
+
+    #[test]
     fn delta_net_shapes_the_kernels_cannot_take_are_refused() {
         let mut h = crate::backend::cuda::random::preset("qwen3_5-27b")
             .unwrap()
@@ -625,11 +638,15 @@ mod tests {
         let mut narrow = crate::backend::cuda::random::preset("qwen3-8b").unwrap();
         (narrow.hidden_size, narrow.intermediate_size) = (64, 8);
         (narrow.num_heads, narrow.num_kv_heads, narrow.head_dim) = (16, 16, 4);
+        // The 27B hybrid: Gated DeltaNet buffers wider than attention's, a gated q.
+        let hybrid = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
         for c in [
             small,
             wide,
             narrow,
             crate::backend::cuda::random::preset("llama3-8b").unwrap(),
+            hybrid.with_layers(4),
+            hybrid,
         ] {
             for p in [Precision::Bf16, Precision::F32] {
                 for (free, longest) in [(1usize << 30, 4096usize), (8 << 30, 1), (80 << 30, 32768)]
