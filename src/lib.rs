@@ -18,6 +18,7 @@ pub mod cli;
 pub mod compare;
 pub mod corpus;
 pub mod engine;
+pub mod gate;
 pub mod kv;
 pub mod model;
 pub mod outfile;
