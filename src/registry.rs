@@ -31,6 +31,10 @@ pub struct Entry {
     /// uses the harness defaults (docs/harness.md).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tolerance: BTreeMap<String, Tolerance>,
+    /// The paired drift gate per device class and KV format (keys as for `tolerance`): for
+    /// trials it covers it replaces the tolerance (docs/harness.md, [`crate::gate`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gate: BTreeMap<String, GateEntry>,
     /// The Main KV formats the harness runs this artifact with; empty: every format.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kv_dtypes: Vec<String>,
@@ -40,6 +44,64 @@ impl Entry {
     /// Whether the harness runs this artifact with KV format `kv` (its name).
     pub fn runs_kv(&self, kv: &str) -> bool {
         self.kv_dtypes.is_empty() || self.kv_dtypes.iter().any(|k| k == kv)
+    }
+}
+
+/// A registered paired gate: θ, α, β and the measured run-to-run spread θ was derived from
+/// (a θ without its measurement is refused: numbers are measured, never typed in).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GateEntry {
+    pub theta: f64,
+    pub alpha: f64,
+    pub beta: f64,
+    #[serde(default)]
+    pub spread: Option<Spread>,
+}
+
+/// Run-to-run spread measured by the harness's `--measure-spread N`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spread {
+    /// Repeated runs (each paired with the first).
+    pub runs: usize,
+    /// Windows per trial (the fewest over the streams measured).
+    pub windows: usize,
+    /// The largest paired standard error of ΔNLL seen, nats per token.
+    pub max_std_err: f64,
+    /// θ = margin · (t_α + t_β) · max_std_err.
+    pub margin: f64,
+}
+
+impl GateEntry {
+    pub fn spec(&self) -> crate::gate::GateSpec {
+        crate::gate::GateSpec {
+            theta: self.theta,
+            alpha: self.alpha,
+            beta: self.beta,
+        }
+    }
+
+    /// θ, α, β valid, the spread there, and θ detectable at α and β with that spread.
+    fn check(&self) -> Result<()> {
+        self.spec().validate()?;
+        let Some(sp) = &self.spread else {
+            bail!("θ without the measured `spread` it was derived from (measure it: cargo test --release --test harness -- --measure-spread 5)");
+        };
+        if sp.runs < 2 || sp.windows < 2 || !(sp.max_std_err.is_finite() && sp.max_std_err >= 0.0) {
+            bail!(
+                "`spread` needs at least 2 runs of at least 2 windows and a finite standard error"
+            );
+        }
+        let (ta, tb) = crate::gate::multipliers(&self.spec(), sp.windows);
+        let floor = (ta + tb) * sp.max_std_err;
+        if self.theta < floor {
+            bail!(
+                "θ {} is below the {floor:.3e} nats/token the measured spread can detect at α and β",
+                self.theta
+            );
+        }
+        Ok(())
     }
 }
 
@@ -65,6 +127,20 @@ impl Tolerance {
 }
 
 impl Entry {
+    /// The gate the registry sets for a device class and KV format (the same key order as
+    /// [`Entry::tolerance_for`]).
+    pub fn gate_for(&self, class: &str, kv: &str) -> Option<&GateEntry> {
+        let family = class.split(['-', ':']).next().unwrap_or(class);
+        [
+            format!("{class}/{kv}"),
+            format!("{family}/{kv}"),
+            class.to_string(),
+            family.to_string(),
+        ]
+        .iter()
+        .find_map(|k| self.gate.get(k))
+    }
+
     /// The tolerance the registry sets for a device class and KV format, most specific key
     /// first: `<class>/<kv>`, `<family>/<kv>`, `<class>`, `<family>`, where the family is the
     /// part of the class before the first `-` or `:` (`cuda` for `cuda-sm90`).
@@ -106,6 +182,11 @@ impl Registry {
         }
         let mut seen = std::collections::HashSet::new();
         for (i, e) in r.artifacts.iter().enumerate() {
+            for (key, g) in &e.gate {
+                g.check().map_err(|err| {
+                    anyhow!("{}: `artifacts[{i}].gate.{key}`: {err}", path.display())
+                })?;
+            }
             if !seen.insert(e.name.as_str()) {
                 bail!(
                     "{}: `artifacts[{i}].name`: `{}` appears twice",
@@ -157,7 +238,7 @@ fn check_shape(v: &Value) -> Result<()> {
         Some(other) => bail!("`artifacts`: expected an array, found {}", kind(other)),
         None => bail!("missing field `artifacts`"),
     };
-    const FIELDS: [&str; 8] = [
+    const FIELDS: [&str; 9] = [
         "name",
         "path",
         "digest",
@@ -165,6 +246,7 @@ fn check_shape(v: &Value) -> Result<()> {
         "tiers",
         "description",
         "tolerance",
+        "gate",
         "kv_dtypes",
     ];
     for (i, a) in arts.iter().enumerate() {

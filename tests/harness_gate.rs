@@ -416,6 +416,8 @@ fn record() -> Record {
         mean_nll: 3.0,
         ppl: 3f64.exp(),
         nll_sum: 765.0,
+        window_scored: vec![127, 64, 64],
+        window_nll_sums: vec![381.0, 192.0, 192.0],
     }
 }
 
@@ -443,7 +445,12 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
         baseline::compare(&r, &n, tol),
         Verdict::Drift { .. }
     ));
-    let msg = baseline::failure_message(Some(&r), &n, Some(&baseline::compare(&r, &n, tol)), tol);
+    let msg = baseline::failure_message(
+        Some(&r),
+        &n,
+        Some(&baseline::compare(&r, &n, tol)),
+        baseline::Rule::Tolerance(tol),
+    );
     assert!(
         msg.contains("mean_nll 3.000000000") && msg.contains("mean_nll 3.001000000"),
         "{msg}"
@@ -458,7 +465,7 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     t.mean_nll = 9.0;
     let v = baseline::compare(&r, &t, tol);
     assert!(matches!(v, Verdict::TokensChanged(_)), "{v:?}");
-    let msg = baseline::failure_message(Some(&r), &t, Some(&v), tol);
+    let msg = baseline::failure_message(Some(&r), &t, Some(&v), baseline::Rule::Tolerance(tol));
     assert!(
         msg.contains("the tokenizer or the corpus changed")
             && msg.contains("stream tokens: 1000 -> 1001"),
@@ -498,6 +505,58 @@ fn malformed_baseline_names_the_file_and_the_field() {
     assert!(e.contains("missing field `nll.mean_nll`"), "{e}");
     std::fs::write(loc.snap(), format!("---\nsource: x\n---\n{good}\n")).unwrap();
     assert_eq!(baseline::load(&loc, dir.path()).unwrap(), Some(record()));
+}
+
+/// The paired gate judges a trial by its windows: an exact repeat and last-bit noise pass, a
+/// drift of θ spread over the windows fails with the figures in words, and a trial whose
+/// windows do not line up with the baseline's is refused before any NLL is compared.
+fn the_paired_gate_judges_by_the_windows() {
+    let spec = ninfer_perplexity::gate::GateSpec {
+        theta: 1e-3,
+        alpha: 0.05,
+        beta: 0.1,
+    };
+    let rule = baseline::Rule::Gate(spec);
+    let mut base = record();
+    base.window_scored = vec![64; 40];
+    base.window_nll_sums = (0..40).map(|i| 150.0 + (i % 7) as f64).collect();
+    base.scored_tokens = 64 * 40;
+    base.nll_sum = base.window_nll_sums.iter().sum();
+    base.mean_nll = base.nll_sum / base.scored_tokens as f64;
+    assert!(baseline::judge(&base, &base, rule).passed());
+    // Noise of about 1e-4 nats per token per window, zero mean: passes.
+    let mut noisy = base.clone();
+    for (i, s) in noisy.window_nll_sums.iter_mut().enumerate() {
+        *s += if i % 2 == 0 { 64e-4 } else { -64e-4 };
+    }
+    let v = baseline::judge(&base, &noisy, rule);
+    assert!(v.passed(), "{v:?}");
+    // Every window worse by 1.1 θ per token: fails, and says so.
+    let mut worse = base.clone();
+    worse
+        .window_nll_sums
+        .iter_mut()
+        .for_each(|s| *s += 64.0 * 1.1e-3);
+    let v = baseline::judge(&base, &worse, rule);
+    let msg = baseline::failure_message(Some(&base), &worse, Some(&v), rule);
+    assert!(!v.passed(), "{v:?}");
+    assert!(
+        msg.contains("paired ΔNLL +1.100e-3") && msg.contains("drift detected"),
+        "{msg}"
+    );
+    // Different windows: not comparable.
+    let mut other = base.clone();
+    other.window_scored = vec![64; 39];
+    assert!(matches!(
+        baseline::judge(&base, &other, rule),
+        Verdict::TokensChanged(_)
+    ));
+    // A body whose windows do not add up to its totals is refused, naming the field.
+    let mut bad = base.clone();
+    bad.window_nll_sums[3] += 1.0;
+    let e = Record::parse(&bad.render()).unwrap_err();
+    assert!(e.contains("field `windows.nll_sum`"), "{e}");
+    assert_eq!(Record::parse(&base.render()).unwrap(), base);
 }
 
 fn malformed_registry_names_the_file_and_the_field() {
@@ -541,6 +600,24 @@ fn malformed_registry_names_the_file_and_the_field() {
         (
             r#"{"schema_version": 1, "artifacts": [{"name": "a", "produce": "make"}]}"#.to_string(),
             "`artifacts[0]`: missing field `path`",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "gate": {{"cuda/fp8": {{"theta": 1e-3, "alpha": 0.05, "beta": 0.1}}}}}}]}}"#
+            ),
+            "`artifacts[0].gate.cuda/fp8`: θ without the measured `spread` it was derived from",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "gate": {{"cuda": {{"theta": 1e-6, "alpha": 0.05, "beta": 0.1, "spread": {{"runs": 5, "windows": 60, "max_std_err": 1e-5, "margin": 2}}}}}}}}]}}"#
+            ),
+            "`artifacts[0].gate.cuda`: θ 0.000001 is below the",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "gate": {{"cuda": {{"theta": 1e-3, "alpha": 0.9, "beta": 0.1, "spread": {{"runs": 5, "windows": 60, "max_std_err": 1e-5, "margin": 2}}}}}}}}]}}"#
+            ),
+            "`artifacts[0].gate.cuda`: alpha must be in (0, 0.5], not 0.9",
         ),
     ] {
         std::fs::write(&p, &body).unwrap();
@@ -609,6 +686,7 @@ fn main() -> ExitCode {
         Nothing baseline_bodies_round_trip_and_compare_with_tolerance,
         Nothing malformed_baseline_names_the_file_and_the_field,
         Nothing malformed_registry_names_the_file_and_the_field,
+        Nothing the_paired_gate_judges_by_the_windows,
         Prepared the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance,
     })
 }

@@ -4,17 +4,22 @@
 //! a small JSON document (rendered here, never typed in) with the trial's identity, the
 //! protocol, exact token counts and the NLL figures. Comparison goes through insta's own
 //! machinery with a [`TolerantComparator`]: identity, protocol and token counts must match
-//! exactly, the mean NLL within the tolerance. So `cargo insta review` / `cargo insta accept`
+//! exactly, the mean NLL within the tolerance. Below the stream totals the body keeps every
+//! window's scored tokens and NLL sum (two one-line arrays, so a diff of the totals stays
+//! readable), which lets a trial pair its windows with the baseline's. So `cargo insta review` / `cargo insta accept`
 //! handle the pending `.snap.new` files a failing trial leaves, and `CI=true` /
 //! `INSTA_UPDATE=no` write nothing.
 
+use ninfer_perplexity::compare::paired::WindowPair;
+use ninfer_perplexity::gate::{self, GateSpec};
 use ninfer_perplexity::registry::Tolerance;
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// Version of the baseline body; bump it when the body's meaning changes.
-pub const SCHEMA: u64 = 1;
+/// Version of the baseline body; bump it when the body's meaning changes (2: per-window
+/// sums).
+pub const SCHEMA: u64 = 2;
 
 /// What one trial measured (and what a baseline holds).
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +41,9 @@ pub struct Record {
     pub mean_nll: f64,
     pub ppl: f64,
     pub nll_sum: f64,
+    /// Every window's scored tokens and NLL sum, in window order.
+    pub window_scored: Vec<u64>,
+    pub window_nll_sums: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -110,7 +118,14 @@ impl Record {
                 nll_sum: self.nll_sum,
             },
         };
-        serde_json::to_string_pretty(&b).expect("a baseline body always serializes")
+        let top = serde_json::to_string_pretty(&b).expect("a baseline body always serializes");
+        // The windows last, each array on one line.
+        format!(
+            "{},\n  \"windows\": {{\n    \"scored\": {},\n    \"nll_sum\": {}\n  }}\n}}",
+            top.strip_suffix("\n}").expect("a pretty JSON object"),
+            one_line(&self.window_scored),
+            one_line(&self.window_nll_sums)
+        )
     }
 
     /// Parses a body; an error names the field (`tokens.scored`).
@@ -151,6 +166,30 @@ impl Record {
             mean_nll: number(&v, "nll.mean_nll")?,
             ppl: number(&v, "nll.ppl")?,
             nll_sum: number(&v, "nll.nll_sum")?,
+            window_scored: array(&v, "windows.scored", |x| x.as_u64())?,
+            window_nll_sums: array(&v, "windows.nll_sum", |x| {
+                x.as_f64().filter(|f| f.is_finite())
+            })?,
+        })
+        .and_then(|r| {
+            if r.window_scored.len() != r.window_nll_sums.len() {
+                return Err(format!(
+                    "field `windows`: {} scored counts for {} NLL sums",
+                    r.window_scored.len(),
+                    r.window_nll_sums.len()
+                ));
+            }
+            if r.window_scored.iter().sum::<u64>() != r.scored_tokens {
+                return Err("field `windows.scored`: does not add up to `tokens.scored`".into());
+            }
+            let sum: f64 = r.window_nll_sums.iter().sum();
+            if (sum - r.nll_sum).abs() > 1e-9 * r.nll_sum.abs().max(1.0) {
+                return Err(format!(
+                    "field `windows.nll_sum`: adds up to {sum}, not `nll.nll_sum` {}",
+                    r.nll_sum
+                ));
+            }
+            Ok(r)
         })
     }
 
@@ -189,6 +228,21 @@ fn uint(v: &Value, path: &str) -> Result<u64, String> {
     x.as_u64().ok_or_else(|| bad(path, "a whole number", x))
 }
 
+/// An array whose every element `f` accepts.
+fn array<T>(v: &Value, path: &str, f: impl Fn(&Value) -> Option<T>) -> Result<Vec<T>, String> {
+    let x = field(v, path)?;
+    let a = x.as_array().ok_or_else(|| bad(path, "an array", x))?;
+    a.iter()
+        .enumerate()
+        .map(|(i, e)| f(e).ok_or_else(|| format!("field `{path}`: element {i} is `{e}`")))
+        .collect()
+}
+
+/// One-line JSON of a value (the window arrays); floats read back to the same bits.
+fn one_line<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("a baseline body always serializes")
+}
+
 fn number(v: &Value, path: &str) -> Result<f64, String> {
     let x = field(v, path)?;
     match x.as_f64() {
@@ -211,11 +265,82 @@ pub enum Verdict {
     TokensChanged(Vec<String>),
     /// Mean NLL outside the tolerance.
     Drift { delta: f64, allowed: f64 },
+    /// Judged by the paired gate over the windows (`delta`: paired ΔNLL; `threshold`: the
+    /// gate's threshold on |ΔNLL|); `message` says it in words.
+    Gated {
+        passed: bool,
+        delta: f64,
+        threshold: f64,
+        message: String,
+    },
 }
 
 impl Verdict {
     pub fn passed(&self) -> bool {
-        matches!(self, Verdict::Pass { .. })
+        matches!(
+            self,
+            Verdict::Pass { .. } | Verdict::Gated { passed: true, .. }
+        )
+    }
+}
+
+/// How a trial is judged against its baseline: a tolerance on the mean (exact tiers, and
+/// what has no gate yet), or the paired gate over its windows ([`gate`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Rule {
+    Tolerance(Tolerance),
+    Gate(GateSpec),
+}
+
+impl Rule {
+    pub fn text(&self) -> String {
+        match self {
+            Rule::Tolerance(t) => tolerance_text(*t),
+            Rule::Gate(g) => format!(
+                "paired gate: drift of θ = {:e} nats/token caught with power {} at false-alarm rate {}",
+                g.theta,
+                1.0 - g.beta,
+                g.alpha
+            ),
+        }
+    }
+}
+
+/// Compares `new` with the baseline `old` under `rule`.
+pub fn judge(old: &Record, new: &Record, rule: Rule) -> Verdict {
+    let spec = match rule {
+        Rule::Tolerance(t) => return compare(old, new, t),
+        Rule::Gate(g) => g,
+    };
+    // Identity, protocol, tokens and windows first (an unbounded tolerance on the mean).
+    let any = Tolerance {
+        abs: f64::INFINITY,
+        rel: 0.0,
+    };
+    let v = compare(old, new, any);
+    if !matches!(v, Verdict::Pass { .. }) {
+        return v;
+    }
+    let pairs: Vec<WindowPair> = old
+        .window_scored
+        .iter()
+        .zip(&old.window_nll_sums)
+        .zip(&new.window_nll_sums)
+        .map(|((&scored, &base), &new)| WindowPair { scored, base, new })
+        .collect();
+    match gate::decide(&pairs, spec) {
+        Ok(d) => Verdict::Gated {
+            passed: d.passed(),
+            delta: d.paired.delta_nll,
+            threshold: d.threshold,
+            message: d.message(),
+        },
+        Err(e) => Verdict::Gated {
+            passed: false,
+            delta: f64::NAN,
+            threshold: f64::NAN,
+            message: format!("the paired gate cannot judge these windows: {e:#}"),
+        },
     }
 }
 
@@ -282,6 +407,21 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
     if !tokens.is_empty() {
         return Verdict::TokensChanged(tokens);
     }
+    if old.window_scored != new.window_scored {
+        let at = old
+            .window_scored
+            .iter()
+            .zip(&new.window_scored)
+            .position(|(a, b)| a != b)
+            .map_or(String::new(), |i| {
+                format!(", first difference at window {i}")
+            });
+        return Verdict::TokensChanged(vec![format!(
+            "windows: {} -> {}{at}",
+            old.window_scored.len(),
+            new.window_scored.len()
+        )]);
+    }
     let delta = new.mean_nll - old.mean_nll;
     let allowed = tol.allowed(old.mean_nll);
     // The sum must agree too (a hand-edited baseline could make the two disagree).
@@ -293,9 +433,9 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
     }
 }
 
-/// Tells insta when two baseline bodies agree: by [`compare`] with a tolerance, not text.
+/// Tells insta when two baseline bodies agree: by [`judge`] under the trial's rule, not text.
 pub struct TolerantComparator {
-    pub tolerance: Tolerance,
+    pub rule: Rule,
 }
 
 fn body_of(s: &insta::Snapshot) -> Option<String> {
@@ -308,15 +448,13 @@ impl insta::Comparator for TolerantComparator {
             return false;
         };
         match (Record::parse(&old), Record::parse(&new)) {
-            (Ok(old), Ok(new)) => compare(&old, &new, self.tolerance).passed(),
+            (Ok(old), Ok(new)) => judge(&old, &new, self.rule).passed(),
             _ => false,
         }
     }
 
     fn dyn_clone(&self) -> Box<dyn insta::Comparator> {
-        Box::new(TolerantComparator {
-            tolerance: self.tolerance,
-        })
+        Box::new(TolerantComparator { rule: self.rule })
     }
 }
 
@@ -373,7 +511,7 @@ pub fn load(loc: &Location, root: &Path) -> Result<Option<Record>, String> {
 pub fn assert_with_insta(
     loc: &Location,
     new: &Record,
-    tol: Tolerance,
+    rule: Rule,
     description: String,
     input_file: Option<&Path>,
 ) -> bool {
@@ -385,7 +523,7 @@ pub fn assert_with_insta(
     if let Some(p) = input_file {
         settings.set_input_file(p);
     }
-    settings.set_comparator(Box::new(TolerantComparator { tolerance: tol }));
+    settings.set_comparator(Box::new(TolerantComparator { rule }));
     let body = new.render();
     let name = loc.name.as_str();
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -429,7 +567,7 @@ pub fn failure_message(
     old: Option<&Record>,
     new: &Record,
     verdict: Option<&Verdict>,
-    tol: Tolerance,
+    rule: Rule,
 ) -> String {
     let now = format!(
         "mean_nll {:.9}  ppl {}  ({} scored tokens)",
@@ -437,7 +575,7 @@ pub fn failure_message(
         ppl_text(new.ppl),
         new.scored_tokens
     );
-    let tol_text = tolerance_text(tol);
+    let tol_text = rule.text();
     let (Some(old), Some(verdict)) = (old, verdict) else {
         return format!("no baseline yet for {}\n  new:      {now}", new.subject());
     };
@@ -460,6 +598,9 @@ pub fn failure_message(
         Verdict::TokensChanged(d) => format!(
             "token counts differ from the baseline: the tokenizer or the corpus changed ({}), so the NLL values are not comparable and no NLL delta is shown",
             d.join("; ")
+        ),
+        Verdict::Gated { message, .. } => format!(
+            "the paired gate failed the trial\n  baseline: {was}\n  new:      {now}\n  {message}"
         ),
         Verdict::Drift { delta, allowed } => {
             let ratio = new.ppl / old.ppl;

@@ -63,6 +63,9 @@ pub struct HarnessFlags {
     pub tiers: Vec<Tier>,
     /// `--precision`: the CUDA trials' arithmetic (default: bf16).
     pub precision: Option<Precision>,
+    /// `--measure-spread N`: score every selected trial N times, pair each re-run with the
+    /// first and propose the paired gate's θ from the spread (no baseline is compared).
+    pub measure_spread: Option<usize>,
     pub help: bool,
 }
 
@@ -90,6 +93,9 @@ Regression harness flags (given after `--`, before or among the libtest flags):
                     emu (the CUDA model on the emulated device: quick streams, short prefix)
   --precision P     CUDA and emulated trials' arithmetic: bf16 (default) or f32; baselines
                     are kept per precision (device class cuda-smXY-P, emu-P)
+  --measure-spread N  score each selected trial N >= 2 times, pair every re-run with the
+                    first, and propose the paired gate's theta (registry `gate`) from the
+                    largest standard error; baselines are neither read nor written
 LIST is one value or several separated by commas; each flag may be repeated.
 Environment:
   NINFER_HARNESS_FLAGS=FLAGS      the flags above, for `cargo test` over every test binary
@@ -140,7 +146,12 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
         };
         if !matches!(
             name,
-            "--kv-dtype" | "--artifact" | "--device" | "--tier" | "--precision"
+            "--kv-dtype"
+                | "--artifact"
+                | "--device"
+                | "--tier"
+                | "--precision"
+                | "--measure-spread"
         ) {
             rest.push(arg);
             continue;
@@ -176,6 +187,14 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
                     flags.precision =
                         Some(Precision::parse(v).map_err(|e| format!("--precision: {e}"))?)
                 }
+                "--measure-spread" => match v.parse::<usize>() {
+                    Ok(n) if (2..=1000).contains(&n) => flags.measure_spread = Some(n),
+                    _ => {
+                        return Err(format!(
+                            "--measure-spread: `{v}` is not a number of runs from 2 to 1000"
+                        ))
+                    }
+                },
                 _ => unreachable!(),
             }
         }

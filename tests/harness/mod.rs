@@ -21,7 +21,7 @@ pub mod baseline;
 pub mod flags;
 pub mod report;
 
-use baseline::{Location, Record, Verdict};
+use baseline::{Location, Record, Rule, Verdict};
 use flags::{DeviceKind, HarnessFlags, Tier};
 use libtest_mimic::{Completion, Failed, Trial};
 use ninfer_perplexity::backend::{Device, DeviceRequest, Precision};
@@ -301,6 +301,20 @@ struct Ctx {
     root: PathBuf,
     corpus: Arc<Corpus>,
     sink: Arc<Sink>,
+    /// `--measure-spread N`, and what it measured per trial.
+    measure_spread: Option<usize>,
+    spreads: Mutex<Vec<SpreadRow>>,
+}
+
+/// One trial's re-runs paired with its first run.
+struct SpreadRow {
+    /// `(artifact, device class, kv)`: what one registry `gate` entry covers.
+    key: (String, String, String),
+    windows: usize,
+    /// Paired standard errors (nats/token) of runs 2..N against run 1.
+    ses: Vec<f64>,
+    /// The largest |paired ΔNLL| among them.
+    max_delta: f64,
 }
 
 fn numbers(r: &Record) -> Numbers {
@@ -345,6 +359,95 @@ fn run_trial(ctx: &Ctx, spec: &Spec) -> Result<Completion, Failed> {
         .map_err(Failed::from)
 }
 
+/// `--measure-spread N`: the trial's windows scored N times, runs 2..N paired with run 1.
+fn measure_spread(
+    ctx: &Ctx,
+    spec: &Spec,
+    rep: &mut TrialReport,
+    engine: &ninfer_perplexity::engine::Engine,
+    input: &[u32],
+    runs: usize,
+) -> Result<(), String> {
+    use ninfer_perplexity::compare::paired::{paired, WindowPair};
+    let class = engine.result_class();
+    let score = |_| {
+        engine
+            .score(input, spec.protocol, spec.kv, false, &mut |_, _| {})
+            .map_err(|e| format!("stream `{}`: {e:#}", spec.stream.id))
+    };
+    let first = score(0)?;
+    let (mut ses, mut max_delta) = (Vec::new(), 0f64);
+    for r in 1..runs {
+        let again = score(r)?;
+        let pairs: Vec<WindowPair> = first
+            .windows
+            .iter()
+            .zip(&again.windows)
+            .map(|(a, b)| WindowPair {
+                scored: a.scored,
+                base: a.nll_sum,
+                new: b.nll_sum,
+            })
+            .collect();
+        let p = paired(&pairs).map_err(|e| format!("{}: {e:#}", spec.name))?;
+        ses.push(p.delta_nll_std_err.unwrap_or(0.0));
+        max_delta = max_delta.max(p.delta_nll.abs());
+    }
+    let worst = ses.iter().copied().fold(0.0, f64::max);
+    let msg = format!(
+        "{}: {runs} runs over {} windows: largest paired se {worst:.3e}, largest |ΔNLL| {max_delta:.3e} nats/token",
+        spec.name,
+        first.windows.len()
+    );
+    eprintln!("spread {msg}");
+    rep.status = "spread".into();
+    rep.message = Some(msg);
+    ctx.spreads
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(SpreadRow {
+            key: (
+                spec.artifact.name.clone(),
+                class,
+                spec.kv.name().to_string(),
+            ),
+            windows: first.windows.len(),
+            ses,
+            max_delta,
+        });
+    Ok(())
+}
+
+/// The `--measure-spread` summary: per (artifact, class, KV format) the θ the paired gate
+/// can detect at α = 0.05, β = 0.1 with a margin of 2, as a registry `gate` entry.
+fn print_spread_summary(rows: &[SpreadRow], runs: usize) {
+    let (alpha, beta, margin) = (0.05, 0.1, 2.0);
+    let mut by: BTreeMap<(String, String, String), (usize, Vec<f64>, f64)> = BTreeMap::new();
+    for r in rows {
+        let e = by
+            .entry(r.key.clone())
+            .or_insert((usize::MAX, Vec::new(), 0.0));
+        e.0 = e.0.min(r.windows);
+        e.1.extend(&r.ses);
+        e.2 = e.2.max(r.max_delta);
+    }
+    for ((artifact, class, kv), (windows, ses, max_delta)) in by {
+        let worst = ses.iter().copied().fold(0.0, f64::max);
+        if worst == 0.0 && max_delta == 0.0 {
+            eprintln!(
+                "spread {artifact} on {class}, KV {kv}: {runs} runs are bit-identical: keep the exact tolerance, no gate needed"
+            );
+            continue;
+        }
+        match ninfer_perplexity::gate::propose_theta(&ses, windows, alpha, beta, margin) {
+            Ok(theta) => eprintln!(
+                "spread {artifact} on {class}, KV {kv}: proposed registry entry for `{artifact}`:\n  \"gate\": {{\"{class}/{kv}\": {{\"theta\": {theta:.3e}, \"alpha\": {alpha}, \"beta\": {beta}, \"spread\": {{\"runs\": {runs}, \"windows\": {windows}, \"max_std_err\": {worst:.3e}, \"margin\": {margin}}}}}}}"
+            ),
+            Err(e) => eprintln!("spread {artifact} on {class}, KV {kv}: {e:#}"),
+        }
+    }
+}
+
 fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<(), String> {
     let engine = engine_for(&ctx.root, spec)?;
     let class = engine.result_class();
@@ -354,6 +457,9 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         .max_tokens
         .map_or(stream.tokens.len(), |m| m.min(stream.tokens.len()));
     let input = &stream.tokens[..n];
+    if let Some(runs) = ctx.measure_spread {
+        return measure_spread(ctx, spec, rep, &engine, input, runs);
+    }
     let score = engine
         .score(input, spec.protocol, spec.kv, false, &mut |_, _| {})
         .map_err(|e| format!("stream `{}`: {e:#}", spec.stream.id))?;
@@ -375,12 +481,19 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         mean_nll: t.mean_nll(),
         ppl: t.ppl(),
         nll_sum: t.nll_sum,
+        window_scored: score.windows.iter().map(|w| w.scored).collect(),
+        window_nll_sums: score.windows.iter().map(|w| w.nll_sum).collect(),
     };
     rep.result = Some(numbers(&new));
-    let tol = spec
-        .artifact
-        .tolerance_for(&class, spec.kv.name())
-        .unwrap_or_else(|| default_tolerance(&class, spec.kv));
+    // The registry's paired gate where it has one, else the tolerance on the mean.
+    let rule = match spec.artifact.gate_for(&class, spec.kv.name()) {
+        Some(g) => Rule::Gate(g.spec()),
+        None => Rule::Tolerance(
+            spec.artifact
+                .tolerance_for(&class, spec.kv.name())
+                .unwrap_or_else(|| default_tolerance(&class, spec.kv)),
+        ),
+    };
     let loc = Location::new(&ctx.root, &new);
     let rel = |p: &Path| p.strip_prefix(&ctx.root).unwrap_or(p).display().to_string();
 
@@ -390,10 +503,19 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
     let verdict = match &old {
         Ok(Some(old)) => {
             rep.baseline = Some(numbers(old));
-            let v = baseline::compare(old, &new, tol);
-            if let Verdict::Pass { delta, allowed } | Verdict::Drift { delta, allowed } = v {
-                rep.delta_mean_nll = Some(delta);
-                rep.allowed = Some(allowed);
+            let v = baseline::judge(old, &new, rule);
+            match v {
+                Verdict::Pass { delta, allowed } | Verdict::Drift { delta, allowed } => {
+                    rep.delta_mean_nll = Some(delta);
+                    rep.allowed = Some(allowed);
+                }
+                Verdict::Gated {
+                    delta, threshold, ..
+                } => {
+                    rep.delta_mean_nll = Some(delta);
+                    rep.allowed = Some(threshold);
+                }
+                _ => {}
             }
             Some(v)
         }
@@ -408,10 +530,10 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         spec.stream.id,
         spec.protocol.context,
         spec.protocol.stride,
-        baseline::tolerance_text(tol)
+        rule.text()
     );
     let started = std::time::SystemTime::now();
-    let insta_ok = baseline::assert_with_insta(&loc, &new, tol, description, Some(&stream.path));
+    let insta_ok = baseline::assert_with_insta(&loc, &new, rule, description, Some(&stream.path));
     let our_ok = verdict.as_ref().is_some_and(Verdict::passed);
     if insta_ok && our_ok {
         rep.status = "pass".into();
@@ -443,7 +565,7 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
             "new",
             format!(
                 "{}\n  no baseline at {}",
-                baseline::failure_message(None, &new, None, tol),
+                baseline::failure_message(None, &new, None, rule),
                 rel(&loc.snap())
             ),
         ),
@@ -453,9 +575,9 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
                 Verdict::WrongSubject(_) => "wrong-subject",
                 Verdict::ProtocolChanged(_) => "protocol-changed",
                 Verdict::TokensChanged(_) => "tokens-changed",
-                Verdict::Drift { .. } => "drift",
+                Verdict::Drift { .. } | Verdict::Gated { .. } => "drift",
             },
-            baseline::failure_message(Some(old), &new, Some(v), tol),
+            baseline::failure_message(Some(old), &new, Some(v), rule),
         ),
         (Ok(Some(_)), None) => unreachable!("a loaded baseline always has a verdict"),
     };
@@ -580,10 +702,16 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
             eprintln!("harness: {n} trial(s) ignored: {r}");
         }
     }
+    if flags.measure_spread.is_some() {
+        // Measuring is not judging: nothing is compared with a baseline or written.
+        std::env::set_var("INSTA_UPDATE", "no");
+    }
     let ctx = Arc::new(Ctx {
         root,
         corpus: plan.corpus.clone(),
         sink: sink.clone(),
+        measure_spread: flags.measure_spread,
+        spreads: Mutex::new(Vec::new()),
     });
     let trials: Vec<Trial> = plan
         .specs
@@ -596,6 +724,9 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
         })
         .collect();
     let c = libtest_mimic::run(&args, trials);
+    if let Some(runs) = flags.measure_spread {
+        print_spread_summary(&ctx.spreads.lock().unwrap_or_else(|e| e.into_inner()), runs);
+    }
     if !args.list {
         let reasons: Vec<(String, usize)> = reasons.into_iter().collect();
         sink.finish(
