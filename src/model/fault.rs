@@ -13,6 +13,10 @@
 //! * `skip-final-norm`: the output head reads the un-normalized residual stream;
 //! * `embed-scale=E`: the embeddings are multiplied by `1 + E` (E = 1e-7 is far below float32
 //!   model noise);
+//! * `embed-jitter=A`: every window's embedding row at position p is multiplied by
+//!   `1 + A·u`, u uniform in [-1, 1) drawn from a process-wide call counter and p: each call
+//!   (so each re-run, and each thread schedule) perturbs differently, an artificial stand-in
+//!   for a GPU's run-to-run noise when measuring the harness's paired gate;
 //! * `pitfall=NAME`: one of the classic mistakes in the hybrid (qwen3_5) math ([`Pitfall`]),
 //!   which the reference test must catch.
 
@@ -25,6 +29,7 @@ pub enum Fault {
     RopeShift,
     SkipFinalNorm,
     EmbedScale(f32),
+    EmbedJitter(f32),
     Pitfall(Pitfall),
 }
 
@@ -85,14 +90,19 @@ impl Fault {
         match s {
             "rope-shift" => Ok(Fault::RopeShift),
             "skip-final-norm" => Ok(Fault::SkipFinalNorm),
-            _ => s
-                .strip_prefix("embed-scale=")
-                .and_then(|e| e.parse::<f32>().ok())
-                .filter(|e| e.is_finite())
-                .map(Fault::EmbedScale)
-                .ok_or_else(|| {
-                    format!("{ENV}={s:?}: expected rope-shift, skip-final-norm or embed-scale=E")
-                }),
+            _ => {
+                let num = |p: &str| {
+                    s.strip_prefix(p)
+                        .and_then(|e| e.parse::<f32>().ok())
+                        .filter(|e| e.is_finite())
+                };
+                num("embed-scale=")
+                    .map(Fault::EmbedScale)
+                    .or_else(|| num("embed-jitter=").map(Fault::EmbedJitter))
+                    .ok_or_else(|| {
+                        format!("{ENV}={s:?}: expected rope-shift, skip-final-norm, embed-scale=E or embed-jitter=A")
+                    })
+            }
         }
     }
 
@@ -101,6 +111,7 @@ impl Fault {
             Fault::RopeShift => "rope-shift".into(),
             Fault::SkipFinalNorm => "skip-final-norm".into(),
             Fault::EmbedScale(e) => format!("embed-scale={e:e}"),
+            Fault::EmbedJitter(a) => format!("embed-jitter={a:e}"),
             Fault::Pitfall(p) => format!("pitfall={}", p.name()),
         }
     }
@@ -160,6 +171,26 @@ impl Faults {
             _ => None,
         }
     }
+
+    /// `embed-jitter`'s factors for one call over `len` positions (a fresh draw per call).
+    pub fn embed_jitter(&self, len: usize) -> Option<Vec<f32>> {
+        let Some(Fault::EmbedJitter(a)) = self.active() else {
+            return None;
+        };
+        static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(
+            (0..len as u64)
+                .map(|p| {
+                    let mut z = (call << 32 ^ p).wrapping_add(0x9E37_79B9_7F4A_7C15);
+                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                    let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                    1.0 + a * u
+                })
+                .collect(),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -182,6 +213,16 @@ mod tests {
             );
         }
         assert_eq!(Fault::EmbedScale(1e-7).describe(), "embed-scale=1e-7");
+        assert_eq!(
+            Fault::parse("embed-jitter=1e-4"),
+            Ok(Fault::EmbedJitter(1e-4))
+        );
+        // Each call draws anew, within 1 ± A.
+        let f = Faults::of(Fault::EmbedJitter(0.5));
+        let (a, b) = (f.embed_jitter(64).unwrap(), f.embed_jitter(64).unwrap());
+        assert_ne!(a, b);
+        assert!(a.iter().chain(&b).all(|x| (0.5..1.5).contains(x)));
+        assert!(Faults::NONE.embed_jitter(4).is_none());
         assert_eq!(
             Fault::parse("pitfall=keys-tiled"),
             Ok(Fault::Pitfall(Pitfall::KeysTiled))

@@ -272,6 +272,11 @@ impl CpuModel {
         if let Some(e) = self.faults.embed_scale() {
             x.iter_mut().for_each(|v| *v *= 1.0 + e);
         }
+        if let Some(f) = self.faults.embed_jitter(t_len) {
+            for (row, s) in x.chunks_mut(d).zip(f) {
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
         let rope = RopeTable::partial(&self.inv_freq, t_len, c.head_dim);
         let shifted_rope = self
             .faults
