@@ -18,11 +18,24 @@
 # (docs/harness.md). Extra arguments go to the harness (name filters, --kv-dtype,
 # --artifact, --device cuda:N, libtest flags).
 #
+# `ci/gpu-gate.sh --first-run [ARGS]`, once on a new GPU (class): instead of gating, it
+# writes the GPU tier's baselines into the tree (baselines/<artifact>/cuda-smXY-bf16/...),
+# then scores every GPU trial NINFER_GATE_SPREAD_RUNS times (default 3) with the harness's
+# `--measure-spread` and writes the proposed registry `gate` entries (θ from the measured
+# paired spread) to $NINFER_GATE_REPORTS/proposed-gate.txt. Review both, commit the
+# baselines and paste the entries into eval/registry.json: the GPU tier goes from stated
+# tolerances to measured gates in one call.
+#
 # Environment:
 #   NINFER_GATE_REPORTS    report directory
 #   NINFER_GATE_SKIP_PREPARE=1   skip step 1 (artifacts and corpus already in place)
 #   NINFER_GATE_ALLOW_IGNORED=1  do not fail when some gpu-tier artifact file is missing
 set -euo pipefail
+first_run=0
+if [ "${1:-}" = "--first-run" ]; then
+    first_run=1
+    shift
+fi
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 export CI=true
@@ -47,6 +60,29 @@ fi
 
 echo "gpu-gate: building" >&2
 cargo test --release --test harness --no-run
+
+if [ "$first_run" = 1 ]; then
+    echo "gpu-gate: first run: writing GPU baselines into the tree; reports in $reports" >&2
+    set +e
+    env -u CI INSTA_UPDATE=always NINFER_HARNESS_REPORT_DIR="$reports" \
+        cargo test --release --test harness -- --tier gpu --test-threads 1 "$@" 2>&1 | tee "$reports/baselines.log"
+    set -e
+    echo "gpu-gate: first run: measuring the run-to-run spread (${NINFER_GATE_SPREAD_RUNS:-3} runs per trial)" >&2
+    set +e
+    cargo test --release --test harness -- --tier gpu --test-threads 1 \
+        --measure-spread "${NINFER_GATE_SPREAD_RUNS:-3}" "$@" 2>&1 | tee "$reports/spread.log"
+    status=${PIPESTATUS[0]}
+    set -e
+    grep -E -A1 '^spread .*(proposed registry|bit-identical)' "$reports/spread.log" > "$reports/proposed-gate.txt" || true
+    measured="$(grep -E '^test result:' "$reports/spread.log" | tail -1 | sed -nE 's/.* ([0-9]+) passed.*/\1/p')"
+    if [ "${measured:-0}" -eq 0 ]; then
+        echo "gpu-gate: first run FAILED: no GPU trial ran; is a GPU visible and the CUDA backend built? See $reports/baselines.log" >&2
+        exit 1
+    fi
+    echo "gpu-gate: first run done (exit $status): review \`git status baselines/\` and $reports/proposed-gate.txt, then commit the baselines and paste the gate entries into eval/registry.json" >&2
+    cat "$reports/proposed-gate.txt" >&2
+    exit "$status"
+fi
 
 echo "gpu-gate: running the GPU tier; reports in $reports" >&2
 set +e
