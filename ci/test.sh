@@ -24,5 +24,8 @@ if ! command -v g++ >/dev/null 2>&1; then
   fi
 fi
 cargo test --release "$@"
+# The harness's trials split over runners with cargo-nextest's hash partitions: disjoint,
+# covering every trial (docs/harness.md).
+NINFER_NEXTEST="$(bash ci/install-nextest.sh)" bash ci/check-partitions.sh
 # The CPU bits must not depend on how the crate is built (a build without .cargo/config.toml).
 bash ci/install-check.sh

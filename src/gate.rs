@@ -200,21 +200,7 @@ pub fn propose_theta(
 mod tests {
     use super::*;
 
-    /// splitmix64 + Box-Muller: a fixed normal source.
-    struct Rng(u64);
-    impl Rng {
-        fn u(&mut self) -> f64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-        }
-        fn normal(&mut self) -> f64 {
-            let (a, b) = (self.u().max(1e-300), self.u());
-            (-2.0 * a.ln()).sqrt() * (2.0 * std::f64::consts::PI * b).cos()
-        }
-    }
+    use crate::compare::paired::tests::Rng;
 
     /// `g` windows of `n` scored tokens; the new run is the base plus a per-token drift
     /// `delta` and per-window noise of standard deviation `sd` nats (per window sum).

@@ -130,31 +130,29 @@ impl Entry {
     /// The gate the registry sets for a device class and KV format (the same key order as
     /// [`Entry::tolerance_for`]).
     pub fn gate_for(&self, class: &str, kv: &str) -> Option<&GateEntry> {
-        let family = class.split(['-', ':']).next().unwrap_or(class);
-        [
-            format!("{class}/{kv}"),
-            format!("{family}/{kv}"),
-            class.to_string(),
-            family.to_string(),
-        ]
-        .iter()
-        .find_map(|k| self.gate.get(k))
+        lookup_keys(class, kv).iter().find_map(|k| self.gate.get(k))
     }
 
     /// The tolerance the registry sets for a device class and KV format, most specific key
     /// first: `<class>/<kv>`, `<family>/<kv>`, `<class>`, `<family>`, where the family is the
     /// part of the class before the first `-` or `:` (`cuda` for `cuda-sm90`).
     pub fn tolerance_for(&self, class: &str, kv: &str) -> Option<Tolerance> {
-        let family = class.split(['-', ':']).next().unwrap_or(class);
-        [
-            format!("{class}/{kv}"),
-            format!("{family}/{kv}"),
-            class.to_string(),
-            family.to_string(),
-        ]
-        .iter()
-        .find_map(|k| self.tolerance.get(k).copied())
+        lookup_keys(class, kv)
+            .iter()
+            .find_map(|k| self.tolerance.get(k).copied())
     }
+}
+
+/// The registry keys for a device class and KV format, most specific first: `<class>/<kv>`,
+/// `<family>/<kv>`, `<class>`, `<family>` (the family: the class up to the first `-` or `:`).
+fn lookup_keys(class: &str, kv: &str) -> [String; 4] {
+    let family = class.split(['-', ':']).next().unwrap_or(class);
+    [
+        format!("{class}/{kv}"),
+        format!("{family}/{kv}"),
+        class.to_string(),
+        family.to_string(),
+    ]
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

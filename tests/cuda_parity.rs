@@ -571,25 +571,28 @@ fn emulated_a_bad_token_fails_with_the_cpu_message() {
     bad_token_case(DeviceRequest::Emu, "emu", EMU_BOUNDS);
 }
 
+/// The engine for `art` on `device` (digest not verified).
+fn engine(art: &Path, device: DeviceRequest, precision: Option<Precision>) -> Engine {
+    Engine::load(
+        art,
+        &LoadOptions {
+            device,
+            threads: 0,
+            verify_digest: false,
+            precision,
+        },
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
 fn bad_token_case(device: DeviceRequest, class: &str, bounds: Bounds) {
     if device != DeviceRequest::Emu {
         require_gpu();
     }
     let d = tempfile::tempdir().unwrap();
     let art = tiny_qwen3(d.path());
-    let load = |device, precision| {
-        Engine::load(
-            &art,
-            &LoadOptions {
-                device,
-                threads: 0,
-                verify_digest: false,
-                precision,
-            },
-            &mut |_, _| {},
-        )
-        .unwrap()
-    };
+    let load = |device, precision| engine(&art, device, precision);
     // f32 precision: two scored tokens are not an average, so compare the parity mode.
     let (cpu, gpu) = (
         load(DeviceRequest::Cpu, None),
@@ -708,19 +711,7 @@ fn emulated_quantized_artifacts_score_like_the_cpu() {
         "{} is missing: run `bash eval/prepare-smollm2.sh`",
         art.display()
     );
-    let load = |device, precision| {
-        Engine::load(
-            &art,
-            &LoadOptions {
-                device,
-                threads: 0,
-                verify_digest: false,
-                precision,
-            },
-            &mut |_, _| {},
-        )
-        .unwrap()
-    };
+    let load = |device, precision| engine(&art, device, precision);
     let (cpu, emu) = (
         load(DeviceRequest::Cpu, None),
         load(DeviceRequest::Emu, Some(Precision::F32)),
@@ -768,19 +759,7 @@ fn emulated_a_non_finite_state_gate_fails_with_the_cpu_message() {
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), "hybrid.ninfer", small_hybrid(), 3);
     set_f32(&art, "model.layers.1.linear_attn.A_log", 2, 100.0);
-    let load = |device, precision| {
-        Engine::load(
-            &art,
-            &LoadOptions {
-                device,
-                threads: 0,
-                verify_digest: false,
-                precision,
-            },
-            &mut |_, _| {},
-        )
-        .unwrap()
-    };
+    let load = |device, precision| engine(&art, device, precision);
     let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
     let p = Protocol::new(16, 8).unwrap();
     let cpu = load(DeviceRequest::Cpu, None);

@@ -128,11 +128,11 @@ fn correlation(w: &[WindowPair]) -> Option<f64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// splitmix64 and Box-Muller: a fixed, dependency-free normal source for the simulations.
-    struct Rng(u64);
+    /// A fixed normal source for the simulations (shared with the gate's).
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
         fn u(&mut self) -> f64 {
             self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -141,7 +141,8 @@ mod tests {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
         }
-        fn normal(&mut self) -> f64 {
+        /// splitmix64 and Box-Muller.
+        pub(crate) fn normal(&mut self) -> f64 {
             let (a, b) = (self.u().max(1e-300), self.u());
             (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
         }

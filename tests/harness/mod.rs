@@ -422,7 +422,9 @@ fn measure_spread(
 /// can detect at α = 0.05, β = 0.1 with a margin of 2, as a registry `gate` entry.
 fn print_spread_summary(rows: &[SpreadRow], runs: usize) {
     let (alpha, beta, margin) = (0.05, 0.1, 2.0);
-    let mut by: BTreeMap<(String, String, String), (usize, Vec<f64>, f64)> = BTreeMap::new();
+    // Per key: fewest windows, every se, largest |ΔNLL|.
+    type Pooled = (usize, Vec<f64>, f64);
+    let mut by: BTreeMap<(String, String, String), Pooled> = BTreeMap::new();
     for r in rows {
         let e = by
             .entry(r.key.clone())
