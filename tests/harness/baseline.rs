@@ -312,13 +312,7 @@ pub fn judge(old: &Record, new: &Record, rule: Rule) -> Verdict {
         Rule::Tolerance(t) => return compare(old, new, t),
         Rule::Gate(g) => g,
     };
-    // Identity, protocol, tokens and windows first (an unbounded tolerance on the mean).
-    let any = Tolerance {
-        abs: f64::INFINITY,
-        rel: 0.0,
-    };
-    let v = compare(old, new, any);
-    if !matches!(v, Verdict::Pass { .. }) {
+    if let Some(v) = incomparable(old, new) {
         return v;
     }
     let pairs: Vec<WindowPair> = old
@@ -352,8 +346,25 @@ fn diffs(pairs: &[(&str, String, String)]) -> Vec<String> {
         .collect()
 }
 
-/// Compares `new` with the baseline `old`.
+/// Compares `new` with the baseline `old` by the tolerance on the mean NLL.
 pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
+    if let Some(v) = incomparable(old, new) {
+        return v;
+    }
+    let delta = new.mean_nll - old.mean_nll;
+    let allowed = tol.allowed(old.mean_nll);
+    // The sum must agree too (a hand-edited baseline could make the two disagree).
+    let sum_allowed = allowed * old.scored_tokens.max(1) as f64;
+    if delta.abs() <= allowed && (new.nll_sum - old.nll_sum).abs() <= sum_allowed {
+        Verdict::Pass { delta, allowed }
+    } else {
+        Verdict::Drift { delta, allowed }
+    }
+}
+
+/// Why `new` cannot be compared with `old` at all (another trial, protocol, tokens or
+/// windows), if it cannot.
+fn incomparable(old: &Record, new: &Record) -> Option<Verdict> {
     let subject = diffs(&[
         ("artifact", old.artifact.clone(), new.artifact.clone()),
         ("stream", old.stream.clone(), new.stream.clone()),
@@ -365,7 +376,7 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
         ),
     ]);
     if !subject.is_empty() {
-        return Verdict::WrongSubject(subject);
+        return Some(Verdict::WrongSubject(subject));
     }
     let opt = |m: Option<usize>| m.map_or("whole stream".to_string(), |m| m.to_string());
     let protocol = diffs(&[
@@ -374,7 +385,7 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
         ("max_tokens", opt(old.max_tokens), opt(new.max_tokens)),
     ]);
     if !protocol.is_empty() {
-        return Verdict::ProtocolChanged(protocol);
+        return Some(Verdict::ProtocolChanged(protocol));
     }
     let tokens = diffs(&[
         (
@@ -405,7 +416,7 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
         ),
     ]);
     if !tokens.is_empty() {
-        return Verdict::TokensChanged(tokens);
+        return Some(Verdict::TokensChanged(tokens));
     }
     if old.window_scored != new.window_scored {
         let at = old
@@ -416,21 +427,13 @@ pub fn compare(old: &Record, new: &Record, tol: Tolerance) -> Verdict {
             .map_or(String::new(), |i| {
                 format!(", first difference at window {i}")
             });
-        return Verdict::TokensChanged(vec![format!(
+        return Some(Verdict::TokensChanged(vec![format!(
             "windows: {} -> {}{at}",
             old.window_scored.len(),
             new.window_scored.len()
-        )]);
+        )]));
     }
-    let delta = new.mean_nll - old.mean_nll;
-    let allowed = tol.allowed(old.mean_nll);
-    // The sum must agree too (a hand-edited baseline could make the two disagree).
-    let sum_allowed = allowed * old.scored_tokens.max(1) as f64;
-    if delta.abs() <= allowed && (new.nll_sum - old.nll_sum).abs() <= sum_allowed {
-        Verdict::Pass { delta, allowed }
-    } else {
-        Verdict::Drift { delta, allowed }
-    }
+    None
 }
 
 /// Tells insta when two baseline bodies agree: by [`judge`] under the trial's rule, not text.

@@ -370,15 +370,15 @@ fn measure_spread(
 ) -> Result<(), String> {
     use ninfer_perplexity::compare::paired::{paired, WindowPair};
     let class = engine.result_class();
-    let score = |_| {
+    let score = || {
         engine
             .score(input, spec.protocol, spec.kv, false, &mut |_, _| {})
             .map_err(|e| format!("stream `{}`: {e:#}", spec.stream.id))
     };
-    let first = score(0)?;
+    let first = score()?;
     let (mut ses, mut max_delta) = (Vec::new(), 0f64);
-    for r in 1..runs {
-        let again = score(r)?;
+    for _ in 1..runs {
+        let again = score()?;
         let pairs: Vec<WindowPair> = first
             .windows
             .iter()
