@@ -15,7 +15,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(name = "ninfer-perplexity", version, long_about = None)]
 #[command(
-    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE]   (see `ninfer-perplexity compare --help`)"
+    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE]   (see `ninfer-perplexity compare --help`)\nMerge a run's shards (--shard I/N) into its report:\n  ninfer-perplexity merge SHARD... [--output DIR]   (see `ninfer-perplexity merge --help`)"
 )]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
 pub struct Args {
@@ -101,6 +101,11 @@ pub struct Args {
     #[arg(long)]
     pub show_calibration: bool,
 
+    /// Score only the I-th of N pieces of the run's windows (1-based; balanced by processed
+    /// tokens), for `ninfer-perplexity merge` to combine into the unsharded report.
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<String>,
+
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
     pub log_level: LogLevel,
@@ -124,6 +129,33 @@ pub struct CompareArgs {
     /// Also draw the per-window deltas with the interval band as an SVG to FILE.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
+
+    /// stderr verbosity.
+    #[arg(long, value_enum, default_value = "info")]
+    pub log_level: LogLevel,
+}
+
+/// Combine the reports of a run's shards (`--shard I/N`) into the report of the whole run:
+/// the same NLL sums, calibration and table as one unsharded run.
+#[derive(Parser, Debug)]
+#[command(name = "ninfer-perplexity merge", bin_name = "ninfer-perplexity merge", version, long_about = None)]
+pub struct MergeArgs {
+    /// The shards' run directories or report.json files, in any order (all N of them).
+    #[arg(required = true, value_name = "SHARD")]
+    pub shards: Vec<PathBuf>,
+
+    /// Directory for the merged report.json; must be absent or empty
+    /// (default: profiles/perplexity/RUN_ID-merged-N/, after shard 1's run).
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+
+    /// Also write plot.svg beside the merged report.json.
+    #[arg(long)]
+    pub plot: bool,
+
+    /// Add the calibration columns to the table.
+    #[arg(long)]
+    pub show_calibration: bool,
 
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
@@ -169,6 +201,8 @@ pub struct RunConfig {
     pub plot: bool,
     /// The reference pass to compare with, if any.
     pub reference: Option<ReferenceConfig>,
+    /// `--shard I/N`: score only that piece of the run's windows.
+    pub shard: Option<crate::shard::Shard>,
     pub log_level: LogLevel,
 }
 
@@ -237,6 +271,14 @@ impl Args {
         if reference.is_some() && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu) {
             bail!("--reference-kv and --reference-artifact run on the CPU backend only, for now (use --device cpu)");
         }
+        let shard = self
+            .shard
+            .as_deref()
+            .map(crate::shard::Shard::parse)
+            .transpose()?;
+        if shard.is_some() && reference.is_some() {
+            bail!("--shard cannot be combined with --reference-kv or --reference-artifact (a reference pass's KL quantiles need every position in one process)");
+        }
         Ok(RunConfig {
             artifact: self.artifact,
             input,
@@ -251,6 +293,7 @@ impl Args {
             show_calibration: self.show_calibration,
             plot: self.plot,
             reference,
+            shard,
             log_level: self.log_level,
         })
     }
@@ -347,6 +390,35 @@ mod tests {
             e.contains("expected a whole number") && e.contains("`-5`") && !e.contains("-- -5"),
             "{e}"
         );
+        for (spec, want) in [
+            (
+                "3/2",
+                "--shard 3/2: the shard index counts from 1 to the shard count",
+            ),
+            ("0/0", "--shard 0/0: the shard count must be at least 1"),
+        ] {
+            let e = parse(&["m", "--text", "a", "--shard", spec])
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(want), "{e}");
+        }
+        let e = parse(&[
+            "m",
+            "--text",
+            "a",
+            "--shard",
+            "1/2",
+            "--reference-kv",
+            "f32",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--shard cannot be combined with --reference-kv"),
+            "{e}"
+        );
+        let c = parse(&["m", "--text", "a", "--shard", "2/3"]).unwrap();
+        assert_eq!(c.shard, Some(crate::shard::Shard { index: 2, count: 3 }));
         let e = parse(&["m", "--text", "a", "--max-tokens", "1"])
             .unwrap_err()
             .to_string();

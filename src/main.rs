@@ -4,18 +4,27 @@
 //! that are printed as one line (`error: <context>: <cause>`).
 
 use clap::Parser;
-use ninfer_perplexity::cli::{Args, CompareArgs};
+use ninfer_perplexity::cli::{Args, CompareArgs, MergeArgs};
 use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     // `compare` is a word, not an artifact: an artifact file of that name is `./compare`.
+    // So is `merge`.
     let mut raw = std::env::args_os();
-    let result = if std::env::args_os().nth(1).is_some_and(|a| a == "compare") {
+    let word = std::env::args_os().nth(1);
+    let result = if word
+        .as_ref()
+        .is_some_and(|a| a == "compare" || a == "merge")
+    {
         let argv0 = raw.next();
         raw.next();
-        let args = CompareArgs::parse_from(std::iter::once(argv0.unwrap_or_default()).chain(raw));
-        compare(args)
+        let argv = std::iter::once(argv0.unwrap_or_default()).chain(raw);
+        if word.is_some_and(|a| a == "compare") {
+            compare(CompareArgs::parse_from(argv))
+        } else {
+            merge(MergeArgs::parse_from(argv))
+        }
     } else {
         run(Args::parse())
     };
@@ -71,6 +80,46 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         }
     }
     ninfer_perplexity::ui::info(ninfer_perplexity::compare::table::verdict(&c));
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(table.as_bytes())?;
+    stdout.flush()?;
+    Ok(())
+}
+
+fn merge(args: MergeArgs) -> anyhow::Result<()> {
+    use ninfer_perplexity::report::{table, write};
+    use ninfer_perplexity::ui;
+    ui::set_level(args.log_level);
+    let loaded = args
+        .shards
+        .iter()
+        .map(|p| ninfer_perplexity::compare::load::load(p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let rep = ninfer_perplexity::merge::merge(&loaded)?;
+    let json = serde_json::to_string_pretty(&rep)?;
+    let plot = if args.plot {
+        Some(ninfer_perplexity::report::plot::run_plot(&rep)?)
+    } else {
+        None
+    };
+    let out = match &args.output {
+        Some(dir) => write::OutputDir::claim(dir, write::Claim::AbsentOrEmpty)?,
+        None => write::OutputDir::claim(
+            &std::path::PathBuf::from("profiles/perplexity").join(&rep.run_id),
+            write::Claim::New,
+        )?,
+    };
+    let extras: Vec<(&str, &[u8])> = plot.iter().map(|p| ("plot.svg", p.as_bytes())).collect();
+    let path = out.write_report_with(&json, &extras)?;
+    ui::info(format!(
+        "merged     {} shards: {} scored tokens, mean_nll {:.5}, ppl {:.4}; report {}",
+        loaded.len(),
+        rep.overall.totals.scored,
+        rep.overall.totals.mean_nll,
+        rep.overall.totals.ppl,
+        path.display()
+    ));
+    let table = table::render(&rep, args.show_calibration);
     let mut stdout = std::io::stdout().lock();
     stdout.write_all(table.as_bytes())?;
     stdout.flush()?;

@@ -38,6 +38,7 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
             nll_sum: s.nll_sum,
             nll_sq_sum: s.nll_sq_sum,
             logprobs: None,
+            calibration: None,
         }],
     }
 }
@@ -140,6 +141,8 @@ fn fixed_report() -> Report {
         peak_rss_bytes: Some(1 << 20),
         warnings: Vec::new(),
         cuda_memory: None,
+        shard: None,
+        merged_from: None,
     }
 }
 

@@ -299,8 +299,11 @@ impl Engine {
                         .map(|(r, p)| (p.kld, r.logprob, p.ref_logprob, r.top1 == p.ref_top1)),
                 );
             }
-            match (&rows, calibration.as_mut()) {
-                (HeadRows::Scored(rs) | HeadRows::Paired(rs, _), Some(c)) => {
+            // Per window first, then added to the stream in window order: a shard's windows
+            // then merge into the same sums as an unsharded run's.
+            let window_calibration = match (&rows, calibration.as_mut()) {
+                (HeadRows::Scored(rs) | HeadRows::Paired(rs, _), Some(stream)) => {
+                    let mut c = Calibration::default();
                     for (i, r) in rs.iter().enumerate() {
                         if !r.entropy.is_finite() || !r.top1_logprob.is_finite() {
                             anyhow::bail!(
@@ -313,9 +316,14 @@ impl Engine {
                         let target = tokens[w.first_target + i];
                         c.push(r.entropy, r.top1_logprob, r.top1 == target);
                     }
+                    stream.add(&c);
+                    Some(c)
                 }
-                _ => calibration = None,
-            }
+                _ => {
+                    calibration = None;
+                    None
+                }
+            };
             let lps = rows.logprobs();
             let mut s = NllSum::default();
             for &lp in &lps {
@@ -338,6 +346,7 @@ impl Engine {
                 nll_sum: s.nll_sum,
                 nll_sq_sum: s.nll_sq_sum,
                 logprobs: keep_logprobs.then_some(lps),
+                calibration: window_calibration,
             };
             on_window(
                 &ws,

@@ -37,6 +37,24 @@ pub struct Report {
     /// Device memory of a CUDA run (planned and peak), absent on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_memory: Option<crate::backend::cuda::MemoryReport>,
+    /// A `--shard I/N` run: its place in the whole run (its own rows cover its windows only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<crate::shard::ShardInfo>,
+    /// A report `merge` assembled: the shard runs it came from, in shard order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_from: Option<Vec<MergedShard>>,
+}
+
+/// One shard run of a merged report.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MergedShard {
+    pub index: usize,
+    pub run_id: String,
+    pub report: String,
+    pub device: String,
+    pub threads: usize,
+    pub processed_tokens: usize,
+    pub score_s: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -60,6 +60,14 @@ pub fn render(r: &Report, calibration: bool) -> String {
     out
 }
 
+/// The line above a shard run's table: its rows are partial.
+pub fn shard_note(s: &crate::shard::ShardInfo) -> String {
+    format!(
+        "# shard {}/{}: windows {}..{} of {} only; `ninfer-perplexity merge` gives the run's figures\n",
+        s.index, s.count, s.windows[0], s.windows[1], s.run_windows
+    )
+}
+
 fn reference_row(out: &mut String, a: &Aggregate) {
     let Some(r) = &a.reference else { return };
     let ci = match r.delta_nll_ci95 {

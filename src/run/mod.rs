@@ -4,6 +4,7 @@
 pub mod inputs;
 mod report;
 mod score;
+mod shard;
 
 use crate::cli::RunConfig;
 use crate::report::{table, write, Report};
@@ -75,13 +76,38 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
             write::Claim::New,
         )?,
     };
-    let inputs = inputs::prepare(cfg, &artifact_path)?;
+    let mut inputs = inputs::prepare(cfg, &artifact_path)?;
+    let shard = match cfg.shard {
+        Some(s) => Some(shard::narrow(&mut inputs, s, cfg.protocol)?),
+        None => None,
+    };
     log_startup(cfg, &inputs);
+    if let Some(s) = &shard {
+        ui::info(format!(
+            "shard      {}/{}: windows {}..{} of the run's {} ({} of {} processed tokens, {} of {} streams)",
+            s.index,
+            s.count,
+            s.windows[0],
+            s.windows[1],
+            s.run_windows,
+            s.processed_tokens,
+            s.run_processed_tokens,
+            inputs.streams.len(),
+            s.run_streams.len()
+        ));
+    }
     let warnings = warnings(&inputs);
     warnings.iter().for_each(ui::warn);
 
     let t_score = Instant::now();
-    let streams = score::score_streams(&inputs, cfg.kv)?;
+    let mut streams = score::score_streams(&inputs, cfg.kv)?;
+    if shard.is_none() {
+        // Per-window calibration sums are for merging shards only.
+        streams
+            .iter_mut()
+            .flat_map(|s| s.windows.iter_mut())
+            .for_each(|w| w.calibration = None);
+    }
     let score_s = t_score.elapsed().as_secs_f64();
 
     let clock = report::Clock {
@@ -89,7 +115,8 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         score_s,
         total_s: t0.elapsed().as_secs_f64(),
     };
-    let rep = report::build(cfg, &inputs, streams, run_id, clock, warnings);
+    let mut rep = report::build(cfg, &inputs, streams, run_id, clock, warnings);
+    rep.shard = shard;
     let json = serde_json::to_string_pretty(&rep)?;
     let plot = if cfg.plot {
         Some(crate::report::plot::run_plot(&rep)?)
@@ -106,6 +133,9 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
         report_path.display()
     ));
     let mut table = table::render(&rep, cfg.show_calibration);
+    if let Some(s) = &rep.shard {
+        table.insert_str(0, &table::shard_note(s));
+    }
     if let Some(t) = table::render_reference(&rep) {
         table.push('\n');
         table.push_str(&t);

@@ -122,5 +122,7 @@ pub fn build(
         peak_rss_bytes: report::peak_rss_bytes(),
         warnings,
         cuda_memory: engine.cuda_memory(),
+        shard: None,
+        merged_from: None,
     }
 }

@@ -76,6 +76,10 @@ pub struct WindowScore {
     /// Per-target log-probabilities, only when asked for (tests, debugging).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<f32>>,
+    /// The window's calibration sums: written in shard reports only (`--shard`), so that
+    /// `merge` can add them up in window order exactly as an unsharded run does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<crate::score::Calibration>,
 }
 
 /// One stream's result.
