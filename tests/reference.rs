@@ -89,6 +89,20 @@ fn tiny(dir: &str, fixture: &str) {
     );
 }
 
+fn tiny_qwen3_moe_matches_transformers() {
+    tiny(
+        "eval/fixtures/tiny-qwen3_moe",
+        "eval/fixtures/tiny_qwen3_moe_logprobs.json",
+    );
+}
+
+fn tiny_qwen3_5_moe_matches_transformers() {
+    tiny(
+        "eval/fixtures/tiny-qwen3_5_moe",
+        "eval/fixtures/tiny_qwen3_5_moe_logprobs.json",
+    );
+}
+
 fn tiny_qwen3_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3",
@@ -144,7 +158,46 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
     assert!(compare(&e, &fixture).max_abs_logprob <= 2e-4);
 }
 
+/// Each planted routing mistake fails the MoE references: top-k off by one and no
+/// renormalisation on both families, the shared expert's gate as SiLU on qwen3_5_moe (the
+/// only one with a shared expert).
+fn every_planted_routing_fault_fails_the_moe_references() {
+    use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    for (family, faults) in [
+        ("qwen3_moe", &Pitfall::MOE[..2]),
+        ("qwen3_5_moe", &Pitfall::MOE[..]),
+    ] {
+        let dir = common::repo().join(format!("eval/fixtures/tiny-{family}"));
+        let src = read_hf_dir(&dir, Some(&tok)).unwrap();
+        let tmp = common::tempdir();
+        let art = tmp.path().join("tiny.ninfer");
+        write_artifact(&src, WeightFormat::F32, &art).unwrap();
+        let mut e = load(&art, 0);
+        let fixture = common::read_json(&format!("eval/fixtures/tiny_{family}_logprobs.json"));
+        for &p in faults {
+            e.set_faults(Faults::of(Fault::Pitfall(p))).unwrap();
+            let d = compare(&e, &fixture);
+            eprintln!(
+                "{family} {}: max |Δ logprob| {:.3e}",
+                p.name(),
+                d.max_abs_logprob
+            );
+            assert!(
+                d.max_abs_logprob > 1e-2,
+                "{family}: {} went unnoticed: {d:?}",
+                p.name()
+            );
+        }
+        e.set_faults(Faults::NONE).unwrap();
+        assert!(compare(&e, &fixture).max_abs_logprob <= 2e-4);
+    }
+}
+
 test_main! {
+    Prepared tiny_qwen3_moe_matches_transformers,
+    Prepared tiny_qwen3_5_moe_matches_transformers,
+    Prepared every_planted_routing_fault_fails_the_moe_references,
     Prepared tiny_qwen3_5_hybrid_matches_transformers,
     Prepared every_planted_hybrid_pitfall_fails_the_reference,
     Prepared smollm2_f32_matches_transformers,

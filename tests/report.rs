@@ -113,6 +113,7 @@ fn fixed_report() -> Report {
                 bos_token_id: None,
                 eos_token_id: None,
                 hybrid: None,
+                moe: None,
             },
         },
         tokenizer: TokenizerInfo {

@@ -112,7 +112,23 @@ impl Engine {
         } else {
             opts.threads
         };
-        let (device, device_note) = Device::select(opts.device, threads)?;
+        let moe = artifact.config.moe.is_some();
+        let (device, device_note) = match opts.device {
+            // The CUDA path has no expert kernels yet: `auto` means the CPU for these models.
+            DeviceRequest::Auto if moe => (
+                Device::Cpu { threads },
+                Some(format!(
+                    "device auto: using the CPU: {} (mixture of experts) runs on the CPU backend only, for now",
+                    artifact.config.family.name()
+                )),
+            ),
+            DeviceRequest::Cuda(_) | DeviceRequest::Emu if moe => anyhow::bail!(
+                "{}: {} (mixture of experts) runs on the CPU backend only, for now (use --device cpu)",
+                path.display(),
+                artifact.config.family.name()
+            ),
+            d => Device::select(d, threads)?,
+        };
         let precision = device.precision(opts.precision)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -35,6 +35,12 @@ pub enum Family {
     Qwen3,
     #[serde(rename = "qwen3_5")]
     Qwen3_5,
+    /// Qwen3 attention with sparse mixture-of-experts MLPs (Qwen3-30B-A3B, 235B-A22B).
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+    /// The Qwen3.5 hybrid with sparse MoE MLPs and a gated shared expert (Qwen3.5-35B-A3B).
+    #[serde(rename = "qwen3_5_moe")]
+    Qwen3_5Moe,
 }
 
 impl Family {
@@ -44,9 +50,44 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Qwen3_5 => "qwen3_5",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen3_5Moe => "qwen3_5_moe",
         }
     }
+
+    /// The Qwen3.5 text model's layers (hybrid, zero-centred norms, gated attention).
+    pub fn is_qwen3_5(self) -> bool {
+        matches!(self, Family::Qwen3_5 | Family::Qwen3_5Moe)
+    }
+
+    /// Families whose MLPs are mixtures of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Qwen3Moe | Family::Qwen3_5Moe)
+    }
 }
+
+/// The sparse mixture-of-experts MLPs of a qwen3_moe / qwen3_5_moe model.
+///
+/// A sparse layer routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts
+/// (of width `moe_intermediate_size`) by the softmax of a linear router, in f32; the chosen
+/// probabilities are renormalised to sum to 1 when `norm_topk_prob`, and weight the experts'
+/// outputs. A shared expert (width `shared_expert_intermediate_size`, 0 for none) sees every
+/// token and is scaled by `sigmoid(shared_expert_gate · x)`. Dense layers keep the ordinary
+/// MLP of `intermediate_size`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    pub shared_expert_intermediate_size: usize,
+    /// One per layer: `true` for a sparse MoE layer, `false` for a dense MLP.
+    pub sparse_layers: Vec<bool>,
+}
+
+/// Most experts per layer this engine takes (512 in the largest released models).
+pub const MAX_EXPERTS: usize = 4096;
 
 /// What a layer mixes its tokens with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,6 +181,9 @@ pub struct ModelConfig {
     /// The recurrent layers of a hybrid (qwen3_5) model; absent for the others.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hybrid: Option<HybridConfig>,
+    /// The mixture-of-experts MLPs (qwen3_moe, qwen3_5_moe); absent for dense models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -211,19 +255,93 @@ impl ModelConfig {
             _ => {}
         }
         match (&self.hybrid, self.family) {
-            (None, Family::Qwen3_5) => bail!("config: qwen3_5 needs its `hybrid` part"),
-            (Some(_), f) if f != Family::Qwen3_5 => {
-                bail!("config: `hybrid` is only for qwen3_5, not {}", f.name())
+            (None, f) if f.is_qwen3_5() => {
+                bail!("config: {} needs its `hybrid` part", f.name())
+            }
+            (Some(_), f) if !f.is_qwen3_5() => {
+                bail!(
+                    "config: `hybrid` is only for qwen3_5 and qwen3_5_moe, not {}",
+                    f.name()
+                )
             }
             (Some(h), _) => self.validate_hybrid(h)?,
+            (None, _) => {}
+        }
+        if self.family == Family::Qwen3Moe && (!self.qk_norm || self.attention_bias) {
+            bail!("config: qwen3_moe has q/k norm and no attention bias");
+        }
+        match (&self.moe, self.family) {
+            (None, f) if f.is_moe() => bail!("config: {} needs its `moe` part", f.name()),
+            (Some(_), f) if !f.is_moe() => {
+                bail!(
+                    "config: `moe` is only for qwen3_moe and qwen3_5_moe, not {}",
+                    f.name()
+                )
+            }
+            (Some(m), _) => self.validate_moe(m)?,
             (None, _) => {}
         }
         Ok(())
     }
 
+    fn validate_moe(&self, m: &MoeConfig) -> Result<()> {
+        if m.num_experts == 0 || m.num_experts > MAX_EXPERTS {
+            bail!(
+                "config: num_experts is {}, outside 1..={MAX_EXPERTS}",
+                m.num_experts
+            );
+        }
+        if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+            bail!(
+                "config: num_experts_per_tok is {}, outside 1..=num_experts ({})",
+                m.num_experts_per_tok,
+                m.num_experts
+            );
+        }
+        if m.moe_intermediate_size == 0 || m.moe_intermediate_size > MAX_INTERMEDIATE {
+            bail!(
+                "config: moe_intermediate_size is {}, outside 1..={MAX_INTERMEDIATE}",
+                m.moe_intermediate_size
+            );
+        }
+        if m.shared_expert_intermediate_size > MAX_INTERMEDIATE {
+            bail!(
+                "config: shared_expert_intermediate_size is {}, above {MAX_INTERMEDIATE}",
+                m.shared_expert_intermediate_size
+            );
+        }
+        if m.sparse_layers.len() != self.num_layers {
+            bail!(
+                "config: `sparse_layers` has {} entries for {} layers",
+                m.sparse_layers.len(),
+                self.num_layers
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether layer `i`'s MLP is a sparse mixture of experts.
+    pub fn is_sparse_layer(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers[i])
+    }
+
+    /// Parameters one token uses: every tensor but the experts it is not routed to (the
+    /// embedding row and the head counted whole, as for a dense model).
+    pub fn active_params(&self) -> usize {
+        let Some(m) = &self.moe else {
+            return self.num_params();
+        };
+        let per_expert = 3 * self.hidden_size * m.moe_intermediate_size;
+        let sparse = m.sparse_layers.iter().filter(|&&s| s).count();
+        self.num_params() - sparse * (m.num_experts - m.num_experts_per_tok) * per_expert
+    }
+
     fn validate_hybrid(&self, h: &HybridConfig) -> Result<()> {
         if !self.qk_norm || self.attention_bias {
-            bail!("config: qwen3_5 has q/k norm and no attention bias");
+            bail!(
+                "config: {} has q/k norm and no attention bias",
+                self.family.name()
+            );
         }
         if h.layer_types.len() != self.num_layers {
             bail!(
@@ -288,6 +406,10 @@ impl ModelConfig {
             let pattern = std::mem::take(&mut h.layer_types);
             h.layer_types = pattern.iter().copied().cycle().take(n).collect();
         }
+        if let Some(m) = &mut c.moe {
+            let pattern = std::mem::take(&mut m.sparse_layers);
+            m.sparse_layers = pattern.iter().copied().cycle().take(n).collect();
+        }
         c
     }
 
@@ -318,13 +440,13 @@ impl ModelConfig {
 
     /// Whether the norms hold `w` with the scale `1 + w` (qwen3_5), rather than the scale.
     pub fn zero_centred_norms(&self) -> bool {
-        self.family == Family::Qwen3_5
+        self.family.is_qwen3_5()
     }
 
     /// Whether attention's output is multiplied by `sigmoid(gate)`, the gate projected with
     /// the query (qwen3_5).
     pub fn attention_output_gate(&self) -> bool {
-        self.family == Family::Qwen3_5
+        self.family.is_qwen3_5()
     }
 
     /// Bytes of Recurrent State a window holds (f32, every Gated DeltaNet layer).
@@ -385,10 +507,11 @@ impl ModelConfig {
             max_position_embeddings: 40960,
             tie_word_embeddings: false,
             attention_bias: family == Family::Qwen2,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             bos_token_id: None,
             eos_token_id: None,
             hybrid: None,
+            moe: None,
         }
     }
 }

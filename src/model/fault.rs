@@ -17,8 +17,8 @@
 //!   `1 + A·u`, u uniform in [-1, 1) drawn from a process-wide call counter and p: each call
 //!   (so each re-run, and each thread schedule) perturbs differently, an artificial stand-in
 //!   for a GPU's run-to-run noise when measuring the harness's paired gate;
-//! * `pitfall=NAME`: one of the classic mistakes in the hybrid (qwen3_5) math ([`Pitfall`]),
-//!   which the reference test must catch.
+//! * `pitfall=NAME`: one of the classic mistakes in the hybrid (qwen3_5) math or in MoE
+//!   routing ([`Pitfall`]), which the reference tests must catch.
 
 /// The environment variable that selects a fault in `fault-injection` builds.
 pub const ENV: &str = "NINFER_TEST_FAULT";
@@ -50,6 +50,12 @@ pub enum Pitfall {
     ConvReversed,
     /// No `Dk^-1/2` on the Gated DeltaNet queries.
     NoKeyScale,
+    /// MoE: one expert fewer than `num_experts_per_tok` per token.
+    TopKOffByOne,
+    /// MoE: the chosen router probabilities are not renormalised where the family does.
+    NoRenorm,
+    /// MoE: SiLU instead of sigmoid on the shared expert's gate.
+    SharedGateSilu,
 }
 
 impl Pitfall {
@@ -62,8 +68,18 @@ impl Pitfall {
         Pitfall::NoKeyScale,
     ];
 
+    /// The routing mistakes of a mixture-of-experts model.
+    pub const MOE: [Pitfall; 3] = [
+        Pitfall::TopKOffByOne,
+        Pitfall::NoRenorm,
+        Pitfall::SharedGateSilu,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
+            Pitfall::TopKOffByOne => "topk-off-by-one",
+            Pitfall::NoRenorm => "no-renorm",
+            Pitfall::SharedGateSilu => "shared-gate-silu",
             Pitfall::NormPlain => "norm-plain",
             Pitfall::GateSilu => "gate-silu",
             Pitfall::QkNormAfterRope => "qk-norm-after-rope",
@@ -80,10 +96,15 @@ impl Fault {
         if let Some(p) = s.strip_prefix("pitfall=") {
             return Pitfall::ALL
                 .into_iter()
+                .chain(Pitfall::MOE)
                 .find(|x| x.name() == p)
                 .map(Fault::Pitfall)
                 .ok_or_else(|| {
-                    let names: Vec<&str> = Pitfall::ALL.iter().map(|x| x.name()).collect();
+                    let names: Vec<&str> = Pitfall::ALL
+                        .iter()
+                        .chain(&Pitfall::MOE)
+                        .map(|x| x.name())
+                        .collect();
                     format!("{ENV}={s:?}: unknown pitfall (valid: {})", names.join(", "))
                 });
         }

@@ -22,9 +22,10 @@ use crate::model::delta_net;
 use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::{Faults, Pitfall};
 use crate::model::kv_store::{self, Stored};
+use crate::model::moe::{self, RoutingCounts};
 use crate::model::profile::{self, Laps, Phase};
 use crate::model::split::{Link, Split, Stop};
-use crate::model::weights::{AttentionWeights, MixerWeights, Weights};
+use crate::model::weights::{AttentionWeights, FfnWeights, MixerWeights, Weights};
 use rayon::prelude::*;
 
 pub struct CpuModel {
@@ -35,6 +36,8 @@ pub struct CpuModel {
     faults: Faults,
     /// `NINFER_PROFILE=1`: print per-phase times of every window ([`super::profile`]).
     pub(crate) profile: bool,
+    /// Tokens each expert was given, summed over layers and windows (MoE models).
+    routing: Option<RoutingCounts>,
 }
 
 impl CpuModel {
@@ -44,13 +47,24 @@ impl CpuModel {
             config.rope_theta,
             config.rope_scaling.as_ref(),
         );
+        let routing = config
+            .moe
+            .as_ref()
+            .map(|m| RoutingCounts::new(m.num_experts));
         CpuModel {
             config,
             weights,
             inv_freq,
             faults: Faults::NONE,
             profile: profile::enabled_by_env(),
+            routing,
         }
+    }
+
+    /// Token-to-expert assignments per expert since the last call (summed over the sparse
+    /// layers), zeroing them; `None` for a dense model.
+    pub fn take_routing(&self) -> Option<Vec<u64>> {
+        self.routing.as_ref().map(RoutingCounts::take)
     }
 
     /// The same model run with `faults` (only `fault-injection` builds have any).
@@ -381,19 +395,38 @@ impl CpuModel {
         let x = &mut x[(r0 - lo) * d..];
 
         // MLP block.
-        let (h, gu, act) = (
-            &mut b.h[..n * d],
-            &mut b.gu[..n * 2 * f],
-            &mut b.act[..n * f],
-        );
-        rms_norm(x, &l.mlp_norm, eps, h);
-        laps.lap(Phase::Norms);
-        matmul_wt(h, n, d, &l.wgu, 2 * f, gu, false);
-        laps.lap(Phase::GateUp);
-        swiglu(gu, f, act);
-        laps.lap(Phase::Swiglu);
-        matmul_wt(act, n, f, &l.wdown, d, x, true);
-        laps.lap(Phase::Down);
+        match &l.ffn {
+            FfnWeights::Dense(mlp) => {
+                let (h, gu, act) = (
+                    &mut b.h[..n * d],
+                    &mut b.gu[..n * 2 * f],
+                    &mut b.act[..n * f],
+                );
+                rms_norm(x, &l.mlp_norm, eps, h);
+                laps.lap(Phase::Norms);
+                matmul_wt(h, n, d, &mlp.wgu, 2 * f, gu, false);
+                laps.lap(Phase::GateUp);
+                swiglu(gu, f, act);
+                laps.lap(Phase::Swiglu);
+                matmul_wt(act, n, f, &mlp.wdown, d, x, true);
+                laps.lap(Phase::Down);
+            }
+            FfnWeights::Moe(moe) => {
+                let h = &mut b.h[..n * d];
+                rms_norm(x, &l.mlp_norm, eps, h);
+                laps.lap(Phase::Norms);
+                moe::moe_block(
+                    moe,
+                    h,
+                    n,
+                    d,
+                    &mut x[..n * d],
+                    self.faults,
+                    self.routing.as_ref(),
+                );
+                laps.lap(Phase::Down);
+            }
+        }
         Ok(())
     }
 

@@ -13,6 +13,7 @@ pub mod fault;
 pub mod flops;
 pub mod forward;
 pub mod kv_store;
+pub mod moe;
 pub mod profile;
 pub(crate) mod split;
 pub mod tensors;

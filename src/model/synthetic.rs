@@ -5,7 +5,7 @@
 use crate::model::config::{Family, HybridConfig, LayerKind, ModelConfig, OutputGate};
 use crate::model::forward::CpuModel;
 use crate::model::weights::{
-    AttentionWeights, DeltaNetWeights, LayerWeights, MixerWeights, Weights,
+    AttentionWeights, DeltaNetWeights, FfnWeights, LayerWeights, MixerWeights, SwiGlu, Weights,
 };
 
 pub(crate) fn synthetic_model() -> CpuModel {
@@ -28,8 +28,14 @@ pub(crate) fn synthetic_model() -> CpuModel {
             gated: false,
         }),
         mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
-        wgu: gen(2 * f * d, 0.3),
-        wdown: gen(d * f, 0.3),
+        ffn: FfnWeights::Dense(SwiGlu {
+            ffn: FfnWeights::Dense(SwiGlu {
+                wgu: gen(2 * f * d, 0.3),
+                wdown: gen(d * f, 0.3),
+                width: f,
+            }),
+            width: f,
+        }),
     };
     let weights = Weights {
         embed: gen(vocab * d, 1.0),

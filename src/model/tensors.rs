@@ -86,13 +86,52 @@ pub struct MlpTensors {
     pub down: Fused,
 }
 
+/// One expert of a sparse MoE block: a SwiGLU MLP of width `I = moe_intermediate_size`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertTensors {
+    /// gate and up stacked: `[2I, d]`.
+    pub gate_up: Fused,
+    /// `[d, I]`.
+    pub down: Fused,
+}
+
+/// A sparse mixture-of-experts block's tensors (`mlp.gate`, `mlp.experts.E.*`, and the
+/// shared expert where the family has one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeTensors {
+    /// RMSNorm weight before the block, `[d]`.
+    pub norm: String,
+    /// The router, `[E, d]`.
+    pub router: String,
+    pub experts: Vec<ExpertTensors>,
+    /// The shared expert (width `shared_expert_intermediate_size`) and its gate, `[1, d]`.
+    pub shared: Option<(ExpertTensors, String)>,
+}
+
+/// A layer's MLP: dense, or a sparse mixture of experts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FfnTensors {
+    Dense(MlpTensors),
+    Moe(MoeTensors),
+}
+
+impl FfnTensors {
+    /// The RMSNorm weight before the block.
+    pub fn norm(&self) -> &str {
+        match self {
+            FfnTensors::Dense(m) => &m.norm,
+            FfnTensors::Moe(m) => &m.norm,
+        }
+    }
+}
+
 /// One decoder layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerTensors {
     /// RMSNorm weight before the mixer, `[d]`.
     pub norm: String,
     pub mixer: MixerTensors,
-    pub mlp: MlpTensors,
+    pub mlp: FfnTensors,
 }
 
 /// Every tensor of a model, grouped the way the backends use them.
@@ -168,21 +207,48 @@ impl ModelTensors {
                     })
                 }
             };
+            let norm = format!("{p}.post_attention_layernorm.weight");
+            let swiglu = |q: &str, width: usize| ExpertTensors {
+                gate_up: Fused {
+                    parts: vec![
+                        format!("{q}.gate_proj.weight"),
+                        format!("{q}.up_proj.weight"),
+                    ],
+                    rows: 2 * width,
+                    cols: d,
+                },
+                down: Fused::one(format!("{q}.down_proj.weight"), d, width),
+            };
+            let mlp = match &c.moe {
+                Some(m) if m.sparse_layers[i] => FfnTensors::Moe(MoeTensors {
+                    norm,
+                    router: format!("{p}.mlp.gate.weight"),
+                    experts: (0..m.num_experts)
+                        .map(|e| swiglu(&format!("{p}.mlp.experts.{e}"), m.moe_intermediate_size))
+                        .collect(),
+                    shared: (m.shared_expert_intermediate_size > 0).then(|| {
+                        (
+                            swiglu(
+                                &format!("{p}.mlp.shared_expert"),
+                                m.shared_expert_intermediate_size,
+                            ),
+                            format!("{p}.mlp.shared_expert_gate.weight"),
+                        )
+                    }),
+                }),
+                _ => {
+                    let e = swiglu(&format!("{p}.mlp"), f);
+                    FfnTensors::Dense(MlpTensors {
+                        norm,
+                        gate_up: e.gate_up,
+                        down: e.down,
+                    })
+                }
+            };
             LayerTensors {
                 norm: format!("{p}.input_layernorm.weight"),
                 mixer,
-                mlp: MlpTensors {
-                    norm: format!("{p}.post_attention_layernorm.weight"),
-                    gate_up: Fused {
-                        parts: vec![
-                            format!("{p}.mlp.gate_proj.weight"),
-                            format!("{p}.mlp.up_proj.weight"),
-                        ],
-                        rows: 2 * f,
-                        cols: d,
-                    },
-                    down: Fused::one(format!("{p}.mlp.down_proj.weight"), d, f),
-                },
+                mlp,
             }
         };
         ModelTensors {
@@ -241,11 +307,37 @@ impl ModelTensors {
                     );
                 }
             }
-            t.push((l.mlp.norm, vec![d]));
-            for n in l.mlp.gate_up.parts {
-                t.push((n, vec![f, d]));
+            t.push((l.mlp.norm().to_string(), vec![d]));
+            let mut swiglu = |e: ExpertTensors, width: usize| {
+                for n in e.gate_up.parts {
+                    t.push((n, vec![width, d]));
+                }
+                t.extend(e.down.parts.into_iter().map(|n| (n, vec![d, width])));
+            };
+            match l.mlp {
+                FfnTensors::Dense(m) => swiglu(
+                    ExpertTensors {
+                        gate_up: m.gate_up,
+                        down: m.down,
+                    },
+                    f,
+                ),
+                FfnTensors::Moe(m) => {
+                    let mc = c.moe.as_ref().expect("moe");
+                    let router = m.router;
+                    for e in m.experts {
+                        swiglu(e, mc.moe_intermediate_size);
+                    }
+                    let shared_gate = m.shared.map(|(e, gate)| {
+                        swiglu(e, mc.shared_expert_intermediate_size);
+                        gate
+                    });
+                    t.push((router, vec![mc.num_experts, d]));
+                    if let Some(g) = shared_gate {
+                        t.push((g, vec![1, d]));
+                    }
+                }
             }
-            t.extend(l.mlp.down.parts.into_iter().map(|n| (n, vec![d, f])));
         }
         t.push((FINAL_NORM.to_string(), vec![d]));
         if !c.tie_word_embeddings {
@@ -264,7 +356,15 @@ impl ModelTensors {
             .saturating_mul(attention)
             .saturating_add(c.state_layers().saturating_mul(delta_net));
         let head = usize::from(!c.tie_word_embeddings);
-        layers.saturating_add(2 + head)
+        // A sparse layer replaces the dense MLP's 3 matrices with a router, 3 per expert and
+        // a shared expert's 3 plus its gate.
+        let moe = c.moe.as_ref().map_or(0, |m| {
+            let sparse = m.sparse_layers.iter().filter(|&&s| s).count();
+            let per =
+                1 + 3 * m.num_experts + 4 * usize::from(m.shared_expert_intermediate_size > 0);
+            sparse.saturating_mul(per.saturating_sub(3))
+        });
+        layers.saturating_add(2 + head).saturating_add(moe)
     }
 }
 
@@ -311,9 +411,12 @@ mod tests {
                     };
                     fused.extend([&a.qkv, &a.o_proj]);
                     fused.extend(&a.qkv_bias);
-                    fused.extend([&l.mlp.gate_up, &l.mlp.down]);
+                    let FfnTensors::Dense(mlp) = &l.mlp else {
+                        panic!("no MoE family here")
+                    };
+                    fused.extend([&mlp.gate_up, &mlp.down]);
                     seen.push(l.norm.clone());
-                    seen.push(l.mlp.norm.clone());
+                    seen.push(mlp.norm.clone());
                     seen.extend(a.q_norm.iter().cloned());
                     seen.extend(a.k_norm.iter().cloned());
                 }

@@ -7,7 +7,9 @@
 //! exactly the value the reference computes per call, so the forward pass has one RMSNorm.
 
 use crate::artifact::Artifact;
-use crate::model::tensors::{split_query_gate, Fused, MixerTensors, ModelTensors};
+use crate::model::tensors::{
+    split_query_gate, ExpertTensors, FfnTensors, Fused, MixerTensors, ModelTensors,
+};
 use anyhow::Result;
 
 /// Softmax attention's weights.
@@ -40,12 +42,34 @@ pub enum MixerWeights {
     DeltaNet(DeltaNetWeights),
 }
 
+/// A SwiGLU MLP (dense, or one expert).
+pub struct SwiGlu {
+    pub wgu: Vec<f32>,   // [2f, d]: gate rows, then up rows
+    pub wdown: Vec<f32>, // [d, f]
+    /// `f`
+    pub width: usize,
+}
+
+/// A sparse mixture-of-experts block.
+pub struct MoeWeights {
+    pub router: Vec<f32>, // [E, d]
+    pub experts: Vec<SwiGlu>,
+    /// The shared expert and its gate (`[d]`: one row).
+    pub shared: Option<(SwiGlu, Vec<f32>)>,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+}
+
+pub enum FfnWeights {
+    Dense(SwiGlu),
+    Moe(MoeWeights),
+}
+
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>, // [d]
     pub mixer: MixerWeights,
     pub mlp_norm: Vec<f32>, // [d]
-    pub wgu: Vec<f32>,      // [2f, d]
-    pub wdown: Vec<f32>,    // [d, f]
+    pub ffn: FfnWeights,
 }
 
 pub struct Weights {
@@ -116,12 +140,50 @@ impl Weights {
                     w_out: r.fused(&g.out_proj)?,
                 }),
             };
+            let attn_norm = r.norm(&l.norm)?;
+            let mlp_norm = r.norm(l.mlp.norm())?;
+            let ffn = match &l.mlp {
+                FfnTensors::Dense(m) => FfnWeights::Dense(SwiGlu {
+                    wgu: r.fused(&m.gate_up)?,
+                    wdown: r.fused(&m.down)?,
+                    width: c.intermediate_size,
+                }),
+                FfnTensors::Moe(m) => {
+                    let mc = c.moe.as_ref().expect("a sparse layer has a moe config");
+                    let mut swiglu = |e: &ExpertTensors, width: usize| -> Result<SwiGlu> {
+                        Ok(SwiGlu {
+                            wgu: r.fused(&e.gate_up)?,
+                            wdown: r.fused(&e.down)?,
+                            width,
+                        })
+                    };
+                    let experts = m
+                        .experts
+                        .iter()
+                        .map(|e| swiglu(e, mc.moe_intermediate_size))
+                        .collect::<Result<Vec<_>>>()?;
+                    let shared = match &m.shared {
+                        Some((e, _)) => Some(swiglu(e, mc.shared_expert_intermediate_size)?),
+                        None => None,
+                    };
+                    let shared = match (shared, &m.shared) {
+                        (Some(w), Some((_, gate))) => Some((w, r.one(gate)?)),
+                        _ => None,
+                    };
+                    FfnWeights::Moe(MoeWeights {
+                        router: r.one(&m.router)?,
+                        experts,
+                        shared,
+                        top_k: mc.num_experts_per_tok,
+                        norm_topk_prob: mc.norm_topk_prob,
+                    })
+                }
+            };
             layers.push(LayerWeights {
-                attn_norm: r.norm(&l.norm)?,
+                attn_norm,
                 mixer,
-                mlp_norm: r.norm(&l.mlp.norm)?,
-                wgu: r.fused(&l.mlp.gate_up)?,
-                wdown: r.fused(&l.mlp.down)?,
+                mlp_norm,
+                ffn,
             });
         }
         Ok(Weights {

@@ -104,8 +104,9 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
         "LlamaForCausalLM" => Family::Llama,
         "Qwen2ForCausalLM" => Family::Qwen2,
         "Qwen3ForCausalLM" => Family::Qwen3,
+        "Qwen3MoeForCausalLM" => Family::Qwen3Moe,
         other => bail!(
-            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM)"
+            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM)"
         ),
     };
     if c.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
@@ -181,10 +182,17 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
             .and_then(|v| v.as_bool())
             .unwrap_or(false),
         attention_bias,
-        qk_norm: family == Family::Qwen3,
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
         bos_token_id: first_id(c, "bos_token_id")?,
         eos_token_id: first_id(c, "eos_token_id")?,
         hybrid: None,
+        moe: match family {
+            Family::Qwen3Moe => Some(super::moe::qwen3_moe(
+                c,
+                need_usize(c, "num_hidden_layers")?,
+            )?),
+            _ => None,
+        },
     };
     cfg.validate().context("config.json")?;
     Ok(cfg)
@@ -243,7 +251,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         bail!("{}: no *.safetensors files", dir.display());
     }
     let mut source_files = vec![source_file(&cfg_path)?, source_file(&tok_path)?];
-    let hybrid = config.family == Family::Qwen3_5;
+    let hybrid = config.family.is_qwen3_5();
     let mut tensors = Vec::new();
     let mut source_dtypes = BTreeMap::new();
     let mut dropped: BTreeMap<&'static str, usize> = BTreeMap::new();
@@ -320,6 +328,9 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     check_index(dir, &seen)?;
     let (quantized, quantization) = super::hf_quant::assemble(quant_parts, claim, &cfg_path)?;
     tensors.extend(quantized);
+    if config.moe.is_some() {
+        super::moe::unfuse_experts(&mut tensors)?;
+    }
     let notes = dropped
         .iter()
         .map(|(part, n)| format!("dropped {n} tensors of {part}"))

@@ -9,6 +9,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hf;
 pub mod hf_quant;
+pub mod moe;
 pub mod qwen3_5;
 
 use crate::model::config::ModelConfig;

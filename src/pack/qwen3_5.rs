@@ -16,11 +16,17 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
 /// The architectures this module reads.
-pub const ARCHITECTURES: [&str; 2] = ["Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"];
+pub const ARCHITECTURES: [&str; 4] = [
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+];
 
 /// The engine's config for a Qwen3.5 `config.json` (`arch` is its architecture).
 pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
-    let multimodal = arch == "Qwen3_5ForConditionalGeneration";
+    let multimodal = arch.ends_with("ForConditionalGeneration");
+    let moe = arch.starts_with("Qwen3_5Moe");
     let tc = if multimodal {
         c.get("text_config")
             .filter(|t| t.is_object())
@@ -131,10 +137,21 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
         .unwrap_or(false);
     let heads = field("num_attention_heads")?;
     let cfg = ModelConfig {
-        family: Family::Qwen3_5,
+        family: if moe {
+            Family::Qwen3_5Moe
+        } else {
+            Family::Qwen3_5
+        },
         vocab_size: field("vocab_size")?,
         hidden_size: field("hidden_size")?,
-        intermediate_size: field("intermediate_size")?,
+        // Every qwen3_5_moe layer is sparse: the dense width is never used.
+        intermediate_size: if moe {
+            get_usize(tc, "intermediate_size")?
+                .or(get_usize(tc, "moe_intermediate_size")?)
+                .unwrap_or(512)
+        } else {
+            field("intermediate_size")?
+        },
         num_layers: layers,
         num_heads: heads,
         num_kv_heads: get_usize(tc, "num_key_value_heads")?.unwrap_or(heads),
@@ -158,6 +175,11 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
             linear_conv_kernel_dim: get_usize(tc, "linear_conv_kernel_dim")?.unwrap_or(4),
             output_gate,
         }),
+        moe: if moe {
+            Some(super::moe::qwen3_5_moe(tc, layers)?)
+        } else {
+            None
+        },
     };
     Ok(cfg)
 }

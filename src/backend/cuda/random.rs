@@ -45,6 +45,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         bos_token_id: None,
         eos_token_id: None,
         hybrid: None,
+        moe: None,
     };
     Ok(match name {
         "qwen3-8b" => base,

@@ -233,12 +233,18 @@ impl DevWeights {
                     })
                 }
             };
+            let crate::model::tensors::FfnTensors::Dense(mlp) = &l.mlp else {
+                anyhow::bail!(
+                    "mixture-of-experts MLPs ({}) run on the CPU backend only, for now (use --device cpu)",
+                    c.family.name()
+                );
+            };
             layers.push(LayerW {
                 attn_norm,
                 mixer,
-                mlp_norm: norm(&l.mlp.norm, &mut tick)?,
-                wgu: matrix(&l.mlp.gate_up, &mut tick)?,
-                wdown: matrix(&l.mlp.down, &mut tick)?,
+                mlp_norm: norm(&mlp.norm, &mut tick)?,
+                wgu: matrix(&mlp.gate_up, &mut tick)?,
+                wdown: matrix(&mlp.down, &mut tick)?,
             });
         }
         let final_norm = norm(&names.final_norm, &mut tick)?;

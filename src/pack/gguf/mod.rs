@@ -157,6 +157,7 @@ pub fn llama_config(md: &GgufMetadata, has_output: bool) -> Result<ModelConfig> 
         bos_token_id: to_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_id: to_u32("tokenizer.ggml.eos_token_id")?,
         hybrid: None,
+        moe: None,
     };
     config
         .validate()

@@ -1,0 +1,220 @@
+//! The sparse mixture-of-experts MLP on the CPU: the numerical specification the CUDA path
+//! is held to.
+//!
+//! Each token's router logits `h · Wrᵀ` go through a softmax (in f64, rounded to f32, where
+//! transformers takes its f32 softmax), the `k` most probable experts are chosen — ties to
+//! the lower expert index, so the choice never depends on a sort's stability — and their
+//! probabilities, renormalised to sum to 1 where the family does, weight the experts'
+//! SwiGLU outputs. Tokens are grouped by expert so each expert runs one GEMM over its tokens,
+//! in token order; a GEMM row's bits do not depend on the other rows, so the grouping (and
+//! the thread count) never changes a token's result. Each token's expert outputs are added
+//! up in expert-index order from zero, the shared expert's `sigmoid(gate) · output` after
+//! them, and the sum joins the residual stream.
+
+use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::norm::swiglu;
+use crate::model::fault::{Faults, Pitfall};
+use crate::model::weights::{MoeWeights, SwiGlu};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Token-to-expert assignments counted per expert (summed over layers), for the report's
+/// routing balance. Integer counts: the sum is the same in any order.
+#[derive(Debug, Default)]
+pub struct RoutingCounts {
+    counts: Vec<AtomicU64>,
+}
+
+impl RoutingCounts {
+    pub fn new(experts: usize) -> RoutingCounts {
+        RoutingCounts {
+            counts: (0..experts).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn add(&self, expert: usize, n: u64) {
+        if let Some(c) = self.counts.get(expert) {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The counts so far, zeroing them.
+    pub fn take(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .map(|c| c.swap(0, Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// The `k` experts with the highest probabilities, highest first, ties to the lower index.
+pub fn top_k(probs: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..probs.len()).collect();
+    idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Softmax of one row of router logits, in f64, rounded to f32.
+pub fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let e: Vec<f64> = logits.iter().map(|&x| (x as f64 - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|&v| (v / sum) as f32).collect()
+}
+
+/// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`.
+fn run_swiglu(e: &SwiGlu, x: &[f32], n: usize, d: usize, out: &mut [f32]) {
+    let f = e.width;
+    let mut gu = vec![0f32; n * 2 * f];
+    let mut act = vec![0f32; n * f];
+    matmul_wt(x, n, d, &e.wgu, 2 * f, &mut gu, false);
+    swiglu(&gu, f, &mut act);
+    matmul_wt(&act, n, f, &e.wdown, d, out, false);
+}
+
+/// Adds the MoE block's output for the normed rows `h[n, d]` to the residual rows `x[n, d]`.
+pub fn moe_block(
+    w: &MoeWeights,
+    h: &[f32],
+    n: usize,
+    d: usize,
+    x: &mut [f32],
+    faults: Faults,
+    counts: Option<&RoutingCounts>,
+) {
+    let experts = w.experts.len();
+    let mut logits = vec![0f32; n * experts];
+    matmul_wt(h, n, d, &w.router, experts, &mut logits, false);
+    let k = if faults.pitfall(Pitfall::TopKOffByOne) {
+        w.top_k.saturating_sub(1).max(1)
+    } else {
+        w.top_k
+    };
+    let renorm = w.norm_topk_prob && !faults.pitfall(Pitfall::NoRenorm);
+    // Per expert, its tokens (in token order) and their routing weights.
+    let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts];
+    for (r, row) in logits.chunks(experts).enumerate() {
+        let p = softmax(row);
+        let chosen = top_k(&p, k);
+        let mut wts: Vec<f32> = chosen.iter().map(|&e| p[e]).collect();
+        if renorm {
+            let s: f32 = wts.iter().sum();
+            wts.iter_mut().for_each(|v| *v /= s);
+        }
+        for (&e, &wt) in chosen.iter().zip(&wts) {
+            routed[e].push((r, wt));
+        }
+    }
+    let mut acc = vec![0f32; n * d];
+    let mut gathered = Vec::new();
+    let mut y = Vec::new();
+    for (e, tokens) in routed.iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        if let Some(c) = counts {
+            c.add(e, tokens.len() as u64);
+        }
+        let m = tokens.len();
+        gathered.clear();
+        for &(r, _) in tokens {
+            gathered.extend_from_slice(&h[r * d..(r + 1) * d]);
+        }
+        y.resize(m * d, 0.0);
+        run_swiglu(&w.experts[e], &gathered, m, d, &mut y);
+        for (j, &(r, wt)) in tokens.iter().enumerate() {
+            let out = &mut acc[r * d..(r + 1) * d];
+            for (o, &v) in out.iter_mut().zip(&y[j * d..(j + 1) * d]) {
+                *o += v * wt;
+            }
+        }
+    }
+    if let Some((shared, gate)) = &w.shared {
+        let mut s = vec![0f32; n * d];
+        run_swiglu(shared, h, n, d, &mut s);
+        let mut g = vec![0f32; n];
+        matmul_wt(h, n, d, gate, 1, &mut g, false);
+        let silu = faults.pitfall(Pitfall::SharedGateSilu);
+        for r in 0..n {
+            let z = g[r];
+            let sig = 1.0 / (1.0 + (-z).exp());
+            let scale = if silu { z * sig } else { sig };
+            for (o, &v) in acc[r * d..(r + 1) * d]
+                .iter_mut()
+                .zip(&s[r * d..(r + 1) * d])
+            {
+                *o += scale * v;
+            }
+        }
+    }
+    for (xi, a) in x.iter_mut().zip(&acc) {
+        *xi += a;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ties_go_to_the_lower_expert_and_order_is_by_probability() {
+        assert_eq!(top_k(&[0.1, 0.3, 0.3, 0.2], 2), vec![1, 2]);
+        assert_eq!(top_k(&[0.25, 0.25, 0.25, 0.25], 3), vec![0, 1, 2]);
+        assert_eq!(top_k(&[0.1, 0.2, 0.7], 1), vec![2]);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_survives_large_logits() {
+        let p = softmax(&[1000.0, 999.0, -1000.0]);
+        assert!((p.iter().map(|&v| v as f64).sum::<f64>() - 1.0).abs() < 1e-6);
+        assert!(p[0] > p[1] && p[2] == 0.0);
+    }
+
+    /// Grouping tokens by expert gives each token the bits it gets alone.
+    #[test]
+    fn a_token_gets_the_same_bits_in_any_batch() {
+        let d = 8;
+        let mut seed = 7u64;
+        let mut gen = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+                })
+                .collect()
+        };
+        let expert = |gen: &mut dyn FnMut(usize) -> Vec<f32>| SwiGlu {
+            wgu: gen(2 * 6 * d),
+            wdown: gen(d * 6),
+            width: 6,
+        };
+        let w = MoeWeights {
+            router: gen(5 * d),
+            experts: (0..5).map(|_| expert(&mut gen)).collect(),
+            shared: Some((expert(&mut gen), gen(d))),
+            top_k: 2,
+            norm_topk_prob: true,
+        };
+        let n = 9;
+        let h = gen(n * d);
+        let mut all = vec![0f32; n * d];
+        let counts = RoutingCounts::new(5);
+        moe_block(&w, &h, n, d, &mut all, Faults::NONE, Some(&counts));
+        assert_eq!(counts.take().iter().sum::<u64>(), (n * 2) as u64);
+        for r in 0..n {
+            let mut one = vec![0f32; d];
+            moe_block(
+                &w,
+                &h[r * d..(r + 1) * d],
+                1,
+                d,
+                &mut one,
+                Faults::NONE,
+                None,
+            );
+            assert_eq!(one, all[r * d..(r + 1) * d], "row {r}");
+        }
+    }
+}
