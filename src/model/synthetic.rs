@@ -29,11 +29,8 @@ pub(crate) fn synthetic_model() -> CpuModel {
         }),
         mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
         ffn: FfnWeights::Dense(SwiGlu {
-            ffn: FfnWeights::Dense(SwiGlu {
-                wgu: gen(2 * f * d, 0.3),
-                wdown: gen(d * f, 0.3),
-                width: f,
-            }),
+            wgu: gen(2 * f * d, 0.3),
+            wdown: gen(d * f, 0.3),
             width: f,
         }),
     };
@@ -99,8 +96,11 @@ pub(crate) fn synthetic_hybrid_model() -> CpuModel {
             attn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
             mixer,
             mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
-            wgu: gen(2 * f * d, 0.3),
-            wdown: gen(d * f, 0.3),
+            ffn: FfnWeights::Dense(SwiGlu {
+                wgu: gen(2 * f * d, 0.3),
+                wdown: gen(d * f, 0.3),
+                width: f,
+            }),
         });
     }
     let weights = Weights {
