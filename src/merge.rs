@@ -271,6 +271,21 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
             calibration: calibration.as_ref().and_then(CalibrationReport::new),
             reference: None,
             reference_acc: None,
+            // Integer counts: the shards' sums add up to the unsharded run's.
+            routing: parts
+                .iter()
+                .map(|(_, x)| x.routing.as_ref().map(|r| &r.tokens_per_expert))
+                .collect::<Option<Vec<_>>>()
+                .and_then(|all| {
+                    let mut sum = vec![0u64; all[0].len()];
+                    for v in &all {
+                        if v.len() != sum.len() {
+                            return None;
+                        }
+                        sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
+                    }
+                    crate::report::RoutingReport::new(&sum)
+                }),
             windows,
         });
     }

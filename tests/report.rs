@@ -30,6 +30,7 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         }),
         reference: None,
         reference_acc: None,
+        routing: None,
         windows: vec![WindowScore {
             begin: 0,
             first_target: 1,
@@ -115,6 +116,7 @@ fn fixed_report() -> Report {
                 hybrid: None,
                 moe: None,
             },
+            active_params: None,
         },
         tokenizer: TokenizerInfo {
             sha256: "cd".repeat(32),

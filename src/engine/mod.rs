@@ -383,6 +383,9 @@ impl Engine {
                 w.first_target
             )
         };
+        if let Model::Cpu(model) = &self.model {
+            model.take_routing(); // counts start at zero for this stream
+        }
         match &self.model {
             Model::Cpu(model) => {
                 let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
@@ -425,7 +428,13 @@ impl Engine {
             }
             Model::Cuda(model) => score_cuda(model, tokens, ws, kv, &mut finish, &window_error)?,
         }
+        // A reference pass of the same model would count every token twice: no balance then.
+        let routing = match &self.model {
+            Model::Cpu(model) => model.take_routing().filter(|_| self.reference.is_none()),
+            Model::Cuda(_) => None,
+        };
         Ok(StreamScore {
+            routing,
             tokens: tokens.len(),
             processed_tokens: processed as usize,
             totals,

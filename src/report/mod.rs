@@ -126,6 +126,10 @@ pub struct ArtifactInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<Quantization>,
     pub config: crate::model::config::ModelConfig,
+    /// A mixture-of-experts model's parameters used per token (the experts it is not routed
+    /// to left out); absent for a dense model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_params: Option<usize>,
 }
 
 /// How a quantized artifact was scored.
@@ -253,7 +257,48 @@ pub struct StreamReport {
     /// Its per-position values, for the domain and overall rows (not written).
     #[serde(skip)]
     pub reference_acc: Option<ReferenceAcc>,
+    /// How evenly a mixture-of-experts model's router spread this stream's tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingReport>,
     pub windows: Vec<WindowScore>,
+}
+
+/// Token-to-expert assignments of a stream, per expert, summed over the sparse layers (every
+/// routed row of every window: context rows included, the last layer only for the rows that
+/// predict targets), and their spread.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RoutingReport {
+    pub assignments: u64,
+    pub tokens_per_expert_min: u64,
+    pub tokens_per_expert_median: f64,
+    pub tokens_per_expert_max: u64,
+    /// Experts no token of the stream was routed to (in any sparse layer).
+    pub unused_experts: usize,
+    pub tokens_per_expert: Vec<u64>,
+}
+
+impl RoutingReport {
+    pub fn new(counts: &[u64]) -> Option<RoutingReport> {
+        if counts.is_empty() {
+            return None;
+        }
+        let mut s = counts.to_vec();
+        s.sort_unstable();
+        let n = s.len();
+        let median = if n % 2 == 1 {
+            s[n / 2] as f64
+        } else {
+            (s[n / 2 - 1] + s[n / 2]) as f64 / 2.0
+        };
+        Some(RoutingReport {
+            assignments: counts.iter().sum(),
+            tokens_per_expert_min: s[0],
+            tokens_per_expert_median: median,
+            tokens_per_expert_max: s[n - 1],
+            unused_experts: counts.iter().filter(|&&c| c == 0).count(),
+            tokens_per_expert: counts.to_vec(),
+        })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

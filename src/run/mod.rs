@@ -206,6 +206,23 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         c.vocab_size,
         a.weight_summary()
     ));
+    if let Some(m) = &c.moe {
+        ui::info(format!(
+            "experts    {} per sparse layer ({} of {} layers), top-{}{}{}; {:.2}M of {:.2}M params active per token",
+            m.num_experts,
+            m.sparse_layers.iter().filter(|&&s| s).count(),
+            c.num_layers,
+            m.num_experts_per_tok,
+            if m.norm_topk_prob { " renormalised" } else { "" },
+            if m.shared_expert_intermediate_size > 0 {
+                format!(", a gated shared expert {} wide", m.shared_expert_intermediate_size)
+            } else {
+                String::new()
+            },
+            c.active_params() as f64 / 1e6,
+            c.num_params() as f64 / 1e6
+        ));
+    }
     if let Some(q) = &a.quantization {
         ui::info(format!(
             "quantized  {}: weight-only (weights dequantized exactly to f32, activations in the compute precision{})",

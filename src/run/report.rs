@@ -95,6 +95,7 @@ pub fn build(
                     .collect(),
             }),
             config: c.clone(),
+            active_params: c.moe.as_ref().map(|_| c.active_params()),
         },
         tokenizer: report::TokenizerInfo {
             sha256: engine.tokenizer.sha256().into(),

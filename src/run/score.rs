@@ -62,6 +62,10 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
                 .calibration
                 .as_ref()
                 .and_then(crate::report::CalibrationReport::new),
+            routing: score
+                .routing
+                .as_deref()
+                .and_then(crate::report::RoutingReport::new),
             windows: score.windows,
         });
     }

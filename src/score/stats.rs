@@ -96,6 +96,10 @@ pub struct StreamScore {
     /// The comparison with the reference pass, when the engine has one.
     #[serde(skip)]
     pub reference: Option<super::ReferenceAcc>,
+    /// Token-to-expert assignments per expert, summed over the sparse layers (MoE models on
+    /// the CPU); `None` otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<Vec<u64>>,
 }
 
 #[cfg(test)]
