@@ -208,7 +208,87 @@ fn a_moe_run_reports_its_routing() {
     );
 }
 
+/// `--weights fp8` quantizes every expert and the shared expert like a dense MLP and leaves
+/// the routers and the shared expert's gate in bf16; the artifact scores. (nvfp4 takes the
+/// same selection, `quant::select`'s unit tests, but needs input widths that are multiples of
+/// 16, which the tiny fixture's experts (12, 20) are not.)
+fn experts_are_packed_in_fp8() {
+    let (tmp, dir) = checkpoint("qwen3_5_moe", |_| {});
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    let text = tmp.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "Quantized experts still route the same tokens. ".repeat(6),
+    )
+    .unwrap();
+    let mut means = Vec::new();
+    for w in ["f32", "fp8"] {
+        let art = tmp.path().join(format!("{w}.ninfer"));
+        let o = common::run_bin(
+            "ninfer-pack",
+            &[
+                "hf",
+                s(&dir),
+                "--tokenizer",
+                s(&tok),
+                "--weights",
+                w,
+                "-o",
+                s(&art),
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "{w}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
+        let info: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let formats = info["weight_formats"].as_array().unwrap();
+        let count = |f: &str| {
+            formats
+                .iter()
+                .find(|x| x["format"] == f)
+                .map_or(0, |x| x["tensors"].as_u64().unwrap())
+        };
+        if w != "f32" {
+            // 4 attention + 3 × 3 Gated DeltaNet linears, 4 layers × (8 experts × 3 + shared 3).
+            assert_eq!(count(w), 4 + 9 + 4 * (8 * 3 + 3), "{w}: {formats:?}");
+            // Routers and shared-expert gates (8), norms, embeddings, small projections.
+            assert!(count("bf16") >= 8, "{w}: {formats:?}");
+        }
+        let out = tmp.path().join(format!("run-{w}"));
+        let o = common::run_bin(
+            "ninfer-perplexity",
+            &[
+                s(&art),
+                "--text",
+                s(&text),
+                "--context",
+                "32",
+                "--stride",
+                "16",
+                "--output",
+                s(&out),
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "{w}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let r: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
+                .unwrap();
+        means.push(r["overall"]["mean_nll"].as_f64().unwrap());
+    }
+    eprintln!("mean NLL f32 / fp8: {means:?}");
+    assert!(means.iter().all(|m| m.is_finite()));
+    assert!(means[0] != means[1], "{means:?}");
+}
+
 test_main! {
+    Prepared experts_are_packed_in_fp8,
     Prepared contradicting_checkpoints_are_refused,
     Prepared a_moe_run_reports_its_routing,
 }

@@ -103,6 +103,13 @@ fn tiny_qwen3_5_moe_matches_transformers() {
     );
 }
 
+fn tiny_qwen3_next_matches_transformers() {
+    tiny(
+        "eval/fixtures/tiny-qwen3_next",
+        "eval/fixtures/tiny_qwen3_next_logprobs.json",
+    );
+}
+
 fn tiny_qwen3_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3",
@@ -159,14 +166,15 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
 }
 
 /// Each planted routing mistake fails the MoE references: top-k off by one and no
-/// renormalisation on both families, the shared expert's gate as SiLU on qwen3_5_moe (the
-/// only one with a shared expert).
+/// renormalisation on every family, the shared expert's gate as SiLU on qwen3_5_moe and
+/// qwen3_next (qwen3_moe has no shared expert).
 fn every_planted_routing_fault_fails_the_moe_references() {
     use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
     let tok = common::cache_file("qwen3-tokenizer.json");
     for (family, faults) in [
         ("qwen3_moe", &Pitfall::MOE[..2]),
         ("qwen3_5_moe", &Pitfall::MOE[..]),
+        ("qwen3_next", &Pitfall::MOE[..]),
     ] {
         let dir = common::repo().join(format!("eval/fixtures/tiny-{family}"));
         let src = read_hf_dir(&dir, Some(&tok)).unwrap();
@@ -197,6 +205,7 @@ fn every_planted_routing_fault_fails_the_moe_references() {
 test_main! {
     Prepared tiny_qwen3_moe_matches_transformers,
     Prepared tiny_qwen3_5_moe_matches_transformers,
+    Prepared tiny_qwen3_next_matches_transformers,
     Prepared every_planted_routing_fault_fails_the_moe_references,
     Prepared tiny_qwen3_5_hybrid_matches_transformers,
     Prepared every_planted_hybrid_pitfall_fails_the_reference,

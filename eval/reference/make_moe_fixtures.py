@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference fixtures for the mixture-of-experts text models (qwen3_moe, qwen3_5_moe).
+"""Reference fixtures for the mixture-of-experts text models (qwen3_moe, qwen3_5_moe, qwen3_next).
 
 Builds two tiny random-weight models with transformers' own classes, trains them a few Adam
 steps on the fixture texts, stores them under eval/fixtures/tiny-<family>/ and writes float32
@@ -10,7 +10,10 @@ per-token log-probabilities from transformers to eval/fixtures/tiny_<family>_log
   (`mlp.experts.E.{gate,up,down}_proj.weight`; transformers' own save_pretrained);
 * tiny-qwen3_5_moe: `Qwen3_5MoeForCausalLM`, the Qwen3.5 hybrid (3 Gated DeltaNet layers, 1
   gated attention layer) with 8 experts, top-2 and a gated shared expert in every layer,
-  stored in the fused layout (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
+  stored in the fused layout (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`);
+* tiny-qwen3_next: `Qwen3NextForCausalLM`, the same layers with layer 1 dense, its Gated
+  DeltaNet projections grouped per key head (`in_proj_qkvz`, `in_proj_ba`, 3 value heads per
+  key head) and per-expert tensors, as transformers saves it.
 
 Every parameter is re-randomised after construction from numpy's legacy RandomState (norms
 and routers included: transformers initialises routers to zero and norms to one/zero), with
@@ -36,6 +39,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +78,14 @@ QWEN3_5_MOE = dict(
     num_experts_per_tok=TOP_K, moe_intermediate_size=12, shared_expert_intermediate_size=20,
     bos_token_id=151643, eos_token_id=151645,
 )
-SEEDS = {"qwen3_moe": 301, "qwen3_5_moe": 351}
+QWEN3_NEXT = dict(
+    QWEN3_5_MOE, layer_types=[LIN, LIN, FULL, LIN], intermediate_size=32, mlp_only_layers=[1],
+    decoder_sparse_step=1, norm_topk_prob=True,
+)
+SEEDS = {"qwen3_moe": 301, "qwen3_5_moe": 351, "qwen3_next": 381}
+CLASSES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE),
+           "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, QWEN3_5_MOE),
+           "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, QWEN3_NEXT)}
 
 
 def randomize(model: torch.nn.Module, seed: int, zero_centred: bool) -> None:
@@ -141,19 +153,15 @@ def build(family: str, tokenize) -> None:
     for old in out.iterdir():
         old.unlink()
     torch.manual_seed(SEEDS[family])
-    if family == "qwen3_moe":
-        conf = Qwen3MoeConfig(**QWEN3_MOE)
-        conf.architectures = ["Qwen3MoeForCausalLM"]
-        model = Qwen3MoeForCausalLM(conf).float()
-    else:
-        conf = Qwen3_5MoeTextConfig(**QWEN3_5_MOE)
-        conf.architectures = ["Qwen3_5MoeForCausalLM"]
-        model = Qwen3_5MoeForCausalLM(conf).float()
-    randomize(model, SEEDS[family], zero_centred=family == "qwen3_5_moe")
+    conf_cls, cls, kwargs = CLASSES[family]
+    conf = conf_cls(**kwargs)
+    conf.architectures = [cls.__name__]
+    model = cls(conf).float()
+    randomize(model, SEEDS[family], zero_centred=family != "qwen3_moe")
     seqs = [tokenize(t) for _, t in TEXTS]
     train(model, seqs)
     model.to(torch.bfloat16)
-    if family == "qwen3_moe":
+    if family != "qwen3_5_moe":
         model.save_pretrained(str(out), safe_serialization=True)  # per-expert tensors
     else:
         conf.save_pretrained(str(out))
@@ -166,7 +174,6 @@ def build(family: str, tokenize) -> None:
     st_sha = sha256_file(st)
     print(f"wrote {st.relative_to(ROOT)} ({st.stat().st_size} bytes, sha256 {st_sha})")
 
-    cls = Qwen3MoeForCausalLM if family == "qwen3_moe" else Qwen3_5MoeForCausalLM
     ref, info = cls.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"{family}: loading info {bad}"
@@ -201,7 +208,7 @@ def build(family: str, tokenize) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", default=str(ROOT / "models" / "cache"))
-    ap.add_argument("--family", choices=["qwen3_moe", "qwen3_5_moe"], action="append")
+    ap.add_argument("--family", choices=sorted(CLASSES), action="append")
     args = ap.parse_args()
     t0 = time.time()
     torch.set_num_threads(TORCH_THREADS)
@@ -210,7 +217,7 @@ def main() -> None:
                            "fetch-qwen3-tokenizer.sh")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path))
     tokenize = lambda t: tok(t)["input_ids"]  # noqa: E731
-    for family in args.family or ["qwen3_moe", "qwen3_5_moe"]:
+    for family in args.family or list(CLASSES):
         build(family, tokenize)
     print(f"done in {time.time() - t0:.1f} s")
 

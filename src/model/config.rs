@@ -41,6 +41,11 @@ pub enum Family {
     /// The Qwen3.5 hybrid with sparse MoE MLPs and a gated shared expert (Qwen3.5-35B-A3B).
     #[serde(rename = "qwen3_5_moe")]
     Qwen3_5Moe,
+    /// Qwen3-Next (80B-A3B): the same layers as qwen3_5_moe, dense layers where the config
+    /// says so; its checkpoints group the Gated DeltaNet projections per key head, which the
+    /// packer un-groups.
+    #[serde(rename = "qwen3_next")]
+    Qwen3Next,
 }
 
 impl Family {
@@ -52,17 +57,24 @@ impl Family {
             Family::Qwen3_5 => "qwen3_5",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Qwen3_5Moe => "qwen3_5_moe",
+            Family::Qwen3Next => "qwen3_next",
         }
     }
 
     /// The Qwen3.5 text model's layers (hybrid, zero-centred norms, gated attention).
     pub fn is_qwen3_5(self) -> bool {
-        matches!(self, Family::Qwen3_5 | Family::Qwen3_5Moe)
+        matches!(
+            self,
+            Family::Qwen3_5 | Family::Qwen3_5Moe | Family::Qwen3Next
+        )
     }
 
     /// Families whose MLPs are mixtures of experts.
     pub fn is_moe(self) -> bool {
-        matches!(self, Family::Qwen3Moe | Family::Qwen3_5Moe)
+        matches!(
+            self,
+            Family::Qwen3Moe | Family::Qwen3_5Moe | Family::Qwen3Next
+        )
     }
 }
 

@@ -1,7 +1,9 @@
 //! Hugging Face directory reader: `config.json`, `*.safetensors`, `tokenizer.json`.
 //!
-//! Supports `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and the Qwen3.5
-//! hybrid (`Qwen3_5ForConditionalGeneration`, `Qwen3_5ForCausalLM`; see [`super::qwen3_5`]).
+//! Supports `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+//! `Qwen3MoeForCausalLM` and the Qwen3.5 hybrids (`Qwen3_5ForConditionalGeneration`,
+//! `Qwen3_5ForCausalLM`, their `Qwen3_5Moe` twins and `Qwen3NextForCausalLM`; see
+//! [`super::qwen3_5`] and, for the experts, [`super::moe`]).
 //! Tensor names are (after Qwen3.5's prefix) the ones the artifact uses and RoPE is already
 //! rotate-half, so the work is reading the config faithfully (including the defaults
 //! transformers applies) and widening the weights to f32 from whatever dtype each tensor's
@@ -106,7 +108,7 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
         "Qwen3ForCausalLM" => Family::Qwen3,
         "Qwen3MoeForCausalLM" => Family::Qwen3Moe,
         other => bail!(
-            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM)"
+            "config.json: unsupported architecture `{other}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)"
         ),
     };
     if c.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
@@ -328,6 +330,10 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     check_index(dir, &seen)?;
     let (quantized, quantization) = super::hf_quant::assemble(quant_parts, claim, &cfg_path)?;
     tensors.extend(quantized);
+    if config.family == Family::Qwen3Next {
+        let h = config.hybrid.as_ref().expect("qwen3_next is hybrid");
+        super::moe::ungroup_qwen3_next(&mut tensors, h)?;
+    }
     if config.moe.is_some() {
         super::moe::unfuse_experts(&mut tensors)?;
     }

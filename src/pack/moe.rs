@@ -1,4 +1,5 @@
-//! Mixture-of-experts checkpoints: their config keys and their two expert layouts.
+//! Mixture-of-experts checkpoints: their config keys, their two expert layouts, and
+//! Qwen3-Next's grouped Gated DeltaNet projections.
 //!
 //! The published Qwen3-MoE checkpoints store every expert's projections apart
 //! (`mlp.experts.E.{gate,up,down}_proj.weight`); transformers 5 and the Qwen3.5-MoE
@@ -7,7 +8,8 @@
 //! holds the per-expert layout, so a fused checkpoint is split here: a reordering of rows, no
 //! arithmetic. Which layers are sparse follows transformers' rule for qwen3_moe: layer `i` is
 //! sparse unless it is in `mlp_only_layers`, when there are experts and
-//! `(i + 1) % decoder_sparse_step == 0`; every layer of qwen3_5_moe is sparse.
+//! `(i + 1) % decoder_sparse_step == 0` (qwen3_next follows the same rule); every layer of
+//! qwen3_5_moe is sparse.
 
 use super::hf::get_usize;
 use super::{SourceTensor, TensorData};
@@ -15,12 +17,15 @@ use crate::model::config::MoeConfig;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
-/// The MoE part of a qwen3_moe `config.json`, with transformers' defaults.
-pub fn qwen3_moe(c: &Value, layers: usize) -> Result<MoeConfig> {
-    // transformers 5 writes `num_local_experts`; the published configs say `num_experts`.
-    let experts = get_usize(c, "num_experts")?
-        .or(get_usize(c, "num_local_experts")?)
-        .unwrap_or(128);
+/// `num_experts` (transformers 5 writes `num_local_experts`; the published configs say
+/// `num_experts`), if given.
+fn experts_of(c: &Value) -> Result<Option<usize>> {
+    Ok(get_usize(c, "num_experts")?.or(get_usize(c, "num_local_experts")?))
+}
+
+/// transformers' rule for qwen3_moe and qwen3_next: layer `i` is sparse unless it is in
+/// `mlp_only_layers`, when there are experts and `(i + 1) % decoder_sparse_step == 0`.
+fn sparse_layers(c: &Value, layers: usize, experts: usize) -> Result<Vec<bool>> {
     let step = get_usize(c, "decoder_sparse_step")?.unwrap_or(1);
     if step == 0 {
         bail!("config.json: `decoder_sparse_step` must be at least 1");
@@ -37,28 +42,144 @@ pub fn qwen3_moe(c: &Value, layers: usize) -> Result<MoeConfig> {
             .collect::<Result<_>>()?,
         Some(v) => bail!("config.json: `mlp_only_layers` must be a list, found {v}"),
     };
+    Ok((0..layers)
+        .map(|i| !only.contains(&i) && experts > 0 && (i + 1) % step == 0)
+        .collect())
+}
+
+fn norm_topk(c: &Value, default: bool) -> bool {
+    c.get("norm_topk_prob")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(default)
+}
+
+/// The MoE part of a qwen3_moe `config.json`, with transformers' defaults.
+pub fn qwen3_moe(c: &Value, layers: usize) -> Result<MoeConfig> {
+    let experts = experts_of(c)?.unwrap_or(128);
     Ok(MoeConfig {
         num_experts: experts,
         num_experts_per_tok: get_usize(c, "num_experts_per_tok")?.unwrap_or(8),
         moe_intermediate_size: get_usize(c, "moe_intermediate_size")?.unwrap_or(768),
-        norm_topk_prob: c
-            .get("norm_topk_prob")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false),
+        norm_topk_prob: norm_topk(c, false),
         shared_expert_intermediate_size: 0,
-        sparse_layers: (0..layers)
-            .map(|i| !only.contains(&i) && experts > 0 && (i + 1) % step == 0)
-            .collect(),
+        sparse_layers: sparse_layers(c, layers, experts)?,
     })
+}
+
+/// The MoE part of a qwen3_next config: qwen3_moe's rule for dense layers, qwen3_next's
+/// defaults (512 experts, top-10, renormalised) and a gated shared expert.
+pub fn qwen3_next(c: &Value, layers: usize) -> Result<MoeConfig> {
+    let experts = experts_of(c)?.unwrap_or(512);
+    Ok(MoeConfig {
+        num_experts: experts,
+        num_experts_per_tok: get_usize(c, "num_experts_per_tok")?.unwrap_or(10),
+        moe_intermediate_size: get_usize(c, "moe_intermediate_size")?.unwrap_or(512),
+        norm_topk_prob: norm_topk(c, true),
+        shared_expert_intermediate_size: get_usize(c, "shared_expert_intermediate_size")?
+            .unwrap_or(512),
+        sparse_layers: sparse_layers(c, layers, experts)?,
+    })
+}
+
+/// Un-groups Qwen3-Next's fused Gated DeltaNet projections into the Qwen3.5 layout, in place.
+///
+/// `in_proj_qkvz [Hk·(2Dk + 2r·Dv), d]` holds, per key head g, `q_g (Dk) | k_g (Dk) | v_g
+/// (r·Dv) | z_g (r·Dv)` (the value heads of group g are `g·r .. g·r + r − 1`); it becomes
+/// `in_proj_qkv = [q_0..q_{Hk−1} | k_0.. | v_0..]` and `in_proj_z = [z_0..]`. `in_proj_ba
+/// [Hk·2r, d]` holds `b_g (r) | a_g (r)` per group and becomes `in_proj_b` and `in_proj_a`.
+/// A reordering of rows, no arithmetic.
+pub fn ungroup_qwen3_next(
+    tensors: &mut Vec<SourceTensor>,
+    h: &crate::model::config::HybridConfig,
+) -> Result<()> {
+    let (hk, dk, dv) = (
+        h.linear_num_key_heads,
+        h.linear_key_head_dim,
+        h.linear_value_head_dim,
+    );
+    let r = h.linear_num_value_heads / hk.max(1);
+    let mut out = Vec::with_capacity(tensors.len() + tensors.len() / 8);
+    for t in std::mem::take(tensors) {
+        let (prefix, qkvz) =
+            if let Some(p) = t.name.strip_suffix(".linear_attn.in_proj_qkvz.weight") {
+                (p.to_string(), true)
+            } else if let Some(p) = t.name.strip_suffix(".linear_attn.in_proj_ba.weight") {
+                (p.to_string(), false)
+            } else {
+                out.push(t);
+                continue;
+            };
+        let from = t.origin.display().to_string();
+        let TensorData::Values(v) = &t.data else {
+            bail!(
+                "{from}: `{}` is stored quantized; grouped quantized projections are not read yet",
+                t.name
+            );
+        };
+        let group = if qkvz { 2 * dk + 2 * r * dv } else { 2 * r };
+        let [rows, cols] = t.shape[..] else {
+            bail!(
+                "{from}: `{}` has shape {:?}; expected a matrix",
+                t.name,
+                t.shape
+            );
+        };
+        if rows != hk * group {
+            bail!(
+                "{from}: `{}` has {rows} rows; the config's {hk} key heads × {group} imply {}",
+                t.name,
+                hk * group
+            );
+        }
+        // Row ranges within a group, and which output each goes to.
+        let parts: Vec<(usize, usize)> = if qkvz {
+            vec![
+                (0, dk),
+                (dk, dk),
+                (2 * dk, r * dv),
+                (2 * dk + r * dv, r * dv),
+            ]
+        } else {
+            vec![(0, r), (r, r)]
+        };
+        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
+        for g in 0..hk {
+            for (o, &(start, n)) in outs.iter_mut().zip(&parts) {
+                let a = (g * group + start) * cols;
+                o.extend_from_slice(&v[a..a + n * cols]);
+            }
+        }
+        let mut push = |name: &str, vals: Vec<f32>| {
+            let rows = vals.len() / cols.max(1);
+            out.push(SourceTensor {
+                name: format!("{prefix}.linear_attn.{name}.weight"),
+                shape: vec![rows, cols],
+                data: TensorData::Values(vals),
+                origin: t.origin.clone(),
+            });
+        };
+        let mut it = outs.into_iter();
+        if qkvz {
+            let (q, k, val, z) = (it.next(), it.next(), it.next(), it.next());
+            let mut qkv = q.unwrap_or_default();
+            qkv.extend(k.unwrap_or_default());
+            qkv.extend(val.unwrap_or_default());
+            push("in_proj_qkv", qkv);
+            push("in_proj_z", z.unwrap_or_default());
+        } else {
+            push("in_proj_b", it.next().unwrap_or_default());
+            push("in_proj_a", it.next().unwrap_or_default());
+        }
+    }
+    *tensors = out;
+    Ok(())
 }
 
 /// The MoE part of a qwen3_5_moe text config (`tc`): every layer sparse, the top-k always
 /// renormalised, a shared expert.
 pub fn qwen3_5_moe(tc: &Value, layers: usize) -> Result<MoeConfig> {
     Ok(MoeConfig {
-        num_experts: get_usize(tc, "num_experts")?
-            .or(get_usize(tc, "num_local_experts")?)
-            .unwrap_or(256),
+        num_experts: experts_of(tc)?.unwrap_or(256),
         num_experts_per_tok: get_usize(tc, "num_experts_per_tok")?.unwrap_or(8),
         moe_intermediate_size: get_usize(tc, "moe_intermediate_size")?.unwrap_or(512),
         norm_topk_prob: true,
@@ -129,4 +250,96 @@ pub fn unfuse_experts(tensors: &mut Vec<SourceTensor>) -> Result<()> {
     }
     *tensors = out;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::{HybridConfig, OutputGate};
+
+    fn labelled(name: &str, rows: usize) -> SourceTensor {
+        SourceTensor {
+            name: name.into(),
+            shape: vec![rows, 1],
+            data: TensorData::Values((0..rows).map(|r| r as f32).collect()),
+            origin: "model.safetensors".into(),
+        }
+    }
+
+    fn rows(ts: &[SourceTensor], name: &str) -> Vec<f32> {
+        let t = ts.iter().find(|t| t.name == name).unwrap();
+        t.data.values().unwrap().to_vec()
+    }
+
+    /// 2 key heads of dim 1, 2 value heads of dim 1 per key head: each row labelled by its
+    /// index, so the output says where every row went.
+    #[test]
+    fn qwen3_next_projections_are_ungrouped_per_key_head() {
+        let h = HybridConfig {
+            layer_types: vec![],
+            rotary_dim: 2,
+            linear_num_key_heads: 2,
+            linear_num_value_heads: 4,
+            linear_key_head_dim: 1,
+            linear_value_head_dim: 1,
+            linear_conv_kernel_dim: 4,
+            output_gate: OutputGate::Silu,
+        };
+        let p = "model.layers.0.linear_attn";
+        let mut ts = vec![
+            labelled(&format!("{p}.in_proj_qkvz.weight"), 12),
+            labelled(&format!("{p}.in_proj_ba.weight"), 8),
+        ];
+        ungroup_qwen3_next(&mut ts, &h).unwrap();
+        // group g: q_g | k_g | v_g (2) | z_g (2), 6 rows each
+        assert_eq!(
+            rows(&ts, &format!("{p}.in_proj_qkv.weight")),
+            [0., 6., 1., 7., 2., 3., 8., 9.]
+        );
+        assert_eq!(
+            rows(&ts, &format!("{p}.in_proj_z.weight")),
+            [4., 5., 10., 11.]
+        );
+        // group g: b_g (2) | a_g (2)
+        assert_eq!(
+            rows(&ts, &format!("{p}.in_proj_b.weight")),
+            [0., 1., 4., 5.]
+        );
+        assert_eq!(
+            rows(&ts, &format!("{p}.in_proj_a.weight")),
+            [2., 3., 6., 7.]
+        );
+
+        let mut bad = vec![labelled(&format!("{p}.in_proj_qkvz.weight"), 10)];
+        let e = ungroup_qwen3_next(&mut bad, &h).unwrap_err().to_string();
+        assert!(
+            e.starts_with("model.safetensors: `model.layers.0.linear_attn.in_proj_qkvz.weight` has 10 rows; the config's 2 key heads × 6 imply 12"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn fused_experts_split_into_gate_up_and_down() {
+        let mut ts = vec![
+            SourceTensor {
+                name: "model.layers.0.mlp.experts.gate_up_proj".into(),
+                shape: vec![2, 4, 1],
+                data: TensorData::Values((0..8).map(|r| r as f32).collect()),
+                origin: "m.safetensors".into(),
+            },
+            SourceTensor {
+                name: "model.layers.0.mlp.experts.down_proj".into(),
+                shape: vec![2, 1, 2],
+                data: TensorData::Values((0..4).map(|r| r as f32).collect()),
+                origin: "m.safetensors".into(),
+            },
+        ];
+        unfuse_experts(&mut ts).unwrap();
+        let e = "model.layers.0.mlp.experts";
+        assert_eq!(rows(&ts, &format!("{e}.0.gate_proj.weight")), [0., 1.]);
+        assert_eq!(rows(&ts, &format!("{e}.0.up_proj.weight")), [2., 3.]);
+        assert_eq!(rows(&ts, &format!("{e}.1.gate_proj.weight")), [4., 5.]);
+        assert_eq!(rows(&ts, &format!("{e}.1.up_proj.weight")), [6., 7.]);
+        assert_eq!(rows(&ts, &format!("{e}.1.down_proj.weight")), [2., 3.]);
+    }
 }

@@ -16,17 +16,19 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
 /// The architectures this module reads.
-pub const ARCHITECTURES: [&str; 4] = [
+pub const ARCHITECTURES: [&str; 5] = [
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 ];
 
 /// The engine's config for a Qwen3.5 `config.json` (`arch` is its architecture).
 pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
     let multimodal = arch.ends_with("ForConditionalGeneration");
-    let moe = arch.starts_with("Qwen3_5Moe");
+    let next = arch == "Qwen3NextForCausalLM";
+    let moe = arch.starts_with("Qwen3_5Moe") || next;
     let tc = if multimodal {
         c.get("text_config")
             .filter(|t| t.is_object())
@@ -137,7 +139,9 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
         .unwrap_or(false);
     let heads = field("num_attention_heads")?;
     let cfg = ModelConfig {
-        family: if moe {
+        family: if next {
+            Family::Qwen3Next
+        } else if moe {
             Family::Qwen3_5Moe
         } else {
             Family::Qwen3_5
@@ -145,7 +149,10 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
         vocab_size: field("vocab_size")?,
         hidden_size: field("hidden_size")?,
         // Every qwen3_5_moe layer is sparse: the dense width is never used.
-        intermediate_size: if moe {
+        intermediate_size: if next {
+            // The width of qwen3_next's dense layers (`mlp_only_layers`).
+            get_usize(tc, "intermediate_size")?.unwrap_or(5632)
+        } else if moe {
             get_usize(tc, "intermediate_size")?
                 .or(get_usize(tc, "moe_intermediate_size")?)
                 .unwrap_or(512)
@@ -175,7 +182,9 @@ pub fn parse_config(c: &Value, arch: &str) -> Result<ModelConfig> {
             linear_conv_kernel_dim: get_usize(tc, "linear_conv_kernel_dim")?.unwrap_or(4),
             output_gate,
         }),
-        moe: if moe {
+        moe: if next {
+            Some(super::moe::qwen3_next(tc, layers)?)
+        } else if moe {
             Some(super::moe::qwen3_5_moe(tc, layers)?)
         } else {
             None
