@@ -131,32 +131,30 @@ fn tiny_qwen3_5_hybrid_matches_transformers() {
     );
 }
 
-/// Each classic mistake of the hybrid math, planted alone, must fail the bound above (by a
-/// wide margin: the reference moves 0.1 to 22 nats for them).
-fn every_planted_hybrid_pitfall_fails_the_reference() {
-    use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
+/// Packs the tiny checkpoint of `family` (`eval/fixtures/tiny-{family}`) in f32 and requires
+/// each of `faults`, planted alone, to move it past the bound (by a wide margin: more than
+/// 1e-2), and the model without them to be back within it.
+fn planted_faults_fail(family: &str, faults: &[ninfer_perplexity::model::fault::Pitfall]) {
+    use ninfer_perplexity::model::fault::{Fault, Faults};
     let tok = common::cache_file("qwen3-tokenizer.json");
-    let src = read_hf_dir(
-        &common::repo().join("eval/fixtures/tiny-qwen3_5"),
-        Some(&tok),
-    )
-    .unwrap();
+    let dir = common::repo().join(format!("eval/fixtures/tiny-{family}"));
+    let src = read_hf_dir(&dir, Some(&tok)).unwrap();
     let tmp = common::tempdir();
     let art = tmp.path().join("tiny.ninfer");
     write_artifact(&src, WeightFormat::F32, &art).unwrap();
     let mut e = load(&art, 0);
-    let fixture = common::read_json("eval/fixtures/tiny_qwen3_5_logprobs.json");
-    for p in Pitfall::ALL {
+    let fixture = common::read_json(&format!("eval/fixtures/tiny_{family}_logprobs.json"));
+    for &p in faults {
         e.set_faults(Faults::of(Fault::Pitfall(p))).unwrap();
         let d = compare(&e, &fixture);
         eprintln!(
-            "pitfall {}: max |Δ logprob| {:.3e}",
+            "{family} {}: max |Δ logprob| {:.3e}",
             p.name(),
             d.max_abs_logprob
         );
         assert!(
             d.max_abs_logprob > 1e-2,
-            "pitfall {} went unnoticed: {d:?}",
+            "{family}: {} went unnoticed: {d:?}",
             p.name()
         );
     }
@@ -165,41 +163,20 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
     assert!(compare(&e, &fixture).max_abs_logprob <= 2e-4);
 }
 
+/// Each classic mistake of the hybrid math, planted alone, must fail the bound above (the
+/// reference moves 0.1 to 22 nats for them).
+fn every_planted_hybrid_pitfall_fails_the_reference() {
+    planted_faults_fail("qwen3_5", &ninfer_perplexity::model::fault::Pitfall::ALL);
+}
+
 /// Each planted routing mistake fails the MoE references: top-k off by one and no
 /// renormalisation on every family, the shared expert's gate as SiLU on qwen3_5_moe and
 /// qwen3_next (qwen3_moe has no shared expert).
 fn every_planted_routing_fault_fails_the_moe_references() {
-    use ninfer_perplexity::model::fault::{Fault, Faults, Pitfall};
-    let tok = common::cache_file("qwen3-tokenizer.json");
-    for (family, faults) in [
-        ("qwen3_moe", &Pitfall::MOE[..2]),
-        ("qwen3_5_moe", &Pitfall::MOE[..]),
-        ("qwen3_next", &Pitfall::MOE[..]),
-    ] {
-        let dir = common::repo().join(format!("eval/fixtures/tiny-{family}"));
-        let src = read_hf_dir(&dir, Some(&tok)).unwrap();
-        let tmp = common::tempdir();
-        let art = tmp.path().join("tiny.ninfer");
-        write_artifact(&src, WeightFormat::F32, &art).unwrap();
-        let mut e = load(&art, 0);
-        let fixture = common::read_json(&format!("eval/fixtures/tiny_{family}_logprobs.json"));
-        for &p in faults {
-            e.set_faults(Faults::of(Fault::Pitfall(p))).unwrap();
-            let d = compare(&e, &fixture);
-            eprintln!(
-                "{family} {}: max |Δ logprob| {:.3e}",
-                p.name(),
-                d.max_abs_logprob
-            );
-            assert!(
-                d.max_abs_logprob > 1e-2,
-                "{family}: {} went unnoticed: {d:?}",
-                p.name()
-            );
-        }
-        e.set_faults(Faults::NONE).unwrap();
-        assert!(compare(&e, &fixture).max_abs_logprob <= 2e-4);
-    }
+    use ninfer_perplexity::model::fault::Pitfall;
+    planted_faults_fail("qwen3_moe", &Pitfall::MOE[..2]);
+    planted_faults_fail("qwen3_5_moe", &Pitfall::MOE);
+    planted_faults_fail("qwen3_next", &Pitfall::MOE);
 }
 
 test_main! {

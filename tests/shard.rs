@@ -183,11 +183,17 @@ fn tiny() -> Tiny {
 
 impl Tiny {
     fn run(&self, name: &str, extra: &[&str]) -> PathBuf {
+        self.run_on(&self.text, name, extra)
+    }
+
+    /// Scores `text` into the run directory `name` (context 32, stride 16 unless `extra` sets
+    /// the stride), asserting success.
+    fn run_on(&self, text: &Path, name: &str, extra: &[&str]) -> PathBuf {
         let dir = self.tmp.path().join(name);
         let mut a = vec![
             s(&self.art),
             "--text",
-            s(&self.text),
+            s(text),
             "--context",
             "32",
             "--output",
@@ -252,25 +258,7 @@ fn shards_of_different_runs_are_refused() {
         "A different text, scored the same way. ".repeat(15),
     )
     .unwrap();
-    let other = {
-        let dir = t.tmp.path().join("other");
-        ok(&[
-            s(&t.art),
-            "--text",
-            s(&other_text),
-            "--context",
-            "32",
-            "--stride",
-            "16",
-            "--output",
-            s(&dir),
-            "--shard",
-            "2/2",
-            "--log-level",
-            "warn",
-        ]);
-        dir
-    };
+    let other = t.run_on(&other_text, "other", &["--shard", "2/2"]);
     refused(
         &t,
         &[&a, &int8],

@@ -356,18 +356,15 @@ def tiny_init(family: str, cfg: dict) -> torch.nn.Module:
     return model
 
 
-def tiny_train(model: torch.nn.Module, seqs: list[list[int]]) -> None:
-    """A few full-batch Adam steps on the fixture texts.
-
-    Random weights alone give sharp but wrong predictions (a mean NLL above ln(vocab)); a short
-    fit makes the distributions depend on the context in the way a real model's do, so a wrong
-    mask, position or weight in the engine moves the numbers a lot. Deterministic on CPU with
-    a fixed thread count.
-    """
-    opt = torch.optim.Adam(model.parameters(), lr=TINY_LR)
+def adam_fit(model: torch.nn.Module, seqs: list[list[int]], steps: int, lr: float,
+             params=None) -> None:
+    """Full-batch Adam steps on `seqs` (next-token cross-entropy summed over every sequence,
+    divided by the number of targets), then eval mode. Deterministic on CPU with a fixed
+    thread count. `params`: what to fit (default: every parameter)."""
+    opt = torch.optim.Adam(list(model.parameters()) if params is None else params, lr=lr)
     total = sum(len(s) - 1 for s in seqs)
     model.train()
-    for _ in range(TINY_STEPS):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         for ids in seqs:
             x = torch.tensor([ids], dtype=torch.long)
@@ -376,6 +373,17 @@ def tiny_train(model: torch.nn.Module, seqs: list[list[int]]) -> None:
             (loss / total).backward()
         opt.step()
     model.eval()
+
+
+def tiny_train(model: torch.nn.Module, seqs: list[list[int]]) -> None:
+    """A few full-batch Adam steps on the fixture texts.
+
+    Random weights alone give sharp but wrong predictions (a mean NLL above ln(vocab)); a short
+    fit makes the distributions depend on the context in the way a real model's do, so a wrong
+    mask, position or weight in the engine moves the numbers a lot. Deterministic on CPU with
+    a fixed thread count.
+    """
+    adam_fit(model, seqs, TINY_STEPS, TINY_LR)
 
 
 def tiny_state_dict(model: torch.nn.Module, tied: bool) -> dict:

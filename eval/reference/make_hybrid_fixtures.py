@@ -41,8 +41,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (  # noqa: E402  (the shared texts, window protocol and helpers)
     FIXTURES, FRANCE, MIXED, PARAGRAPH, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256,
-    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, ensure_file, logprob_cases, sha256_file,
-    versions, windows, write_json,
+    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases,
+    sha256_file, versions, windows, write_json,
 )
 
 NAME = "tiny-qwen3_5"
@@ -178,19 +178,8 @@ def train(model: torch.nn.Module, seqs: list[list[int]]) -> None:
     """A few full-batch Adam steps on the fixture texts (as make_fixtures.py does for the tiny
     Qwen3/Qwen2), so predictions depend on the context. Runs through transformers' chunked
     gated delta rule and its backward pass."""
-    opt = torch.optim.Adam([p for n, p in model.named_parameters()
-                            if not n.startswith("model.visual.")], lr=LR)
-    total = sum(len(s) - 1 for s in seqs)
-    model.train()
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        for ids in seqs:
-            x = torch.tensor([ids], dtype=torch.long)
-            logits = model(input_ids=x, use_cache=False).logits[0]
-            loss = torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:], reduction="sum")
-            (loss / total).backward()
-        opt.step()
-    model.eval()
+    adam_fit(model, seqs, STEPS, LR,
+             params=[p for n, p in model.named_parameters() if not n.startswith("model.visual.")])
 
 
 def fake_mtp(rng: np.random.RandomState) -> dict[str, torch.Tensor]:

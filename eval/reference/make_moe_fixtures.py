@@ -46,8 +46,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (  # noqa: E402
     FIXTURES, FRANCE, MIXED, PARAGRAPH, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256,
-    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, ensure_file, logprob_cases, sha256_file,
-    versions, write_json,
+    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases,
+    sha256_file, versions, write_json,
 )
 
 VOCAB = 151936
@@ -113,21 +113,6 @@ def randomize(model: torch.nn.Module, seed: int, zero_centred: bool) -> None:
             p.copy_(torch.from_numpy(np.asarray(a, dtype=np.float32)))
 
 
-def train(model: torch.nn.Module, seqs: list[list[int]]) -> None:
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    total = sum(len(s) - 1 for s in seqs)
-    model.train()
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        for ids in seqs:
-            x = torch.tensor([ids], dtype=torch.long)
-            logits = model(input_ids=x, use_cache=False).logits[0]
-            loss = torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:], reduction="sum")
-            (loss / total).backward()
-        opt.step()
-    model.eval()
-
-
 @torch.no_grad()
 def routing_counts(model: torch.nn.Module, ids: list[int]) -> list[list[int]]:
     """Tokens per expert in every sparse layer for one sequence, from transformers' router."""
@@ -159,7 +144,7 @@ def build(family: str, tokenize) -> None:
     model = cls(conf).float()
     randomize(model, SEEDS[family], zero_centred=family != "qwen3_moe")
     seqs = [tokenize(t) for _, t in TEXTS]
-    train(model, seqs)
+    adam_fit(model, seqs, STEPS, LR)
     model.to(torch.bfloat16)
     if family != "qwen3_5_moe":
         model.save_pretrained(str(out), safe_serialization=True)  # per-expert tensors
