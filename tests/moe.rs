@@ -44,6 +44,27 @@ fn pack(dir: &Path, out: &Path) -> std::process::Output {
     )
 }
 
+/// Scores `text` with `art` at context 32, stride 16 into `out`.
+fn score(art: &Path, text: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    let mut a = vec![
+        s(art),
+        "--text",
+        s(text),
+        "--context",
+        "32",
+        "--stride",
+        "16",
+        "--output",
+        s(out),
+    ];
+    a.extend_from_slice(extra);
+    common::run_bin("ninfer-perplexity", &a)
+}
+
+fn report(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap()
+}
+
 fn contradicting_checkpoints_are_refused() {
     let experts_key = |c: &Value| {
         if c.get("num_experts").is_some() {
@@ -122,21 +143,7 @@ fn a_moe_run_reports_its_routing() {
         "Experts share the work; the router decides who does what. ".repeat(8),
     )
     .unwrap();
-    let run = |out: &Path, extra: &[&str]| {
-        let mut a = vec![
-            s(&art),
-            "--text",
-            s(&text),
-            "--context",
-            "32",
-            "--stride",
-            "16",
-            "--output",
-            s(out),
-        ];
-        a.extend_from_slice(extra);
-        common::run_bin("ninfer-perplexity", &a)
-    };
+    let run = |out: &Path, extra: &[&str]| score(&art, &text, out, extra);
     let full = tmp.path().join("full");
     let o = run(&full, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -146,8 +153,7 @@ fn a_moe_run_reports_its_routing() {
         "{err}"
     );
     assert!(err.contains("device auto: using the CPU: qwen3_5_moe (mixture of experts)"));
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(full.join("report.json")).unwrap()).unwrap();
+    let r = report(&full);
     let cfg = &r["artifact"]["config"]["moe"];
     assert_eq!(cfg["num_experts"], 8);
     assert_eq!(cfg["num_experts_per_tok"], 2);
@@ -196,8 +202,7 @@ fn a_moe_run_reports_its_routing() {
         &["merge", s(&a), s(&b), "--output", s(&m)],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mr: Value =
-        serde_json::from_str(&std::fs::read_to_string(m.join("report.json")).unwrap()).unwrap();
+    let mr = report(&m);
     assert_eq!(mr["streams"][0]["routing"], r["streams"][0]["routing"]);
 
     let o = run(&tmp.path().join("emu"), &["--device", "emu"]);
@@ -258,28 +263,13 @@ fn experts_are_packed_in_fp8() {
             assert!(count("bf16") >= 8, "{w}: {formats:?}");
         }
         let out = tmp.path().join(format!("run-{w}"));
-        let o = common::run_bin(
-            "ninfer-perplexity",
-            &[
-                s(&art),
-                "--text",
-                s(&text),
-                "--context",
-                "32",
-                "--stride",
-                "16",
-                "--output",
-                s(&out),
-            ],
-        );
+        let o = score(&art, &text, &out, &[]);
         assert!(
             o.status.success(),
             "{w}: {}",
             String::from_utf8_lossy(&o.stderr)
         );
-        let r: Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
-                .unwrap();
+        let r = report(&out);
         means.push(r["overall"]["mean_nll"].as_f64().unwrap());
     }
     eprintln!("mean NLL f32 / fp8: {means:?}");
