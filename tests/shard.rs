@@ -259,6 +259,44 @@ fn shards_of_different_runs_are_refused() {
     )
     .unwrap();
     let other = t.run_on(&other_text, "other", &["--shard", "2/2"]);
+    // The same checkpoint packed in bf16: another artifact.
+    let bf16 = t.tmp.path().join("bf16.ninfer");
+    let tok = common::cache_file("qwen3-tokenizer.json");
+    let o = common::run_bin(
+        "ninfer-pack",
+        &[
+            "hf",
+            s(&common::repo().join("eval/fixtures/tiny-qwen3")),
+            "--tokenizer",
+            s(&tok),
+            "--weights",
+            "bf16",
+            "-o",
+            s(&bf16),
+        ],
+    );
+    assert!(o.status.success());
+    let other_artifact = t.tmp.path().join("other-artifact");
+    ok(&[
+        s(&bf16),
+        "--text",
+        s(&t.text),
+        "--context",
+        "32",
+        "--stride",
+        "16",
+        "--output",
+        s(&other_artifact),
+        "--shard",
+        "2/2",
+        "--log-level",
+        "warn",
+    ]);
+    refused(
+        &t,
+        &[&a, &other_artifact],
+        &["are shards of different runs: artifact digest sha256:"],
+    );
     refused(
         &t,
         &[&a, &int8],
@@ -425,8 +463,8 @@ fn the_job_array_task_script_gives_mergeable_shards() {
 
 test_main! {
     Prepared shards_merge_into_the_unsharded_report_bit_for_bit,
-    Nothing tiny_text_shards_merge_too,
-    Nothing shards_of_different_runs_are_refused,
-    Nothing bad_shard_specs_fail_before_any_output,
-    Nothing the_job_array_task_script_gives_mergeable_shards,
+    Prepared tiny_text_shards_merge_too,
+    Prepared shards_of_different_runs_are_refused,
+    Prepared bad_shard_specs_fail_before_any_output,
+    Prepared the_job_array_task_script_gives_mergeable_shards,
 }
