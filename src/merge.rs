@@ -115,6 +115,13 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         }
     }
     let n = first_info.count;
+    if n == 0 || n > crate::shard::MAX_SHARDS {
+        bail!(
+            "{}: a shard count of {n} (1..={} are possible)",
+            first.path.display(),
+            crate::shard::MAX_SHARDS
+        );
+    }
     let mut by_index: Vec<Option<(&Loaded, &ShardInfo)>> = vec![None; n];
     for &(l, s) in &shards {
         if s.index == 0 || s.index > n {
@@ -152,6 +159,45 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
     let protocol = Protocol::new(st.context, st.stride)
         .map_err(|e| anyhow!("{}: {e}", first.path.display()))?;
     let run_streams = &first_info.run_streams;
+    // The plan is recomputed from these counts: check them against what the files hold
+    // first, so no recorded number can make it allocate more than the reports themselves.
+    let held: usize = shards
+        .iter()
+        .map(|(l, _)| {
+            l.report
+                .streams
+                .iter()
+                .map(|x| x.windows.len())
+                .sum::<usize>()
+        })
+        .sum();
+    let recorded: usize = run_streams
+        .iter()
+        .map(|x| x.windows)
+        .fold(0, usize::saturating_add);
+    if recorded != first_info.run_windows || held != first_info.run_windows {
+        bail!(
+            "{}: the run has {} windows ({recorded} over its streams) but its shards hold {held}",
+            first.path.display(),
+            first_info.run_windows
+        );
+    }
+    for x in run_streams {
+        let most = (x.windows.saturating_sub(1))
+            .saturating_mul(protocol.stride)
+            .saturating_add(protocol.context);
+        if x.windows == 0 || x.input_tokens > most {
+            bail!(
+                "{}: stream `{}` records {} tokens in {} windows, which context {} stride {} cannot give",
+                first.path.display(),
+                x.id,
+                x.input_tokens,
+                x.windows,
+                protocol.context,
+                protocol.stride
+            );
+        }
+    }
     let per_stream =
         run_windows(run_streams, protocol).map_err(|e| anyhow!("{}: {e}", first.path.display()))?;
     // Every shard must hold exactly the windows the plan gives it.

@@ -331,8 +331,36 @@ fn shards_of_different_runs_are_refused() {
         &[&a, &tampered],
         &["tampered.json: shard 2/2 should hold windows"],
     );
+    // Recorded counts that would make the plan enormous are refused before it is made.
+    // Recorded counts that would make the plan enormous are refused before it is made.
+    let one = t.run("one", &["--shard", "1/1"]);
+    let mut v = read(&one);
+    v["shard"]["run_streams"][0]["input_tokens"] = Value::from(1u64 << 60);
+    std::fs::write(&tampered, v.to_string()).unwrap();
+    refused(
+        &t,
+        &[&tampered],
+        &[
+            "tampered.json: stream",
+            "records 1152921504606846976 tokens in",
+        ],
+    );
+    let mut v = read(&one);
+    v["shard"]["count"] = Value::from(1u64 << 40);
+    std::fs::write(&tampered, v.to_string()).unwrap();
+    refused(
+        &t,
+        &[&tampered],
+        &["tampered.json: a shard count of 1099511627776"],
+    );
+    // A window dropped from a shard, or one moved.
     let mut v = read(&b);
     v["streams"][0]["windows"].as_array_mut().unwrap().pop();
+    std::fs::write(&tampered, v.to_string()).unwrap();
+    refused(&t, &[&a, &tampered], &["windows", "but its shards hold"]);
+    let mut v = read(&b);
+    let w0 = &mut v["streams"][0]["windows"][0];
+    w0["begin"] = Value::from(w0["begin"].as_u64().unwrap() + 1);
     std::fs::write(&tampered, v.to_string()).unwrap();
     refused(
         &t,
