@@ -290,6 +290,30 @@ fn huge_config_sizes_are_refused_by_name() {
             "config field `num_layers` is 100000, above the largest this engine takes (1024)",
         ],
     );
+    // A mixture of experts claiming 1024 layers of 4096 experts (12.6M tensors) in a file of
+    // a few dozen: refused from the count, before any name is built.
+    let art = edited_artifact(
+        tmp.path(),
+        "experts.ninfer",
+        |c| {
+            c["family"] = "qwen3_moe".into();
+            c["num_layers"] = 1024.into();
+            c["moe"] = serde_json::json!({
+                "num_experts": 4096, "num_experts_per_tok": 8, "moe_intermediate_size": 8,
+                "norm_topk_prob": true, "shared_expert_intermediate_size": 0,
+                "sparse_layers": vec![true; 1024],
+            });
+        },
+        None,
+    );
+    let o = run_with_deadline("ninfer-perplexity", &[s(&art), "--text", s(&t)], 20);
+    assert_error(
+        &o,
+        &[
+            "experts.ninfer",
+            "but a qwen3_moe model with this config has 12592130",
+        ],
+    );
     let art = edited_artifact(
         tmp.path(),
         "pos.ninfer",

@@ -143,6 +143,16 @@ impl Artifact {
                 3 * count
             );
         }
+        // Every expected tensor is stored as at least one tensor: a config that claims more
+        // (a thousand layers of four thousand experts in a small file) is refused before
+        // millions of names are built.
+        if tensors.len() < count {
+            bail!(
+                "holds {} tensors, but a {} model with this config has {count}",
+                tensors.len(),
+                config.family.name(),
+            );
+        }
         let expected = ModelTensors::expected(&config);
         let mut layouts = BTreeMap::new();
         let mut known: std::collections::HashSet<String> = std::collections::HashSet::new();
