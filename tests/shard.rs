@@ -190,14 +190,21 @@ impl Tiny {
     /// the stride), asserting success.
     fn run_on(&self, text: &Path, name: &str, extra: &[&str]) -> PathBuf {
         let dir = self.tmp.path().join(name);
+        let o = self.score(&self.art, text, &dir, extra);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        dir
+    }
+
+    /// `art` on `text` into `dir` at context 32 (stride 16 unless `extra` sets it).
+    fn score(&self, art: &Path, text: &Path, dir: &Path, extra: &[&str]) -> Output {
         let mut a = vec![
-            s(&self.art),
+            s(art),
             "--text",
             s(text),
             "--context",
             "32",
             "--output",
-            s(&dir),
+            s(dir),
             "--log-level",
             "warn",
         ];
@@ -205,8 +212,7 @@ impl Tiny {
             a.extend_from_slice(&["--stride", "16"]);
         }
         a.extend_from_slice(extra);
-        ok(&a);
-        dir
+        perplexity(&a)
     }
 }
 
@@ -277,21 +283,8 @@ fn shards_of_different_runs_are_refused() {
     );
     assert!(o.status.success());
     let other_artifact = t.tmp.path().join("other-artifact");
-    ok(&[
-        s(&bf16),
-        "--text",
-        s(&t.text),
-        "--context",
-        "32",
-        "--stride",
-        "16",
-        "--output",
-        s(&other_artifact),
-        "--shard",
-        "2/2",
-        "--log-level",
-        "warn",
-    ]);
+    let o = t.score(&bf16, &t.text, &other_artifact, &["--shard", "2/2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     refused(
         &t,
         &[&a, &other_artifact],
@@ -388,19 +381,7 @@ fn bad_shard_specs_fail_before_any_output() {
         ("9999/9999", "--shard 9999/9999: the run has"),
     ] {
         let dir = t.tmp.path().join("out");
-        let o = perplexity(&[
-            s(&t.art),
-            "--text",
-            s(&t.text),
-            "--context",
-            "32",
-            "--stride",
-            "16",
-            "--output",
-            s(&dir),
-            "--shard",
-            spec,
-        ]);
+        let o = t.score(&t.art, &t.text, &dir, &["--shard", spec]);
         let e = common::error_line(&o);
         assert!(e.contains(want), "{spec}: {e}");
         assert!(!dir.exists(), "{spec}: nothing written");
