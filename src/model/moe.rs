@@ -46,20 +46,22 @@ impl RoutingCounts {
     }
 }
 
-/// The `k` experts with the highest probabilities, highest first, ties to the lower index.
-pub fn top_k(probs: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..probs.len()).collect();
+/// The `k` experts with the highest probabilities, highest first, ties to the lower index,
+/// into `idx` (reused across rows).
+pub fn top_k_into(probs: &[f32], k: usize, idx: &mut Vec<usize>) {
+    idx.clear();
+    idx.extend(0..probs.len());
     idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
     idx.truncate(k);
-    idx
 }
 
-/// Softmax of one row of router logits, in f64, rounded to f32.
-pub fn softmax(logits: &[f32]) -> Vec<f32> {
+/// Softmax of one row of router logits into `out`, in f64, rounded to f32.
+pub fn softmax_into(logits: &[f32], out: &mut [f32]) {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let e: Vec<f64> = logits.iter().map(|&x| (x as f64 - max).exp()).collect();
-    let sum: f64 = e.iter().sum();
-    e.iter().map(|&v| (v / sum) as f32).collect()
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    for (o, &x) in out.iter_mut().zip(logits) {
+        *o = ((x as f64 - max).exp() / sum) as f32;
+    }
 }
 
 /// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`.
@@ -93,10 +95,12 @@ pub fn moe_block(
     let renorm = w.norm_topk_prob && !faults.pitfall(Pitfall::NoRenorm);
     // Per expert, its tokens (in token order) and their routing weights.
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts];
+    let (mut p, mut chosen, mut wts) = (vec![0f32; experts], Vec::new(), Vec::new());
     for (r, row) in logits.chunks(experts).enumerate() {
-        let p = softmax(row);
-        let chosen = top_k(&p, k);
-        let mut wts: Vec<f32> = chosen.iter().map(|&e| p[e]).collect();
+        softmax_into(row, &mut p);
+        top_k_into(&p, k, &mut chosen);
+        wts.clear();
+        wts.extend(chosen.iter().map(|&e| p[e]));
         if renorm {
             let s: f32 = wts.iter().sum();
             wts.iter_mut().for_each(|v| *v /= s);
@@ -156,6 +160,12 @@ pub fn moe_block(
 mod tests {
     use super::*;
 
+    fn top_k(probs: &[f32], k: usize) -> Vec<usize> {
+        let mut idx = Vec::new();
+        top_k_into(probs, k, &mut idx);
+        idx
+    }
+
     #[test]
     fn ties_go_to_the_lower_expert_and_order_is_by_probability() {
         assert_eq!(top_k(&[0.1, 0.3, 0.3, 0.2], 2), vec![1, 2]);
@@ -165,7 +175,8 @@ mod tests {
 
     #[test]
     fn softmax_sums_to_one_and_survives_large_logits() {
-        let p = softmax(&[1000.0, 999.0, -1000.0]);
+        let mut p = [0f32; 3];
+        softmax_into(&[1000.0, 999.0, -1000.0], &mut p);
         assert!((p.iter().map(|&v| v as f64).sum::<f64>() - 1.0).abs() < 1e-6);
         assert!(p[0] > p[1] && p[2] == 0.0);
     }
