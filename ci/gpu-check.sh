@@ -180,7 +180,7 @@ if any(sm.values()):
         c = f"{cpu[kv]:.2e}" if kv in cpu else "-"
         print(f"{kv:<6} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
     print("  * CPU comparison from the parity step (first tokens of each quick stream, context 512 / stride 256)")
-for name in ("bench.json", "bench-hybrid.json"):
+for name in ("bench.json", "bench-hybrid.json", "bench-moe.json"):
   b = load(name)
   if b:
     print(f"== {b['preset']} random weights, {b['layers']} layers ({b['params']/1e9:.2f}B params), kv {b['kv']}, context {b['context']} / stride {b['stride']}, {b['windows']} windows ==")
@@ -384,6 +384,11 @@ NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}
 NINFER_BENCH_OUT="$work/bench-hybrid.json" NINFER_BENCH_PRESET=qwen3_5-27b \
   NINFER_BENCH_LAYERS="${GPU_CHECK_HYBRID_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_HYBRID_WINDOWS:-8}" \
   step bench-hybrid 150 "$(tb cuda_bench)" --ignored --nocapture
+# 7. The Qwen3.5-35B-A3B mixture of experts' shape (256 experts, 8 chosen, a shared expert;
+#    its first GPU_CHECK_MOE_LAYERS layers), random weights, same protocol.
+NINFER_BENCH_OUT="$work/bench-moe.json" NINFER_BENCH_PRESET=qwen3_5-35b-a3b \
+  NINFER_BENCH_LAYERS="${GPU_CHECK_MOE_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_MOE_WINDOWS:-8}" \
+  step bench-moe 150 "$(tb cuda_bench)" --ignored --nocapture
 
 say "finished in $(elapsed_s)s"
 exit $status # the EXIT trap prints the table and packs $work into $OUT

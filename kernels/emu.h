@@ -103,6 +103,9 @@ static inline float __uint_as_float(unsigned u) {
 static inline float __int_as_float(int i) {
     return __uint_as_float((unsigned)i);
 }
+static inline int __float_as_int(float v) {
+    return (int)__float_as_uint(v);
+}
 static inline float __fdiv_rn(float a, float b) {
     return a / b;
 }

@@ -62,7 +62,8 @@ enum Cmd {
         /// Output .ninfer path.
         #[arg(short, long)]
         output: PathBuf,
-        /// Shape: qwen3-8b, llama3-8b, smollm2-135m or qwen3_5-27b (the Qwen3.5 27B hybrid).
+        /// Shape: qwen3-8b, llama3-8b, smollm2-135m, qwen3_5-27b (the Qwen3.5 27B hybrid) or
+        /// qwen3_5-35b-a3b (the Qwen3.5 35B-A3B mixture of experts).
         #[arg(long, default_value = "qwen3-8b")]
         preset: String,
         /// Number of layers (default: the preset's).

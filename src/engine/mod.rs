@@ -112,23 +112,7 @@ impl Engine {
         } else {
             opts.threads
         };
-        let moe = artifact.config.moe.is_some();
-        let (device, device_note) = match opts.device {
-            // The CUDA path has no expert kernels yet: `auto` means the CPU for these models.
-            DeviceRequest::Auto if moe => (
-                Device::Cpu { threads },
-                Some(format!(
-                    "device auto: using the CPU: {} (mixture of experts) runs on the CPU backend only, for now",
-                    artifact.config.family.name()
-                )),
-            ),
-            DeviceRequest::Cuda(_) | DeviceRequest::Emu if moe => anyhow::bail!(
-                "{}: {} (mixture of experts) runs on the CPU backend only, for now (use --device cpu)",
-                path.display(),
-                artifact.config.family.name()
-            ),
-            d => Device::select(d, threads)?,
-        };
+        let (device, device_note) = Device::select(opts.device, threads)?;
         let precision = device.precision(opts.precision)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -383,9 +367,7 @@ impl Engine {
                 w.first_target
             )
         };
-        if let Model::Cpu(model) = &self.model {
-            model.take_routing(); // counts start at zero for this stream
-        }
+        self.take_routing(); // counts start at zero for this stream
         match &self.model {
             Model::Cpu(model) => {
                 let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
@@ -429,10 +411,7 @@ impl Engine {
             Model::Cuda(model) => score_cuda(model, tokens, ws, kv, &mut finish, &window_error)?,
         }
         // A reference pass of the same model would count every token twice: no balance then.
-        let routing = match &self.model {
-            Model::Cpu(model) => model.take_routing().filter(|_| self.reference.is_none()),
-            Model::Cuda(_) => None,
-        };
+        let routing = self.take_routing().filter(|_| self.reference.is_none());
         Ok(StreamScore {
             routing,
             tokens: tokens.len(),
@@ -442,6 +421,16 @@ impl Engine {
             calibration,
             reference,
         })
+    }
+}
+
+impl Engine {
+    /// Routed tokens per expert since the last call (MoE models), zeroing the counts.
+    fn take_routing(&self) -> Option<Vec<u64>> {
+        match &self.model {
+            Model::Cpu(m) => m.take_routing(),
+            Model::Cuda(m) => m.take_routing(),
+        }
     }
 }
 

@@ -36,9 +36,22 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
     );
     let pairs = |n: f64| n * (n + 1.0) / 2.0; // (query, key) pairs under the causal mask
     let t = len as f64;
-    let mlp = 2.0 * (d * 2 * f + f * d) as f64;
+    // Layer i's MLP per token: dense, or a sparse block's router, its k chosen experts and
+    // its gated shared expert (the work done, not the parameters held).
+    let mlp_of = |i: usize| -> f64 {
+        match &c.moe {
+            Some(m) if m.sparse_layers.get(i).copied().unwrap_or(false) => {
+                let s = m.shared_expert_intermediate_size;
+                let shared = if s > 0 { 3 * d * s + d } else { 0 };
+                2.0 * (d * m.num_experts + m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
+                    + shared) as f64
+            }
+            _ => 2.0 * (d * 2 * f + f * d) as f64,
+        }
+    };
+    let mlp_sum: f64 = (0..c.num_layers).map(mlp_of).sum();
     let gate = if c.attention_output_gate() { qd } else { 0 };
-    let attn_linear = 2.0 * (d * (qd + 2 * kvd + gate) + qd * d) as f64 + mlp;
+    let attn_linear = 2.0 * (d * (qd + 2 * kvd + gate) + qd * d) as f64;
     // A Gated DeltaNet layer per token: its projections, the conv, and the State's three
     // [Dk, Dv] products per value head (Sᵀk, k·deltaᵀ, Sᵀq) as multiply-adds.
     let delta_linear = c.hybrid.as_ref().map_or(0.0, |h| {
@@ -46,12 +59,13 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
         let proj = d * (h.conv_dim() + h.value_dim() + 2 * hv) + h.value_dim() * d;
         let conv = h.linear_conv_kernel_dim * h.conv_dim();
         let state = 3 * hv * h.linear_key_head_dim * h.linear_value_head_dim;
-        2.0 * (proj + conv + state) as f64 + mlp
+        2.0 * (proj + conv + state) as f64
     });
     let attn_layers = c.kv_layers() as f64;
     let delta_layers = c.state_layers() as f64;
     let body = attn_layers * (t * attn_linear + 4.0 * pairs(t) * qd as f64)
-        + delta_layers * t * delta_linear;
+        + delta_layers * t * delta_linear
+        + t * mlp_sum;
     let head = |rows: usize| 2.0 * rows as f64 * (d * v) as f64;
     match work {
         Work::ForwardPass => body + head(len),
@@ -62,15 +76,16 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
                 return full;
             }
             let skipped_rows = len.saturating_sub(scored + 1) as f64;
-            // The last layer's o-projection (or out-projection), gate/up and down.
-            match c.layer_kind(c.num_layers - 1) {
+            // The last layer's o-projection (or out-projection) and MLP.
+            let last = c.num_layers - 1;
+            match c.layer_kind(last) {
                 LayerKind::FullAttention => {
-                    let per_row_tail = 2.0 * (qd * d + 3 * d * f) as f64;
+                    let per_row_tail = 2.0 * (qd * d) as f64 + mlp_of(last);
                     full - skipped_rows * per_row_tail - 4.0 * pairs(skipped_rows) * qd as f64
                 }
                 LayerKind::LinearAttention => {
                     let vdim = c.hybrid.as_ref().map_or(0, |h| h.value_dim());
-                    full - skipped_rows * 2.0 * (vdim * d + 3 * d * f) as f64
+                    full - skipped_rows * (2.0 * (vdim * d) as f64 + mlp_of(last))
                 }
             }
         }
@@ -106,6 +121,22 @@ mod tests {
         s.tie_word_embeddings = true;
         let per_token = window_flops(&s, Work::ForwardPass, 1024, 1023) / 1024.0;
         assert!((per_token / 1e6 - 304.4).abs() < 0.1, "{per_token:e}");
+        // A sparse MLP is credited with its router, k experts and shared expert: the same
+        // config with one expert chosen of one, no shared expert, and the router's 2·d
+        // removed, is the dense MLP of that width.
+        let mut m = c.clone();
+        m.moe = Some(crate::model::config::MoeConfig {
+            num_experts: 1,
+            num_experts_per_tok: 1,
+            moe_intermediate_size: 8,
+            norm_topk_prob: true,
+            shared_expert_intermediate_size: 0,
+            sparse_layers: vec![true],
+        });
+        assert_eq!(
+            window_flops(&m, Work::HeadOnScoredRows, 3, 2),
+            window_flops(&c, Work::HeadOnScoredRows, 3, 2) + 3.0 * 2.0 * 4.0
+        );
     }
 
     #[test]

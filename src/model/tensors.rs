@@ -25,7 +25,7 @@ pub struct Fused {
 }
 
 impl Fused {
-    fn one(name: String, rows: usize, cols: usize) -> Fused {
+    pub fn one(name: String, rows: usize, cols: usize) -> Fused {
         Fused {
             parts: vec![name],
             rows,

@@ -16,7 +16,7 @@ pub struct KernelModule {
     pub per_kv: bool,
 }
 
-pub const MODULES: [KernelModule; 7] = [
+pub const MODULES: [KernelModule; 8] = [
     KernelModule {
         name: "elementwise",
         source: include_str!("../../../kernels/elementwise.cu"),
@@ -50,6 +50,11 @@ pub const MODULES: [KernelModule; 7] = [
     KernelModule {
         name: "delta_net",
         source: include_str!("../../../kernels/delta_net.cu"),
+        per_kv: false,
+    },
+    KernelModule {
+        name: "moe",
+        source: include_str!("../../../kernels/moe.cu"),
         per_kv: false,
     },
 ];
@@ -142,6 +147,7 @@ impl Program {
             }
             ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
             ("weights", _) => vec!["dequant_nvfp4".into(), "dequant_fp8".into()],
+            ("moe", _) => vec!["moe_route".into(), "moe_combine".into()],
             ("delta_net", _) => [
                 "delta_conv_silu",
                 "delta_prep",
@@ -244,11 +250,13 @@ mod tests {
             "delta_prep",
             "delta_rule_recurrent",
             "delta_gated_norm",
+            "moe_route",
+            "moe_combine",
         ] {
             assert!(Program::of(e).is_some(), "{e}");
         }
         assert!(Program::of("nope").is_none());
-        assert_eq!(Program::all().len(), 5 + 2 * KV_NAMES.len());
+        assert_eq!(Program::all().len(), 6 + 2 * KV_NAMES.len());
     }
 
     /// The host's launch constants equal the kernels' compile-time ones.

@@ -508,6 +508,40 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `moe_route`: the router's softmax over `logits[rows, experts]` (in place) and each
+    /// row's `k` experts into `idx[rows, k]` with their weights `wts[rows, k]`.
+    /// Grid (ceil(rows / 128)), block 128.
+    MoeRoute = ("moe", ["moe_route"]) {
+        logits: Ptr<f32>,
+        rows: i64,
+        experts: i32,
+        k: i32,
+        renorm: i32,
+        idx: Ptr<i32>,
+        wts: Ptr<f32>,
+    }
+}
+
+kernel_args! {
+    /// `moe_combine`: `x[rows, d] +=` the weighted expert outputs `y[slot]` in expert-index
+    /// order, then `sigmoid(gate) · shared` when `shared` is not null.
+    /// Grid (ceil(rows · d / 256)), block 256.
+    MoeCombine = ("moe", ["moe_combine"]) {
+        y: Ptr<f32>,
+        slot: Ptr<i32>,
+        pick: Ptr<i32>,
+        wts: Ptr<f32>,
+        k: i32,
+        shared: Ptr<f32>,
+        gate: Ptr<f32>,
+        x: Ptr<f32>,
+        xrows: Ptr<i32>,
+        rows: i64,
+        d: i32,
+    }
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -539,6 +573,8 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<DeltaRule>(),
         one::<DeltaRuleChunked>(),
         one::<DeltaGatedNorm>(),
+        one::<MoeRoute>(),
+        one::<MoeCombine>(),
     ]
 }
 

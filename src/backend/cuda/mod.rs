@@ -31,6 +31,8 @@ pub mod loader;
 #[cfg(feature = "cuda")]
 pub mod model;
 #[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod real;
@@ -142,6 +144,10 @@ pub struct CudaModel {
 #[cfg(not(feature = "cuda"))]
 impl CudaModel {
     pub fn config(&self) -> &crate::model::config::ModelConfig {
+        match self._never {}
+    }
+
+    pub fn take_routing(&self) -> Option<Vec<u64>> {
         match self._never {}
     }
 }

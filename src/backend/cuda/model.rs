@@ -13,7 +13,8 @@ use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
-use super::weights::{DeltaW, DevWeights, MixerW, Source};
+use super::moe::{self, MoeBufs};
+use super::weights::{DeltaW, DevWeights, FfnW, MixerW, Source};
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
@@ -79,6 +80,8 @@ struct Buffers {
     /// A Gated DeltaNet's conv output `c[rows, conv_dim]` and gates `beta, g [rows, Hv]`.
     conv: DevBuf,
     gates: DevBuf,
+    /// A sparse MoE block's buffers (models with one).
+    moe: Option<MoeBufs>,
 }
 
 struct Rope {
@@ -103,6 +106,8 @@ pub struct CudaModel {
     peak_used: AtomicUsize,
     /// Most windows per forward pass (tests lower it to check batching changes nothing).
     max_windows: AtomicUsize,
+    /// Routed rows per expert since the last `take_routing` (MoE models).
+    routing: Option<Mutex<Vec<u64>>>,
     blas: Blas,
     gpu: Gpu,
 }
@@ -130,7 +135,7 @@ impl CudaModel {
         use anyhow::Context;
         config.validate().context("random model")?;
         Self::load_from(
-            &Source::Random { config, seed },
+            &Source::random(config, seed),
             target,
             precision,
             &mut |_, _| {},
@@ -170,6 +175,7 @@ impl CudaModel {
         let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
         let blas = Blas::new(&gpu, precision)?;
         let inv_freq = inv_freq(c.rotary_dim(), c.rope_theta, c.rope_scaling.as_ref());
+        let routing = c.moe.as_ref().map(|m| Mutex::new(vec![0; m.num_experts]));
         Ok(CudaModel {
             config: c,
             precision,
@@ -179,9 +185,18 @@ impl CudaModel {
             weights_bytes,
             peak_used: AtomicUsize::new(0),
             max_windows: AtomicUsize::new(plan::MAX_WINDOWS),
+            routing,
             blas,
             gpu,
         })
+    }
+
+    /// Token-to-expert assignments per expert since the last call (summed over the sparse
+    /// layers), zeroing them; `None` for a dense model. The same counts as the CPU's.
+    pub fn take_routing(&self) -> Option<Vec<u64>> {
+        self.routing
+            .as_ref()
+            .map(|r| r.lock().unwrap().iter_mut().map(std::mem::take).collect())
     }
 
     /// Limits the windows packed into one forward pass (at least 1).
@@ -247,6 +262,12 @@ impl CudaModel {
         if self.config.hybrid.is_some() {
             self.gpu.prepare(&[Program {
                 module: "delta_net",
+                kv: None,
+            }])?;
+        }
+        if self.config.moe.is_some() {
+            self.gpu.prepare(&[Program {
+                module: "moe",
                 kv: None,
             }])?;
         }
@@ -335,6 +356,14 @@ impl CudaModel {
             err: g.alloc(z.err)?,
             conv: g.alloc(z.conv)?,
             gates: g.alloc(z.gates)?,
+            moe: match self.config.moe {
+                Some(_) => Some(MoeBufs {
+                    router: g.alloc(z.router)?,
+                    input: g.alloc(z.moe_in)?,
+                    out: g.alloc(z.moe_out)?,
+                }),
+                None => None,
+            },
             plan: p,
         };
         crate::ui::debug(format!(
@@ -602,6 +631,9 @@ impl CudaModel {
         let mut win: Vec<i32> = Vec::with_capacity(total);
         let mut rows: Vec<i32> = Vec::new();
         let mut targets: Vec<i32> = Vec::new();
+        // The rows the last layer's MLP must produce: from the first that predicts a target
+        // to the window's end (the rows the CPU's last layer runs).
+        let mut tail: Vec<i32> = Vec::new();
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(wins.len());
         for (wi, &(toks, first)) in wins.iter().enumerate() {
             assert!(
@@ -631,6 +663,7 @@ impl CudaModel {
                 rows.push((row0 + i) as i32);
                 targets.push(toks[i + 1] as i32);
             }
+            tail.extend((first - 1..toks.len()).map(|i| (row0 + i) as i32));
         }
         let m = total;
         let r_total = rows.len();
@@ -640,8 +673,9 @@ impl CudaModel {
             .map(|t| t.to_int4())
             .collect();
         let g = &self.gpu;
-        let ints = g.upload(&[tokens, pos, win, rows, targets].concat())?;
+        let ints = g.upload(&[&tokens[..], &pos, &win, &rows, &targets, &tail].concat())?;
         let (o_tok, o_pos, o_win, o_rows, o_tgt) = (0, 4 * m, 8 * m, 12 * m, 12 * m + 4 * r_total);
+        let o_tail = o_tgt + 4 * r_total;
         let tiles_buf = g.upload(&tiles)?;
 
         let b = st.bufs.as_ref().expect("allocated");
@@ -687,6 +721,8 @@ impl CudaModel {
         } else {
             None
         };
+        // Routed rows per expert in this pass, added to the model's counts when it succeeds.
+        let mut routed = vec![0u64; c.moe.as_ref().map_or(0, |m| m.num_experts)];
         for (li, l) in w.layers.iter().enumerate() {
             norm(b.x.ptr, Ptr::NULL, &l.attn_norm, b.h.ptr, m)?;
             match &l.mixer {
@@ -767,41 +803,77 @@ impl CudaModel {
                     self.delta_net_block(b, dn, li, m, &ints, o_pos, o_win, spans_buf, wins.len())?;
                 }
             }
-            // MLP block.
-            norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
-            self.blas.gemm(
-                &self.gpu,
-                m,
-                2 * f,
-                d,
-                Mat::of(&b.h, 0, d),
-                Mat::of(&l.wgu, 0, d),
-                Mat::of(&b.scratch, 0, 2 * f),
-                false,
-            )?;
-            g.launch(
-                "swiglu",
-                (plan::blocks_for(m * f, 256), 1, 1),
-                256,
-                0,
-                &launch::Swiglu {
-                    gu: Ptr::new(b.scratch.ptr),
-                    act: Ptr::new(b.act.ptr),
-                    out_bf16: bf16_out,
-                    rows: m as i64,
-                    f: f as i32,
-                },
-            )?;
-            self.blas.gemm(
-                &self.gpu,
-                m,
-                d,
-                f,
-                Mat::of(&b.act, 0, f),
-                Mat::of(&l.wdown, 0, f),
-                Mat::of(&b.x, 0, d),
-                true,
-            )?;
+            // MLP block: dense, or a sparse mixture of experts. A sparse last layer routes
+            // only the rows the head reads (and the last of each window), as on the CPU,
+            // so both report the same routing.
+            let last_moe = li + 1 == w.layers.len() && matches!(l.ffn, FfnW::Moe(_));
+            if last_moe {
+                norm(b.x.ptr, Ptr::new(ints.at(o_tail)), &l.mlp_norm, b.h.ptr, tail.len())?;
+            } else {
+                norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
+            }
+            match &l.ffn {
+                FfnW::Dense(mlp) => {
+                    self.blas.gemm(
+                        &self.gpu,
+                        m,
+                        2 * f,
+                        d,
+                        Mat::of(&b.h, 0, d),
+                        Mat::of(&mlp.wgu, 0, d),
+                        Mat::of(&b.scratch, 0, 2 * f),
+                        false,
+                    )?;
+                    g.launch(
+                        "swiglu",
+                        (plan::blocks_for(m * f, 256), 1, 1),
+                        256,
+                        0,
+                        &launch::Swiglu {
+                            gu: Ptr::new(b.scratch.ptr),
+                            act: Ptr::new(b.act.ptr),
+                            out_bf16: bf16_out,
+                            rows: m as i64,
+                            f: f as i32,
+                        },
+                    )?;
+                    self.blas.gemm(
+                        &self.gpu,
+                        m,
+                        d,
+                        f,
+                        Mat::of(&b.act, 0, f),
+                        Mat::of(&mlp.wdown, 0, f),
+                        Mat::of(&b.x, 0, d),
+                        true,
+                    )?;
+                }
+                FfnW::Moe(mw) => {
+                    let cfg = c.moe.as_ref().expect("a MoE layer has a MoE config");
+                    let bufs = b.moe.as_ref().expect("allocated for MoE models");
+                    let io = moe::Io {
+                        x: &b.x,
+                        rows: last_moe.then(|| (&tail[..], Ptr::new(ints.at(o_tail)))),
+                        h: &b.h,
+                        norm: &l.mlp_norm,
+                        scratch: &b.scratch,
+                        act: &b.act,
+                    };
+                    moe::moe_block(
+                        g,
+                        &self.blas,
+                        p,
+                        cfg,
+                        d,
+                        eps,
+                        mw,
+                        bufs,
+                        &io,
+                        if last_moe { tail.len() } else { m },
+                        &mut routed,
+                    )?;
+                }
+            }
         }
 
         // Head over the scored rows only: final norm of the gathered rows into `h`, then
@@ -873,6 +945,11 @@ impl CudaModel {
                 decode_state_nonfinite(err[1], c)
             };
             return Err(ScoreError::Window { index, error });
+        }
+        if let Some(r) = &self.routing {
+            for (t, n) in r.lock().unwrap().iter_mut().zip(&routed) {
+                *t += n;
+            }
         }
         let mut out = Vec::with_capacity(wins.len());
         let mut at = 0;

@@ -186,6 +186,16 @@ struct Widths {
     conv: usize,
     /// Its beta and g gates (f32).
     gates: usize,
+    /// The SwiGLU output (precision): a dense MLP's, the routed experts' `k` rows, or the
+    /// shared expert's.
+    act: usize,
+    /// A sparse MoE block's router probabilities `[E]`, shared-expert gate `[1]`, choices
+    /// and weights `[k]` each (f32 / i32); 0 without such layers.
+    router: usize,
+    /// Its `k` gathered input rows (precision).
+    moe_in: usize,
+    /// Its `k` expert output rows and the shared expert's (f32).
+    moe_out: usize,
 }
 
 fn widths(c: &ModelConfig) -> Widths {
@@ -197,7 +207,24 @@ fn widths(c: &ModelConfig) -> Widths {
         attn: qd,
         conv: 0,
         gates: 0,
+        act: f,
+        router: 0,
+        moe_in: 0,
+        moe_out: 0,
     };
+    if let Some(m) = &c.moe {
+        let (k, i, s) = (
+            m.num_experts_per_tok,
+            m.moe_intermediate_size,
+            m.shared_expert_intermediate_size,
+        );
+        let d = c.hidden_size;
+        w.scratch = w.scratch.max(k * 2 * i).max(2 * s);
+        w.act = w.act.max(k * i).max(s);
+        w.router = m.num_experts + 1 + 2 * k;
+        w.moe_in = k * d;
+        w.moe_out = (k + usize::from(s > 0)) * d;
+    }
     if let Some(h) = &c.hybrid {
         let hv = h.linear_num_value_heads;
         w.scratch = w.scratch.max(h.conv_dim() + h.value_dim() + 2 * hv);
@@ -211,11 +238,11 @@ fn widths(c: &ModelConfig) -> Widths {
 
 /// Device bytes one packed row needs across the activation buffers of a forward pass.
 pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
-    let (d, f) = (c.hidden_size, c.intermediate_size);
+    let d = c.hidden_size;
     let e = p.elem_bytes();
     let w = widths(c);
     let kv_bytes = kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
-    4 * 5 // token, position, window index, scored-row index, target
+    4 * 6 // token, position, window index, scored-row index, target, last-layer row
         + 4 * d // residual stream x (f32)
         + e * d // normed input of a GEMM
         + 4 * w.scratch // qkv, gate/up or Gated DeltaNet projection (f32, one buffer)
@@ -223,8 +250,10 @@ pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
         + kv_bytes + 64 // stored keys and values (+ rounding slack)
         + 2 * c.num_kv_heads * (4 + c.head_dim.div_ceil(16)) // their f32 scales and u8 block scales
         + e * w.attn // attention output, or the gated norm's output
-        + e * f // SwiGLU output
+        + e * w.act // SwiGLU output
         + 4 * (w.conv + w.gates) // Gated DeltaNet conv output and gates
+        + 4 * w.router + e * w.moe_in + 4 * w.moe_out // a sparse MoE block's buffers
+        + 4 * 3 * c.moe.as_ref().map_or(0, |m| m.num_experts_per_tok) // its per-pass grouping
         + 8 // the per-window spans of the State kernels (at most one window per row)
 }
 
@@ -324,6 +353,10 @@ pub struct BufferSizes {
     /// Gated DeltaNet conv output and gates (0 without such layers).
     pub conv: usize,
     pub gates: usize,
+    /// A sparse MoE block's router, gathered inputs and expert outputs (0 without one).
+    pub router: usize,
+    pub moe_in: usize,
+    pub moe_out: usize,
 }
 
 pub fn buffer_sizes(
@@ -333,7 +366,7 @@ pub fn buffer_sizes(
     head_rows: usize,
     vocab_chunk: usize,
 ) -> BufferSizes {
-    let (d, f) = (c.hidden_size, c.intermediate_size);
+    let d = c.hidden_size;
     let e = p.elem_bytes();
     let w = widths(c);
     let n = rows * c.num_kv_heads;
@@ -349,7 +382,7 @@ pub fn buffer_sizes(
         kv_scale,
         kv_bscale,
         attn: rows * w.attn * e,
-        act: rows * f * e,
+        act: rows * w.act * e,
         logits: head_rows * vocab_chunk * 4,
         run_max: rows * 4,
         run_sum: rows * 8,
@@ -359,6 +392,9 @@ pub fn buffer_sizes(
         err: 16,
         conv: rows * w.conv * 4,
         gates: rows * w.gates * 4,
+        router: rows * w.router * 4,
+        moe_in: rows * w.moe_in * e,
+        moe_out: rows * w.moe_out * 4,
     }
 }
 
@@ -379,6 +415,9 @@ impl BufferSizes {
             + self.err
             + self.conv
             + self.gates
+            + self.router
+            + self.moe_in
+            + self.moe_out
     }
 }
 
@@ -655,7 +694,7 @@ mod tests {
                         continue;
                     };
                     let z = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk);
-                    let ints = 4 * 5 * plan.max_rows;
+                    let ints = 4 * 6 * plan.max_rows;
                     let used = z.total() + ints + rope_bytes(&c, longest);
                     assert!(
                         used <= plan.planned_bytes,

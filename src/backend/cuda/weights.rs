@@ -7,7 +7,7 @@ use super::launch::{self, Any, Ptr};
 use super::plan::{self, Precision};
 use crate::artifact::Artifact;
 use crate::model::config::ModelConfig;
-use crate::model::tensors::{split_query_gate, Fused, MixerTensors, ModelTensors};
+use crate::model::tensors::{split_query_gate, FfnTensors, Fused, MixerTensors, ModelTensors};
 use crate::quant::fp8::Fp8Scale;
 use crate::quant::nvfp4::Global;
 use crate::quant::QuantTensor;
@@ -18,7 +18,23 @@ use rayon::prelude::*;
 /// GPU benchmark's large shapes, never written to disk).
 pub enum Source<'a> {
     Artifact(&'a Artifact),
-    Random { config: &'a ModelConfig, seed: u64 },
+    Random {
+        config: &'a ModelConfig,
+        seed: u64,
+        /// Every tensor's shape by name (a MoE model has tens of thousands).
+        shapes: std::collections::HashMap<String, Vec<usize>>,
+    },
+}
+
+impl<'a> Source<'a> {
+    /// Random weights of `config` for `seed`.
+    pub fn random(config: &'a ModelConfig, seed: u64) -> Source<'a> {
+        Source::Random {
+            config,
+            seed,
+            shapes: config.expected_tensors().into_iter().collect(),
+        }
+    }
 }
 
 impl Source<'_> {
@@ -49,12 +65,10 @@ impl Source<'_> {
     fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
         match self {
             Source::Artifact(a) => a.tensor_f32(name),
-            Source::Random { config, seed } => {
-                let shape = config
-                    .expected_tensors()
-                    .into_iter()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, s)| s)
+            Source::Random { seed, shapes, .. } => {
+                let shape = shapes
+                    .get(name)
+                    .cloned()
                     .ok_or_else(|| anyhow!("random weights: no tensor {name}"))?;
                 let (dtype, bytes) = super::random::tensor_bytes(name, &shape, *seed);
                 Ok(match dtype {
@@ -100,12 +114,32 @@ pub(super) enum MixerW {
     DeltaNet(DeltaW),
 }
 
+/// A SwiGLU MLP's matrices in the precision.
+pub(super) struct SwiGluW {
+    pub(super) wgu: DevBuf,   // [2F, d]: gate rows, then up rows
+    pub(super) wdown: DevBuf, // [d, F]
+}
+
+/// A sparse MoE block's weights, each expert's matrices one after another in one buffer so
+/// a GEMM addresses expert `e` at an offset.
+pub(super) struct MoeW {
+    pub(super) router: DevBuf, // [E, d]
+    pub(super) wgu: DevBuf,    // [E, 2I, d]
+    pub(super) wdown: DevBuf,  // [E, d, I]
+    /// The shared expert (width `Is`) and its gate `[1, d]`.
+    pub(super) shared: Option<(SwiGluW, DevBuf)>,
+}
+
+pub(super) enum FfnW {
+    Dense(SwiGluW),
+    Moe(MoeW),
+}
+
 pub(super) struct LayerW {
     pub(super) attn_norm: DevBuf,
     pub(super) mixer: MixerW,
     pub(super) mlp_norm: DevBuf,
-    pub(super) wgu: DevBuf,
-    pub(super) wdown: DevBuf,
+    pub(super) ffn: FfnW,
 }
 
 pub(super) struct DevWeights {
@@ -233,18 +267,63 @@ impl DevWeights {
                     })
                 }
             };
-            let crate::model::tensors::FfnTensors::Dense(mlp) = &l.mlp else {
-                anyhow::bail!(
-                    "mixture-of-experts MLPs ({}) run on the CPU backend only, for now (use --device cpu)",
-                    c.family.name()
-                );
+            let mlp_norm = norm(&l.mlp.norm().to_string(), &mut tick)?;
+            let swiglu = |gate_up: &Fused, down: &Fused, tick: &mut dyn FnMut(usize)| {
+                Ok::<_, anyhow::Error>(SwiGluW {
+                    wgu: matrix(gate_up, tick)?,
+                    wdown: matrix(down, tick)?,
+                })
+            };
+            let ffn = match &l.mlp {
+                FfnTensors::Dense(mlp) => FfnW::Dense(swiglu(&mlp.gate_up, &mlp.down, &mut tick)?),
+                FfnTensors::Moe(moe) => {
+                    // Experts' matrices stacked: expert e's rows follow expert e - 1's.
+                    let stacked = |parts: Vec<&Fused>, tick: &mut dyn FnMut(usize)| {
+                        let (rows, cols) = (parts[0].rows, parts[0].cols);
+                        let buf = gpu.alloc(parts.len() * rows * cols * e)?;
+                        let mut off = 0;
+                        for f in parts {
+                            if (f.rows, f.cols) != (rows, cols) {
+                                anyhow::bail!(
+                                    "{}: expert matrix {} is [{}, {}], not [{rows}, {cols}] like the others",
+                                    a.label(),
+                                    f.parts[0],
+                                    f.rows,
+                                    f.cols
+                                );
+                            }
+                            for n in &f.parts {
+                                off += part(&buf, off, n)?;
+                                tick(1);
+                            }
+                        }
+                        debug_assert_eq!(off, buf.bytes);
+                        Ok::<_, anyhow::Error>(buf)
+                    };
+                    let (experts, d) = (moe.experts.len(), c.hidden_size);
+                    let router = matrix(&Fused::one(moe.router.clone(), experts, d), &mut tick)?;
+                    let wgu = stacked(moe.experts.iter().map(|x| &x.gate_up).collect(), &mut tick)?;
+                    let wdown = stacked(moe.experts.iter().map(|x| &x.down).collect(), &mut tick)?;
+                    let shared = match &moe.shared {
+                        Some((x, gate)) => Some((
+                            swiglu(&x.gate_up, &x.down, &mut tick)?,
+                            matrix(&Fused::one(gate.clone(), 1, d), &mut tick)?,
+                        )),
+                        None => None,
+                    };
+                    FfnW::Moe(MoeW {
+                        router,
+                        wgu,
+                        wdown,
+                        shared,
+                    })
+                }
             };
             layers.push(LayerW {
                 attn_norm,
                 mixer,
-                mlp_norm: norm(&mlp.norm, &mut tick)?,
-                wgu: matrix(&mlp.gate_up, &mut tick)?,
-                wdown: matrix(&mlp.down, &mut tick)?,
+                mlp_norm,
+                ffn,
             });
         }
         let final_norm = norm(&names.final_norm, &mut tick)?;

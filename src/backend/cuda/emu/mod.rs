@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 7] = [
+pub const FAULTS: [Fault; 8] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -99,6 +99,12 @@ pub const FAULTS: [Fault; 7] = [
         what: "the bf16 K/V store writes one element past each vector",
         from: "if (j < D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);",
         to: "if (j <= D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);",
+    },
+    Fault {
+        name: "moe-tie-upper",
+        what: "the router's top-k breaks probability ties toward the higher expert index",
+        from: "if (best < 0 || key > best_key) {",
+        to: "if (best < 0 || key >= best_key) {",
     },
 ];
 
