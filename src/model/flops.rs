@@ -43,7 +43,8 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
             Some(m) if m.sparse_layers.get(i).copied().unwrap_or(false) => {
                 let s = m.shared_expert_intermediate_size;
                 let shared = if s > 0 { 3 * d * s + d } else { 0 };
-                2.0 * (d * m.num_experts + m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
+                2.0 * (d * m.num_experts
+                    + m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
                     + shared) as f64
             }
             _ => 2.0 * (d * 2 * f + f * d) as f64,

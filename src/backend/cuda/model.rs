@@ -12,8 +12,8 @@ use super::device::{DevBuf, Gpu, Target};
 use super::gemm::{Blas, Mat};
 use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
-use super::plan::{self, AttnKernel, MemPlan, Precision};
 use super::moe::{self, MoeBufs};
+use super::plan::{self, AttnKernel, MemPlan, Precision};
 use super::weights::{DeltaW, DevWeights, FfnW, MixerW, Source};
 use super::MemoryReport;
 use crate::artifact::Artifact;
@@ -808,7 +808,13 @@ impl CudaModel {
             // so both report the same routing.
             let last_moe = li + 1 == w.layers.len() && matches!(l.ffn, FfnW::Moe(_));
             if last_moe {
-                norm(b.x.ptr, Ptr::new(ints.at(o_tail)), &l.mlp_norm, b.h.ptr, tail.len())?;
+                norm(
+                    b.x.ptr,
+                    Ptr::new(ints.at(o_tail)),
+                    &l.mlp_norm,
+                    b.h.ptr,
+                    tail.len(),
+                )?;
             } else {
                 norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
             }

@@ -39,7 +39,10 @@ impl Grouping {
     /// range or an expert chosen twice for one token (neither comes from `moe_route`).
     pub fn build(idx: &[i32], rows: usize, k: usize, experts: usize) -> Result<Grouping> {
         if idx.len() != rows * k {
-            bail!("MoE routing: {} choices for {rows} tokens of {k}", idx.len());
+            bail!(
+                "MoE routing: {} choices for {rows} tokens of {k}",
+                idx.len()
+            );
         }
         let mut counts = vec![0usize; experts];
         for (n, &e) in idx.iter().enumerate() {

@@ -467,7 +467,11 @@ mod tests {
         // Qwen3.5-35B-A3B's text model: about 35B parameters, about 3B active per token.
         let m = preset("qwen3_5-35b-a3b").unwrap();
         m.validate().unwrap();
-        eprintln!("35b-a3b: {} params, {} active", m.num_params(), m.active_params());
+        eprintln!(
+            "35b-a3b: {} params, {} active",
+            m.num_params(),
+            m.active_params()
+        );
         assert!(
             (34.0e9..36.0e9).contains(&(m.num_params() as f64)),
             "{}",
