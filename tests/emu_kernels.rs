@@ -1020,6 +1020,18 @@ fn planted_kernel_faults_fail_these_checks() {
             "gqa-interleaved",
             "tensor_core_attention_matches_the_cpu_within_bf16_rounding",
         ),
+        (
+            "moe-tie-upper",
+            "the_router_kernel_reproduces_the_cpu_choice_bit_for_bit",
+        ),
+        (
+            "moe-no-renorm",
+            "the_router_kernel_reproduces_the_cpu_choice_bit_for_bit",
+        ),
+        (
+            "moe-shared-gate-silu",
+            "the_expert_combine_reproduces_the_cpu_sums_bit_for_bit",
+        ),
     ] {
         let (ok, out) = child(&[test], &[("NINFER_EMU_FAULT", fault.to_string())]);
         assert!(!ok, "{test} passed with the planted fault {fault}:\n{out}");
@@ -1674,6 +1686,239 @@ fn the_attention_output_gate_matches_the_cpu() {
         assert!(
             (g - w).abs() <= w.abs() / 128.0 + 1e-30,
             "bf16 element {i}: {g} vs {w}"
+        );
+    }
+}
+
+// ------------------------------------------------------------------ mixture of experts
+
+/// Runs `moe_route` over `logits[rows, experts]`; returns the probabilities it wrote back,
+/// the choices `[rows, k]` and their weights.
+fn device_route(
+    logits: &[f32],
+    experts: usize,
+    k: usize,
+    renorm: bool,
+) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+    let rows = logits.len() / experts;
+    let lb = up(logits);
+    let ib = up(&vec![-1i32; rows * k]);
+    let wb = up(&vec![f32::NAN; rows * k]);
+    gpu()
+        .launch(
+            "moe_route",
+            (plan::blocks_for(rows, 128), 1, 1),
+            128,
+            0,
+            &launch::MoeRoute {
+                logits: p(&lb),
+                rows: rows as i64,
+                experts: experts as i32,
+                k: k as i32,
+                renorm: renorm as i32,
+                idx: p(&ib),
+                wts: p(&wb),
+            },
+        )
+        .unwrap();
+    (
+        read_f32(&lb, rows * experts),
+        gpu().read(&ib, 0, rows * k).unwrap(),
+        read_f32(&wb, rows * k),
+    )
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Fails at the first element whose bits differ, naming it and both values.
+fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: element {i} is {:e}, the CPU's {:e}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// The router kernel is the CPU's `route_row` bit for bit: the probabilities written back
+/// in place, the chosen experts in order and their weights, with and without
+/// renormalisation, k below and equal to the expert count. Rows of logits on a 0.5 grid
+/// make exact ties common (they go to the lower expert); rows of equal, huge and -inf
+/// logits cover the edges. The test counts the rows whose choice a tie decides, so it
+/// cannot pass without exercising the tie rule.
+#[test]
+fn the_router_kernel_reproduces_the_cpu_choice_bit_for_bit() {
+    use ninfer_perplexity::model::moe::route_row;
+    let mut r = Rng(71);
+    for (experts, k, renorm) in [
+        (12usize, 4usize, true),
+        (12, 4, false),
+        (8, 8, true),
+        (64, 8, true),
+    ] {
+        let rows = 41usize;
+        let mut logits = r.vec(rows * experts, 4.0);
+        for (i, row) in logits.chunks_mut(experts).enumerate() {
+            match i {
+                0 => row.fill(0.25),
+                1 => {
+                    row.fill(-1.0);
+                    row.iter_mut().skip(1).step_by(3).for_each(|v| *v = 2.0);
+                }
+                2 => row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(e, v)| *v = if e % 2 == 0 { 80.0 } else { -80.0 }),
+                3 => {
+                    row.fill(f32::NEG_INFINITY);
+                    row[1] = 0.5;
+                    row[experts - 1] = 0.5;
+                }
+                _ if i % 2 == 0 => row.iter_mut().for_each(|v| *v = (*v * 2.0).round() / 2.0),
+                _ => {}
+            }
+        }
+        let (probs, idx, wts) = device_route(&logits, experts, k, renorm);
+        let (mut pr, mut chosen, mut w) = (vec![0f32; experts], Vec::new(), Vec::new());
+        let mut tie_decided = 0;
+        for t in 0..rows {
+            route_row(
+                &logits[t * experts..(t + 1) * experts],
+                k,
+                renorm,
+                &mut pr,
+                &mut chosen,
+                &mut w,
+            );
+            let case = format!("{experts} experts, top-{k}, renorm {renorm}, row {t}");
+            assert_eq!(
+                bits(&probs[t * experts..(t + 1) * experts]),
+                bits(&pr),
+                "{case}: probabilities"
+            );
+            let got: Vec<usize> = idx[t * k..(t + 1) * k]
+                .iter()
+                .map(|&e| e as usize)
+                .collect();
+            assert_eq!(got, chosen, "{case}: experts");
+            assert_eq!(bits(&wts[t * k..(t + 1) * k]), bits(&w), "{case}: weights");
+            // A tie decides the choice: two chosen experts, or the last chosen and an
+            // unchosen one, have the same probability.
+            let last = pr[chosen[k - 1]];
+            if chosen.windows(2).any(|c| pr[c[0]] == pr[c[1]])
+                || (0..experts).any(|e| !chosen.contains(&e) && pr[e] == last)
+            {
+                tie_decided += 1;
+            }
+        }
+        assert!(
+            tie_decided >= rows / 4,
+            "only {tie_decided} of {rows} rows have a tie"
+        );
+        eprintln!("moe_route {experts}/{k} renorm {renorm}: {tie_decided} of {rows} rows decided by a tie");
+    }
+}
+
+/// `moe_combine` adds each token's weighted expert outputs in expert-index order, then the
+/// sigmoid-gated shared expert, to its residual row, as the CPU's `moe_block` does (expert
+/// by expert from zero, `acc += y · w`, then `acc += sigmoid(g) · shared`, then `x += acc`),
+/// bit for bit: on every row, without a shared expert, and on a subset of the residual rows
+/// named by a row list (the other rows untouched). The choices come from real routing of
+/// random logits, grouped by `Grouping::build`.
+#[test]
+fn the_expert_combine_reproduces_the_cpu_sums_bit_for_bit() {
+    use ninfer_perplexity::backend::cuda::moe::Grouping;
+    use ninfer_perplexity::model::moe::route_row;
+    let mut r = Rng(73);
+    let (rows, experts, k, d) = (23usize, 10usize, 3usize, 40usize);
+    let logits = r.vec(rows * experts, 3.0);
+    let (mut pr, mut chosen, mut w) = (vec![0f32; experts], Vec::new(), Vec::new());
+    let (mut idx, mut wts) = (Vec::new(), Vec::new());
+    for t in 0..rows {
+        route_row(
+            &logits[t * experts..(t + 1) * experts],
+            k,
+            true,
+            &mut pr,
+            &mut chosen,
+            &mut w,
+        );
+        idx.extend(chosen.iter().map(|&e| e as i32));
+        wts.extend_from_slice(&w);
+    }
+    let g = Grouping::build(&idx, rows, k, experts).unwrap();
+    // y[rows · k, d]: routed row j's expert output; the shared expert's [rows, d] and gate.
+    let y = r.vec(rows * k * d, 2.0);
+    let shared = r.vec(rows * d, 2.0);
+    let gate = r.vec(rows, 3.0);
+    let (yb, sb, gb) = (up(&y), up(&shared), up(&gate));
+    let (slot, pick) = (up(&g.slot), up(&g.pick));
+    let wb = up(&wts);
+    for (with_shared, subset) in [(true, false), (false, false), (true, true)] {
+        let xrows: Vec<usize> = (0..rows)
+            .map(|t| if subset { 2 * t + 1 } else { t })
+            .collect();
+        let x_len = if subset { (2 * rows + 1) * d } else { rows * d };
+        let x0 = r.vec(x_len, 1.0);
+        let mut acc = vec![0f32; rows * d];
+        for e in 0..experts {
+            for j in g.offsets[e]..g.offsets[e + 1] {
+                let t = g.src[j] as usize;
+                let choice = idx[t * k..(t + 1) * k]
+                    .iter()
+                    .position(|&c| c as usize == e)
+                    .unwrap();
+                let wt = wts[t * k + choice];
+                for c in 0..d {
+                    acc[t * d + c] += y[j * d + c] * wt;
+                }
+            }
+        }
+        if with_shared {
+            for t in 0..rows {
+                let sig = 1.0 / (1.0 + (-gate[t]).exp());
+                for c in 0..d {
+                    acc[t * d + c] += sig * shared[t * d + c];
+                }
+            }
+        }
+        let mut want = x0.clone();
+        for t in 0..rows {
+            for c in 0..d {
+                want[xrows[t] * d + c] += acc[t * d + c];
+            }
+        }
+        let xb = up(&x0);
+        let rl: Vec<i32> = xrows.iter().map(|&v| v as i32).collect();
+        let rb = up(&rl);
+        gpu()
+            .launch(
+                "moe_combine",
+                (plan::blocks_for(rows * d, 256), 1, 1),
+                256,
+                0,
+                &launch::MoeCombine {
+                    y: p(&yb),
+                    slot: p(&slot),
+                    pick: p(&pick),
+                    wts: p(&wb),
+                    k: k as i32,
+                    shared: if with_shared { p(&sb) } else { Ptr::NULL },
+                    gate: if with_shared { p(&gb) } else { Ptr::NULL },
+                    x: p(&xb),
+                    xrows: if subset { p(&rb) } else { Ptr::NULL },
+                    rows: rows as i64,
+                    d: d as i32,
+                },
+            )
+            .unwrap();
+        assert_same_bits(
+            &read_f32(&xb, x_len),
+            &want,
+            &format!("shared expert {with_shared}, row subset {subset}"),
         );
     }
 }

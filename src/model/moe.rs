@@ -64,6 +64,27 @@ pub fn softmax_into(logits: &[f32], out: &mut [f32]) {
     }
 }
 
+/// One token's routing from its router logits: the probabilities into `probs`, the `k`
+/// chosen experts (highest first, ties to the lower index) into `chosen` and their
+/// weights into `wts`, divided by their f32 sum in choice order when `renorm`.
+pub fn route_row(
+    logits: &[f32],
+    k: usize,
+    renorm: bool,
+    probs: &mut [f32],
+    chosen: &mut Vec<usize>,
+    wts: &mut Vec<f32>,
+) {
+    softmax_into(logits, probs);
+    top_k_into(probs, k, chosen);
+    wts.clear();
+    wts.extend(chosen.iter().map(|&e| probs[e]));
+    if renorm {
+        let s: f32 = wts.iter().sum();
+        wts.iter_mut().for_each(|v| *v /= s);
+    }
+}
+
 /// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`.
 fn run_swiglu(e: &SwiGlu, x: &[f32], n: usize, d: usize, out: &mut [f32]) {
     let f = e.width;
@@ -97,14 +118,7 @@ pub fn moe_block(
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts];
     let (mut p, mut chosen, mut wts) = (vec![0f32; experts], Vec::new(), Vec::new());
     for (r, row) in logits.chunks(experts).enumerate() {
-        softmax_into(row, &mut p);
-        top_k_into(&p, k, &mut chosen);
-        wts.clear();
-        wts.extend(chosen.iter().map(|&e| p[e]));
-        if renorm {
-            let s: f32 = wts.iter().sum();
-            wts.iter_mut().for_each(|v| *v /= s);
-        }
+        route_row(row, k, renorm, &mut p, &mut chosen, &mut wts);
         for (&e, &wt) in chosen.iter().zip(&wts) {
             routed[e].push((r, wt));
         }

@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 8] = [
+pub const FAULTS: [Fault; 10] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -105,6 +105,18 @@ pub const FAULTS: [Fault; 8] = [
         what: "the router's top-k breaks probability ties toward the higher expert index",
         from: "if (best < 0 || key > best_key) {",
         to: "if (best < 0 || key >= best_key) {",
+    },
+    Fault {
+        name: "moe-no-renorm",
+        what: "the router ignores norm_topk_prob and never renormalises the chosen weights",
+        from: "    if (renorm) {",
+        to: "    if (0) {",
+    },
+    Fault {
+        name: "moe-shared-gate-silu",
+        what: "the shared expert is scaled by silu(gate) instead of sigmoid(gate)",
+        from: "float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z)));",
+        to: "float sg = __fmul_rn(z, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z))));",
     },
 ];
 
