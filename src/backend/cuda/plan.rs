@@ -679,6 +679,8 @@ mod tests {
         (narrow.num_heads, narrow.num_kv_heads, narrow.head_dim) = (16, 16, 4);
         // The 27B hybrid: Gated DeltaNet buffers wider than attention's, a gated q.
         let hybrid = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
+        // The 35B-A3B sparse hybrid: router, grouped expert rows (k · 2I wider than d).
+        let moe = crate::backend::cuda::random::preset("qwen3_5-35b-a3b").unwrap();
         for c in [
             small,
             wide,
@@ -686,6 +688,8 @@ mod tests {
             crate::backend::cuda::random::preset("llama3-8b").unwrap(),
             hybrid.with_layers(4),
             hybrid,
+            moe.with_layers(4),
+            moe,
         ] {
             for p in [Precision::Bf16, Precision::F32] {
                 for (free, longest) in [(1usize << 30, 4096usize), (8 << 30, 1), (80 << 30, 32768)]
