@@ -220,72 +220,317 @@ fn a_moe_run_reports_its_routing() {
     }
 }
 
-/// `--weights fp8` quantizes every expert and the shared expert like a dense MLP and leaves
-/// the routers and the shared expert's gate in bf16; the artifact scores. (nvfp4 takes the
-/// same selection, `quant::select`'s unit tests, but needs input widths that are multiples of
-/// 16, which the tiny fixture's experts (12, 20) are not.)
-fn experts_are_packed_in_fp8() {
-    let (tmp, dir) = checkpoint("qwen3_5_moe", |_| {});
+/// Packs `dir` with `--weights w`; when that is fp8 or nvfp4, checks that `quantized`
+/// matrices took the format and at least `bf16_at_least` stayed bf16; scores
+/// `text` on the CPU; returns the artifact and its report.
+fn pack_quantized(
+    tmp: &Path,
+    dir: &Path,
+    w: &str,
+    (quantized, bf16_at_least): (u64, u64),
+    text: &Path,
+) -> (PathBuf, Value) {
     let tok = common::cache_file("qwen3-tokenizer.json");
-    let text = tmp.path().join("t.txt");
+    let art = tmp.join(format!("{w}.ninfer"));
+    let o = common::run_bin(
+        "ninfer-pack",
+        &[
+            "hf",
+            s(dir),
+            "--tokenizer",
+            s(&tok),
+            "--weights",
+            w,
+            "-o",
+            s(&art),
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "{w}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
+    let info: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let formats = info["weight_formats"].as_array().unwrap();
+    let count = |f: &str| {
+        formats
+            .iter()
+            .find(|x| x["format"] == f)
+            .map_or(0, |x| x["tensors"].as_u64().unwrap())
+    };
+    if w == "fp8" || w == "nvfp4" {
+        assert_eq!(count(w), quantized, "{w}: {formats:?}");
+        // The routers (and shared-expert gates) stay bf16.
+        assert!(count("bf16") >= bf16_at_least, "{w}: {formats:?}");
+    }
+    let out = tmp.join(format!("run-{w}"));
+    let o = score(&art, text, &out, &[]);
+    assert!(
+        o.status.success(),
+        "{w}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (art, report(&out))
+}
+
+/// The quantized matrices of the tiny qwen3_5_moe (4 attention + 3 × 3 Gated DeltaNet
+/// linears, 4 sparse layers × (8 experts × 3 + the shared expert's 3)) and its bf16 ones
+/// at least (4 routers and 4 shared-expert gates).
+const MOE_QUANTIZED: (u64, u64) = (4 + 9 + 4 * (8 * 3 + 3), 8);
+
+fn moe_text(tmp: &Path) -> PathBuf {
+    let text = tmp.join("t.txt");
     std::fs::write(
         &text,
         "Quantized experts still route the same tokens. ".repeat(6),
     )
     .unwrap();
-    let mut means = Vec::new();
-    for w in ["f32", "fp8"] {
-        let art = tmp.path().join(format!("{w}.ninfer"));
-        let o = common::run_bin(
-            "ninfer-pack",
-            &[
-                "hf",
-                s(&dir),
-                "--tokenizer",
-                s(&tok),
-                "--weights",
-                w,
-                "-o",
-                s(&art),
-            ],
-        );
-        assert!(
-            o.status.success(),
-            "{w}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
-        let info: Value = serde_json::from_slice(&o.stdout).unwrap();
-        let formats = info["weight_formats"].as_array().unwrap();
-        let count = |f: &str| {
-            formats
-                .iter()
-                .find(|x| x["format"] == f)
-                .map_or(0, |x| x["tensors"].as_u64().unwrap())
-        };
-        if w != "f32" {
-            // 4 attention + 3 × 3 Gated DeltaNet linears, 4 layers × (8 experts × 3 + shared 3).
-            assert_eq!(count(w), 4 + 9 + 4 * (8 * 3 + 3), "{w}: {formats:?}");
-            // Routers and shared-expert gates (8), norms, embeddings, small projections.
-            assert!(count("bf16") >= 8, "{w}: {formats:?}");
-        }
-        let out = tmp.path().join(format!("run-{w}"));
-        let o = score(&art, &text, &out, &[]);
-        assert!(
-            o.status.success(),
-            "{w}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let r = report(&out);
-        means.push(r["overall"]["mean_nll"].as_f64().unwrap());
-    }
+    text
+}
+
+/// `--weights fp8` quantizes every expert and the shared expert like a dense MLP and leaves
+/// the routers and the shared expert's gate in bf16; the artifact scores.
+fn experts_are_packed_in_fp8() {
+    let (tmp, dir) = checkpoint("qwen3_5_moe", |_| {});
+    let text = moe_text(tmp.path());
+    let means: Vec<f64> = ["f32", "fp8"]
+        .iter()
+        .map(|w| {
+            let (_, r) = pack_quantized(tmp.path(), &dir, w, MOE_QUANTIZED, &text);
+            r["overall"]["mean_nll"].as_f64().unwrap()
+        })
+        .collect();
     eprintln!("mean NLL f32 / fp8: {means:?}");
     assert!(means.iter().all(|m| m.is_finite()));
     assert!(means[0] != means[1], "{means:?}");
 }
 
+/// The tiny qwen3_5_moe reshaped so that every matrix the packer quantizes reads a multiple
+/// of nvfp4's 16-value block: Gated DeltaNet value heads 2 × 8 (`out_proj` reads 16, not 36),
+/// experts 16 wide (not 12), the shared expert 32 (not 20). A reshaped tensor takes the
+/// fixture's own values of that tensor, strided and repeated, so its scale stays the trained
+/// one; the other tensors are the fixture's.
+fn nvfp4_ready_checkpoint() -> (tempfile::TempDir, PathBuf) {
+    let (tmp, dir) = checkpoint("qwen3_5_moe", |c| {
+        c["linear_num_value_heads"] = 2.into();
+        c["linear_value_head_dim"] = 8.into();
+        c["moe_intermediate_size"] = 16.into();
+        c["shared_expert_intermediate_size"] = 32.into();
+    });
+    // q 2 × 8 + k 2 × 8 + v 2 × 8 channels.
+    let shapes: &[(&str, &[usize])] = &[
+        ("linear_attn.conv1d.weight", &[48, 1, 4]),
+        ("linear_attn.in_proj_qkv.weight", &[48, 16]),
+        ("linear_attn.in_proj_z.weight", &[16, 16]),
+        ("linear_attn.in_proj_a.weight", &[2, 16]),
+        ("linear_attn.in_proj_b.weight", &[2, 16]),
+        ("linear_attn.A_log", &[2]),
+        ("linear_attn.dt_bias", &[2]),
+        ("linear_attn.norm.weight", &[8]),
+        ("linear_attn.out_proj.weight", &[16, 16]),
+        ("mlp.experts.gate_up_proj", &[8, 32, 16]),
+        ("mlp.experts.down_proj", &[8, 16, 16]),
+        ("mlp.shared_expert.gate_proj.weight", &[32, 16]),
+        ("mlp.shared_expert.up_proj.weight", &[32, 16]),
+        ("mlp.shared_expert.down_proj.weight", &[16, 32]),
+    ];
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut reshaped = 0;
+    for (name, view) in st.tensors() {
+        let new = shapes.iter().find(|(suffix, _)| name.ends_with(suffix));
+        let Some((_, shape)) = new else {
+            out.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            ));
+            continue;
+        };
+        let esz = view.dtype().bitsize() / 8;
+        let old = view.data();
+        let (n_old, n_new) = (old.len() / esz, shape.iter().product::<usize>());
+        let mut data = Vec::with_capacity(n_new * esz);
+        for i in 0..n_new {
+            let j = (i * 7 + 3) % n_old;
+            data.extend_from_slice(&old[j * esz..(j + 1) * esz]);
+        }
+        out.push((name, view.dtype(), shape.to_vec(), data));
+        reshaped += 1;
+    }
+    // 3 Gated DeltaNet layers × 9 tensors, 4 MoE layers × 5.
+    assert_eq!(reshaped, 3 * 9 + 4 * 5);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, d, s, b)| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    (tmp, dir)
+}
+
+/// `--weights nvfp4` on a MoE: every expert and the shared expert in nvfp4 (each expert's
+/// gate and up sharing a global scale), the artifact scores on the CPU, and the CUDA model on
+/// the emulated device (which dequantizes the experts at load) gives the CPU's routing and
+/// mean NLL.
+fn experts_are_packed_in_nvfp4() {
+    let (tmp, dir) = nvfp4_ready_checkpoint();
+    let text = moe_text(tmp.path());
+    let (_, f32_report) = pack_quantized(tmp.path(), &dir, "f32", MOE_QUANTIZED, &text);
+    let (art, r) = pack_quantized(tmp.path(), &dir, "nvfp4", MOE_QUANTIZED, &text);
+    let means = [&f32_report, &r].map(|r| r["overall"]["mean_nll"].as_f64().unwrap());
+    eprintln!("mean NLL f32 / nvfp4: {means:?}");
+    assert!(means.iter().all(|m| m.is_finite()));
+    assert!(means[0] != means[1], "{means:?}");
+    if cfg!(feature = "cuda") {
+        let emu = tmp.path().join("emu");
+        let o = score(
+            &art,
+            &text,
+            &emu,
+            &["--device", "emu", "--precision", "f32"],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let er = report(&emu);
+        assert_eq!(er["streams"][0]["routing"], r["streams"][0]["routing"]);
+        let (a, b) = (er["overall"]["mean_nll"].as_f64().unwrap(), means[1]);
+        eprintln!("nvfp4 mean NLL emu / cpu: {a} / {b}");
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "emu {a} vs cpu {b}");
+    }
+}
+
+/// The tiny qwen3_moe (per-expert layout) as a fine-grained FP8 export, the layout of the
+/// Qwen `*-FP8` MoE releases: every matrix the packer would quantize stored as `F8_E4M3`
+/// `X.weight` with its `X.weight_scale_inv` 128 × 128 block scales, quantized by the crate's
+/// transformers-equivalent quantizer, and `quantization_config.quant_method = "fp8"`. `drop`
+/// names a tensor to leave out. Returns the directory and how many matrices are fp8.
+fn fp8_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
+    use ninfer_perplexity::quant::{fp8, select};
+    let (_keep, src) = checkpoint("qwen3_moe", |_| {});
+    let dir = tmp.join("qwen3_moe-fp8");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    c["quantization_config"] = serde_json::json!({
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    });
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut quantized = 0;
+    for (name, view) in st.tensors() {
+        if !select::selected(&name, false) {
+            out.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            ));
+            continue;
+        }
+        assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
+        let (rows, cols) = (view.shape()[0], view.shape()[1]);
+        let w: Vec<f32> = view
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        let q = fp8::quantize_block(&w, rows, cols);
+        let fp8::Fp8Scale::Block(scales) = &q.scale else {
+            unreachable!("quantize_block scales per block")
+        };
+        let base = name.strip_suffix(".weight").unwrap();
+        let scale_bytes: Vec<u8> = scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+        out.push((
+            format!("{base}.weight_scale_inv"),
+            safetensors::Dtype::F32,
+            vec![rows.div_ceil(fp8::BLOCK), cols.div_ceil(fp8::BLOCK)],
+            scale_bytes,
+        ));
+        out.push((name, safetensors::Dtype::F8_E4M3, vec![rows, cols], q.codes));
+        quantized += 1;
+    }
+    out.retain(|(n, ..)| Some(n.as_str()) != drop);
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, d, s, b)| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    (dir, quantized)
+}
+
+/// A per-expert FP8 checkpoint imports with its experts' bytes as stored and scores exactly
+/// as the bf16 checkpoint packed with `--weights fp8` (the same quantizer, so the same
+/// bytes): the import path reads every expert's payload and block scales under its own name.
+/// An expert whose scale is missing is refused naming the file and the tensor.
+fn per_expert_fp8_checkpoints_import_exactly() {
+    let tmp = common::tempdir();
+    let text = moe_text(tmp.path());
+    let (dir, quantized) = fp8_export(tmp.path(), None);
+    // 3 layers × 4 attention; layer 1 dense (3), layers 0 and 2 sparse (8 experts × 3).
+    assert_eq!(quantized, 3 * 4 + 3 + 2 * 8 * 3);
+    let imported = tmp.path().join("imported");
+    std::fs::create_dir(&imported).unwrap();
+    let (art, ri) = pack_quantized(&imported, &dir, "bf16", (0, 0), &text);
+    let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
+    let info: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fp8_count = info["weight_formats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["format"] == "fp8")
+        .map_or(0, |x| x["tensors"].as_u64().unwrap());
+    assert_eq!(fp8_count, quantized, "{info}");
+    assert_eq!(
+        info["quantization"]["method"], "fp8 (config.json)",
+        "{info}"
+    );
+
+    let (_keep, src) = checkpoint("qwen3_moe", |_| {});
+    let (_, rp) = pack_quantized(tmp.path(), &src, "fp8", (quantized, 2), &text);
+    let windows = |r: &Value| r["streams"][0]["windows"].clone();
+    assert_eq!(windows(&ri), windows(&rp));
+    assert_eq!(ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]);
+    assert_eq!(ri["streams"][0]["routing"], rp["streams"][0]["routing"]);
+    eprintln!(
+        "imported fp8 / packed fp8 mean NLL: {} / {}",
+        ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]
+    );
+
+    let gone = "model.layers.2.mlp.experts.5.down_proj.weight_scale_inv";
+    let bad = tmp.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    let (dir, _) = fp8_export(&bad, Some(gone));
+    let out = bad.join("x.ninfer");
+    let o = pack(&dir, &out);
+    assert!(!o.status.success());
+    let line = common::error_line(&o);
+    assert!(
+        line.contains("model.safetensors")
+            && line.contains("model.layers.2.mlp.experts.5.down_proj.weight")
+            && line.contains("has no scale"),
+        "{line}"
+    );
+    assert!(!common::exists(&out), "a partial artifact was left behind");
+}
+
 test_main! {
     Prepared experts_are_packed_in_fp8,
+    Prepared experts_are_packed_in_nvfp4,
+    Prepared per_expert_fp8_checkpoints_import_exactly,
     Prepared contradicting_checkpoints_are_refused,
     Prepared a_moe_run_reports_its_routing,
 }
