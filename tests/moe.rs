@@ -27,7 +27,8 @@ fn checkpoint(family: &str, edit: impl Fn(&mut Value)) -> (tempfile::TempDir, Pa
     (tmp, dir)
 }
 
-fn pack(dir: &Path, out: &Path) -> std::process::Output {
+/// `ninfer-pack hf dir --weights w -o out`.
+fn pack_as(dir: &Path, w: &str, out: &Path) -> std::process::Output {
     let tok = common::cache_file("qwen3-tokenizer.json");
     common::run_bin(
         "ninfer-pack",
@@ -37,11 +38,15 @@ fn pack(dir: &Path, out: &Path) -> std::process::Output {
             "--tokenizer",
             s(&tok),
             "--weights",
-            "f32",
+            w,
             "-o",
             s(out),
         ],
     )
+}
+
+fn pack(dir: &Path, out: &Path) -> std::process::Output {
+    pack_as(dir, "f32", out)
 }
 
 /// Scores `text` with `art` at context 32, stride 16 into `out`.
@@ -220,6 +225,39 @@ fn a_moe_run_reports_its_routing() {
     }
 }
 
+/// A checkpoint tensor: name, dtype, shape, little-endian bytes.
+type Tensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+fn read_safetensors(path: &Path) -> Vec<Tensor> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect()
+}
+
+fn write_safetensors(path: &Path, tensors: &[Tensor]) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// How many of an inspected artifact's tensors are in format `f`.
+fn format_count(info: &Value, f: &str) -> u64 {
+    info["weight_formats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["format"] == f)
+        .map_or(0, |x| x["tensors"].as_u64().unwrap())
+}
+
 /// Packs `dir` with `--weights w`; when that is fp8 or nvfp4, checks that `quantized`
 /// matrices took the format and at least `bf16_at_least` stayed bf16; scores
 /// `text` on the CPU; returns the artifact and its report.
@@ -230,21 +268,8 @@ fn pack_quantized(
     (quantized, bf16_at_least): (u64, u64),
     text: &Path,
 ) -> (PathBuf, Value) {
-    let tok = common::cache_file("qwen3-tokenizer.json");
     let art = tmp.join(format!("{w}.ninfer"));
-    let o = common::run_bin(
-        "ninfer-pack",
-        &[
-            "hf",
-            s(dir),
-            "--tokenizer",
-            s(&tok),
-            "--weights",
-            w,
-            "-o",
-            s(&art),
-        ],
-    );
+    let o = pack_as(dir, w, &art);
     assert!(
         o.status.success(),
         "{w}: {}",
@@ -252,13 +277,8 @@ fn pack_quantized(
     );
     let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
     let info: Value = serde_json::from_slice(&o.stdout).unwrap();
-    let formats = info["weight_formats"].as_array().unwrap();
-    let count = |f: &str| {
-        formats
-            .iter()
-            .find(|x| x["format"] == f)
-            .map_or(0, |x| x["tensors"].as_u64().unwrap())
-    };
+    let count = |f: &str| format_count(&info, f);
+    let formats = &info["weight_formats"];
     if w == "fp8" || w == "nvfp4" {
         assert_eq!(count(w), quantized, "{w}: {formats:?}");
         // The routers (and shared-expert gates) stay bf16.
@@ -336,42 +356,27 @@ fn nvfp4_ready_checkpoint() -> (tempfile::TempDir, PathBuf) {
         ("mlp.shared_expert.down_proj.weight", &[16, 32]),
     ];
     let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut out: Vec<Tensor> = Vec::new();
     let mut reshaped = 0;
-    for (name, view) in st.tensors() {
+    for (name, dtype, old_shape, old) in read_safetensors(&path) {
         let new = shapes.iter().find(|(suffix, _)| name.ends_with(suffix));
         let Some((_, shape)) = new else {
-            out.push((
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            ));
+            out.push((name, dtype, old_shape, old));
             continue;
         };
-        let esz = view.dtype().bitsize() / 8;
-        let old = view.data();
+        let esz = dtype.bitsize() / 8;
         let (n_old, n_new) = (old.len() / esz, shape.iter().product::<usize>());
         let mut data = Vec::with_capacity(n_new * esz);
         for i in 0..n_new {
             let j = (i * 7 + 3) % n_old;
             data.extend_from_slice(&old[j * esz..(j + 1) * esz]);
         }
-        out.push((name, view.dtype(), shape.to_vec(), data));
+        out.push((name, dtype, shape.to_vec(), data));
         reshaped += 1;
     }
     // 3 Gated DeltaNet layers × 9 tensors, 4 MoE layers × 5.
     assert_eq!(reshaped, 3 * 9 + 4 * 5);
-    let views: Vec<(String, safetensors::tensor::TensorView)> = out
-        .iter()
-        .map(|(n, d, s, b)| {
-            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
-            (n.clone(), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &path).unwrap();
+    write_safetensors(&path, &out);
     (tmp, dir)
 }
 
@@ -424,24 +429,16 @@ fn fp8_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
         "weight_block_size": [128, 128],
     });
     std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut out: Vec<Tensor> = Vec::new();
     let mut quantized = 0;
-    for (name, view) in st.tensors() {
+    for (name, dtype, shape, data) in read_safetensors(&src.join("model.safetensors")) {
         if !select::selected(&name, false) {
-            out.push((
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            ));
+            out.push((name, dtype, shape, data));
             continue;
         }
-        assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
-        let (rows, cols) = (view.shape()[0], view.shape()[1]);
-        let w: Vec<f32> = view
-            .data()
+        assert_eq!(dtype, safetensors::Dtype::BF16, "{name}");
+        let (rows, cols) = (shape[0], shape[1]);
+        let w: Vec<f32> = data
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
@@ -461,14 +458,7 @@ fn fp8_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
         quantized += 1;
     }
     out.retain(|(n, ..)| Some(n.as_str()) != drop);
-    let views: Vec<(String, safetensors::tensor::TensorView)> = out
-        .iter()
-        .map(|(n, d, s, b)| {
-            let v = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
-            (n.clone(), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    write_safetensors(&dir.join("model.safetensors"), &out);
     (dir, quantized)
 }
 
@@ -487,13 +477,7 @@ fn per_expert_fp8_checkpoints_import_exactly() {
     let (art, ri) = pack_quantized(&imported, &dir, "bf16", (0, 0), &text);
     let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
     let info: Value = serde_json::from_slice(&o.stdout).unwrap();
-    let fp8_count = info["weight_formats"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["format"] == "fp8")
-        .map_or(0, |x| x["tensors"].as_u64().unwrap());
-    assert_eq!(fp8_count, quantized, "{info}");
+    assert_eq!(format_count(&info, "fp8"), quantized, "{info}");
     assert_eq!(
         info["quantization"]["method"], "fp8 (config.json)",
         "{info}"
