@@ -438,10 +438,7 @@ fn fp8_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
         }
         assert_eq!(dtype, safetensors::Dtype::BF16, "{name}");
         let (rows, cols) = (shape[0], shape[1]);
-        let w: Vec<f32> = data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect();
+        let w = bf16_to_f32(&data);
         let q = fp8::quantize_block(&w, rows, cols);
         let fp8::Fp8Scale::Block(scales) = &q.scale else {
             unreachable!("quantize_block scales per block")
@@ -511,10 +508,161 @@ fn per_expert_fp8_checkpoints_import_exactly() {
     assert!(!common::exists(&out), "a partial artifact was left behind");
 }
 
+fn bf16_to_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
+}
+
+/// The nvfp4-ready tiny qwen3_5_moe as a ModelOpt NVFP4 export with per-expert tensors (the
+/// layout of the published NVFP4 MoE checkpoints): the fused experts split into
+/// `mlp.experts.E.{gate,up,down}_proj`, every matrix the packer would quantize stored as
+/// `U8` codes `[O, I/2]`, `F8_E4M3` `weight_scale [O, I/16]` and `F32` `weight_scale_2`,
+/// quantized by the crate's ModelOpt-equivalent quantizer with ModelOpt's shared-input
+/// groups, and `hf_quant_config.json` saying NVFP4. `drop` names a tensor to leave out.
+/// Returns the directory and how many matrices are nvfp4.
+fn nvfp4_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
+    use ninfer_perplexity::quant::{nvfp4, select};
+    let (_keep, src) = nvfp4_ready_checkpoint();
+    let dir = tmp.join("qwen3_5_moe-nvfp4");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("hf_quant_config.json"),
+        serde_json::json!({
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let bf16 = safetensors::Dtype::BF16;
+    let mut tensors: Vec<Tensor> = Vec::new();
+    for (name, dtype, shape, data) in read_safetensors(&src.join("model.safetensors")) {
+        let fused = [("gate_up_proj", true), ("down_proj", false)]
+            .into_iter()
+            .find_map(|(p, gu)| Some((name.strip_suffix(&format!(".mlp.experts.{p}"))?, gu)));
+        let Some((prefix, gate_up)) = fused else {
+            tensors.push((name, dtype, shape, data));
+            continue;
+        };
+        assert_eq!(dtype, bf16, "{name}");
+        let (e, rows, cols) = (shape[0], shape[1], shape[2]);
+        let per = rows * cols * 2;
+        for (x, expert) in data.chunks_exact(per).enumerate().take(e) {
+            let at = |proj: &str| format!("{prefix}.mlp.experts.{x}.{proj}.weight");
+            if gate_up {
+                let (g, u) = expert.split_at(per / 2);
+                tensors.push((at("gate_proj"), bf16, vec![rows / 2, cols], g.to_vec()));
+                tensors.push((at("up_proj"), bf16, vec![rows / 2, cols], u.to_vec()));
+            } else {
+                tensors.push((at("down_proj"), bf16, vec![rows, cols], expert.to_vec()));
+            }
+        }
+    }
+    // The quantized matrices by scale group, in checkpoint order.
+    let mut groups: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+    for (i, (name, ..)) in tensors.iter().enumerate() {
+        if select::selected(name, false) {
+            let key = select::group(name).unwrap_or_else(|| name.clone());
+            groups.entry(key).or_default().push(i);
+        }
+    }
+    let mut quantized = std::collections::BTreeMap::new();
+    for members in groups.values() {
+        let cols = tensors[members[0]].2[1];
+        let values: Vec<Vec<f32>> = members
+            .iter()
+            .map(|&i| bf16_to_f32(&tensors[i].3))
+            .collect();
+        let parts: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+        for (&i, q) in members.iter().zip(nvfp4::quantize_group(&parts, cols)) {
+            assert!(matches!(q.global, nvfp4::Global::Multiply(_)));
+            quantized.insert(i, q);
+        }
+    }
+    let mut out: Vec<Tensor> = Vec::new();
+    let count = quantized.len() as u64;
+    for (i, t) in tensors.into_iter().enumerate() {
+        let Some(q) = quantized.remove(&i) else {
+            out.push(t);
+            continue;
+        };
+        let base = t.0.strip_suffix(".weight").unwrap().to_string();
+        let (o, c) = (q.rows, q.cols);
+        out.push((t.0, safetensors::Dtype::U8, vec![o, c / 2], q.packed));
+        out.push((
+            format!("{base}.weight_scale"),
+            safetensors::Dtype::F8_E4M3,
+            vec![o, c / nvfp4::BLOCK],
+            q.block_scales,
+        ));
+        out.push((
+            format!("{base}.weight_scale_2"),
+            safetensors::Dtype::F32,
+            vec![],
+            q.global.value().to_le_bytes().to_vec(),
+        ));
+    }
+    out.retain(|(n, ..)| Some(n.as_str()) != drop);
+    write_safetensors(&dir.join("model.safetensors"), &out);
+    (dir, count)
+}
+
+/// A per-expert ModelOpt NVFP4 checkpoint imports with its experts' codes and scales as
+/// stored and scores exactly as the bf16 checkpoint packed with `--weights nvfp4` (the same
+/// quantizer and groups, so the same bytes). An expert without its global scale is refused
+/// naming the file and the tensor.
+fn per_expert_nvfp4_checkpoints_import_exactly() {
+    let tmp = common::tempdir();
+    let text = moe_text(tmp.path());
+    let (dir, quantized) = nvfp4_export(tmp.path(), None);
+    assert_eq!(quantized, MOE_QUANTIZED.0);
+    let imported = tmp.path().join("imported");
+    std::fs::create_dir(&imported).unwrap();
+    let (art, ri) = pack_quantized(&imported, &dir, "bf16", (0, 0), &text);
+    let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
+    let info: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(format_count(&info, "nvfp4"), quantized, "{info}");
+    assert_eq!(
+        info["quantization"]["method"], "modelopt NVFP4 (hf_quant_config.json)",
+        "{info}"
+    );
+
+    let (_keep, src) = nvfp4_ready_checkpoint();
+    let (_, rp) = pack_quantized(tmp.path(), &src, "nvfp4", MOE_QUANTIZED, &text);
+    let windows = |r: &Value| r["streams"][0]["windows"].clone();
+    assert_eq!(windows(&ri), windows(&rp));
+    assert_eq!(ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]);
+    assert_eq!(ri["streams"][0]["routing"], rp["streams"][0]["routing"]);
+    eprintln!(
+        "imported nvfp4 / packed nvfp4 mean NLL: {} / {}",
+        ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]
+    );
+
+    let gone = "model.layers.1.mlp.experts.6.up_proj.weight_scale_2";
+    let bad = tmp.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    let (dir, _) = nvfp4_export(&bad, Some(gone));
+    let out = bad.join("x.ninfer");
+    let o = pack(&dir, &out);
+    assert!(!o.status.success());
+    let line = common::error_line(&o);
+    assert!(
+        line.contains("model.safetensors")
+            && line.contains("model.layers.1.mlp.experts.6.up_proj.weight")
+            && line.contains("no global scale"),
+        "{line}"
+    );
+    assert!(!common::exists(&out), "a partial artifact was left behind");
+}
+
 test_main! {
     Prepared experts_are_packed_in_fp8,
     Prepared experts_are_packed_in_nvfp4,
     Prepared per_expert_fp8_checkpoints_import_exactly,
+    Prepared per_expert_nvfp4_checkpoints_import_exactly,
     Prepared contradicting_checkpoints_are_refused,
     Prepared a_moe_run_reports_its_routing,
 }
