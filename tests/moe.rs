@@ -465,44 +465,58 @@ fn fp8_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
 /// An expert whose scale is missing is refused naming the file and the tensor.
 fn per_expert_fp8_checkpoints_import_exactly() {
     let tmp = common::tempdir();
-    let text = moe_text(tmp.path());
     let (dir, quantized) = fp8_export(tmp.path(), None);
     // 3 layers × 4 attention; layer 1 dense (3), layers 0 and 2 sparse (8 experts × 3).
     assert_eq!(quantized, 3 * 4 + 3 + 2 * 8 * 3);
-    let imported = tmp.path().join("imported");
+    let (_keep, src) = checkpoint("qwen3_moe", |_| {});
+    let packed = ("fp8", (quantized, 2));
+    assert_import_matches_packing(tmp.path(), &dir, "fp8 (config.json)", &src, packed);
+    let bad = tmp.path().join("bad");
+    let gone = "model.layers.2.mlp.experts.5.down_proj.weight_scale_inv";
+    let (dir, _) = fp8_export(&bad, Some(gone));
+    assert_missing_part_refused(&dir, gone, "has no scale");
+}
+
+/// Packs the quantized export `dir` (its payloads kept as stored) and the bf16 checkpoint
+/// `src` with `--weights packed.0`; checks that the import holds `packed.1.0` matrices in that
+/// format under `method` and that both score the same windows, routing and mean NLL bits.
+fn assert_import_matches_packing(
+    tmp: &Path,
+    dir: &Path,
+    method: &str,
+    src: &Path,
+    packed: (&str, (u64, u64)),
+) {
+    let (w, expect) = packed;
+    let text = moe_text(tmp);
+    let imported = tmp.join("imported");
     std::fs::create_dir(&imported).unwrap();
-    let (art, ri) = pack_quantized(&imported, &dir, "bf16", (0, 0), &text);
+    let (art, ri) = pack_quantized(&imported, dir, "bf16", (0, 0), &text);
     let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
     let info: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(format_count(&info, "fp8"), quantized, "{info}");
-    assert_eq!(
-        info["quantization"]["method"], "fp8 (config.json)",
-        "{info}"
-    );
-
-    let (_keep, src) = checkpoint("qwen3_moe", |_| {});
-    let (_, rp) = pack_quantized(tmp.path(), &src, "fp8", (quantized, 2), &text);
+    assert_eq!(format_count(&info, w), expect.0, "{info}");
+    assert_eq!(info["quantization"]["method"], method, "{info}");
+    let (_, rp) = pack_quantized(tmp, src, w, expect, &text);
     let windows = |r: &Value| r["streams"][0]["windows"].clone();
     assert_eq!(windows(&ri), windows(&rp));
     assert_eq!(ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]);
     assert_eq!(ri["streams"][0]["routing"], rp["streams"][0]["routing"]);
     eprintln!(
-        "imported fp8 / packed fp8 mean NLL: {} / {}",
+        "imported {w} / packed {w} mean NLL: {} / {}",
         ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]
     );
+}
 
-    let gone = "model.layers.2.mlp.experts.5.down_proj.weight_scale_inv";
-    let bad = tmp.path().join("bad");
-    std::fs::create_dir(&bad).unwrap();
-    let (dir, _) = fp8_export(&bad, Some(gone));
-    let out = bad.join("x.ninfer");
-    let o = pack(&dir, &out);
+/// Packing the export `dir`, which lacks the part `gone`, fails with one line naming the
+/// file, the weight and `problem`, and leaves no artifact.
+fn assert_missing_part_refused(dir: &Path, gone: &str, problem: &str) {
+    let out = dir.join("x.ninfer");
+    let o = pack(dir, &out);
     assert!(!o.status.success());
     let line = common::error_line(&o);
+    let weight = format!("{}.weight", gone.rsplit_once(".weight").unwrap().0);
     assert!(
-        line.contains("model.safetensors")
-            && line.contains("model.layers.2.mlp.experts.5.down_proj.weight")
-            && line.contains("has no scale"),
+        line.contains("model.safetensors") && line.contains(&weight) && line.contains(problem),
         "{line}"
     );
     assert!(!common::exists(&out), "a partial artifact was left behind");
@@ -616,46 +630,15 @@ fn nvfp4_export(tmp: &Path, drop: Option<&str>) -> (PathBuf, u64) {
 /// naming the file and the tensor.
 fn per_expert_nvfp4_checkpoints_import_exactly() {
     let tmp = common::tempdir();
-    let text = moe_text(tmp.path());
     let (dir, quantized) = nvfp4_export(tmp.path(), None);
     assert_eq!(quantized, MOE_QUANTIZED.0);
-    let imported = tmp.path().join("imported");
-    std::fs::create_dir(&imported).unwrap();
-    let (art, ri) = pack_quantized(&imported, &dir, "bf16", (0, 0), &text);
-    let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
-    let info: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(format_count(&info, "nvfp4"), quantized, "{info}");
-    assert_eq!(
-        info["quantization"]["method"], "modelopt NVFP4 (hf_quant_config.json)",
-        "{info}"
-    );
-
     let (_keep, src) = nvfp4_ready_checkpoint();
-    let (_, rp) = pack_quantized(tmp.path(), &src, "nvfp4", MOE_QUANTIZED, &text);
-    let windows = |r: &Value| r["streams"][0]["windows"].clone();
-    assert_eq!(windows(&ri), windows(&rp));
-    assert_eq!(ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]);
-    assert_eq!(ri["streams"][0]["routing"], rp["streams"][0]["routing"]);
-    eprintln!(
-        "imported nvfp4 / packed nvfp4 mean NLL: {} / {}",
-        ri["overall"]["mean_nll"], rp["overall"]["mean_nll"]
-    );
-
-    let gone = "model.layers.1.mlp.experts.6.up_proj.weight_scale_2";
+    let method = "modelopt NVFP4 (hf_quant_config.json)";
+    assert_import_matches_packing(tmp.path(), &dir, method, &src, ("nvfp4", MOE_QUANTIZED));
     let bad = tmp.path().join("bad");
-    std::fs::create_dir(&bad).unwrap();
+    let gone = "model.layers.1.mlp.experts.6.up_proj.weight_scale_2";
     let (dir, _) = nvfp4_export(&bad, Some(gone));
-    let out = bad.join("x.ninfer");
-    let o = pack(&dir, &out);
-    assert!(!o.status.success());
-    let line = common::error_line(&o);
-    assert!(
-        line.contains("model.safetensors")
-            && line.contains("model.layers.1.mlp.experts.6.up_proj.weight")
-            && line.contains("no global scale"),
-        "{line}"
-    );
-    assert!(!common::exists(&out), "a partial artifact was left behind");
+    assert_missing_part_refused(&dir, gone, "no global scale");
 }
 
 test_main! {
