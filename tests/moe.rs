@@ -355,6 +355,18 @@ fn nvfp4_ready_checkpoint() -> (tempfile::TempDir, PathBuf) {
         ("mlp.shared_expert.up_proj.weight", &[32, 16]),
         ("mlp.shared_expert.down_proj.weight", &[16, 32]),
     ];
+    let n = reshape(&dir, shapes);
+    assert_eq!(
+        n,
+        3 * 9 + 4 * 5,
+        "3 Gated DeltaNet layers × 9 tensors, 4 MoE layers × 5"
+    );
+    (tmp, dir)
+}
+
+/// Gives the tensors of `dir`'s checkpoint whose names end in one of `shapes`' suffixes that
+/// shape, filled with their own values strided and repeated; returns how many it reshaped.
+fn reshape(dir: &Path, shapes: &[(&str, &[usize])]) -> usize {
     let path = dir.join("model.safetensors");
     let mut out: Vec<Tensor> = Vec::new();
     let mut reshaped = 0;
@@ -374,10 +386,8 @@ fn nvfp4_ready_checkpoint() -> (tempfile::TempDir, PathBuf) {
         out.push((name, dtype, shape.to_vec(), data));
         reshaped += 1;
     }
-    // 3 Gated DeltaNet layers × 9 tensors, 4 MoE layers × 5.
-    assert_eq!(reshaped, 3 * 9 + 4 * 5);
     write_safetensors(&path, &out);
-    (tmp, dir)
+    reshaped
 }
 
 /// `--weights nvfp4` on a MoE: every expert and the shared expert in nvfp4 (each expert's
@@ -641,11 +651,209 @@ fn per_expert_nvfp4_checkpoints_import_exactly() {
     assert_missing_part_refused(&dir, gone, "no global scale");
 }
 
+/// The tiny qwen3_next with Gated DeltaNet heads of 128 (2 key heads, 2 value heads), so
+/// that each key head's q, k, v and z rows in `in_proj_qkvz` are whole 128-row blocks, as in
+/// Qwen3-Next-80B (16 key heads and 32 value heads, all of 128).
+fn wide_next_checkpoint() -> (tempfile::TempDir, PathBuf) {
+    let (tmp, dir) = checkpoint("qwen3_next", |c| {
+        c["linear_key_head_dim"] = 128.into();
+        c["linear_num_value_heads"] = 2.into();
+        c["linear_value_head_dim"] = 128.into();
+    });
+    // Per key head q, k, v, z of 128; conv channels q 256 + k 256 + v 256.
+    let shapes: &[(&str, &[usize])] = &[
+        ("linear_attn.in_proj_qkvz.weight", &[1024, 16]),
+        ("linear_attn.in_proj_ba.weight", &[4, 16]),
+        ("linear_attn.conv1d.weight", &[768, 1, 4]),
+        ("linear_attn.A_log", &[2]),
+        ("linear_attn.dt_bias", &[2]),
+        ("linear_attn.norm.weight", &[128]),
+        ("linear_attn.out_proj.weight", &[16, 256]),
+    ];
+    assert_eq!(
+        reshape(&dir, shapes),
+        3 * 7,
+        "3 Gated DeltaNet layers × 7 tensors"
+    );
+    // The strided fill puts the same extremes in every 128-row block; scale each block by its
+    // own power of two (exact in bf16) so that the block scales differ and moving a row to
+    // another block's scale changes values.
+    let path = dir.join("model.safetensors");
+    let mut tensors = read_safetensors(&path);
+    for (name, _, _, data) in &mut tensors {
+        if name.ends_with("in_proj_qkvz.weight") {
+            for (r, row) in data.chunks_exact_mut(2 * 16).enumerate() {
+                let f = [0.5f32, 1.0, 2.0, 4.0][(r / 128) % 4];
+                for b in row.chunks_exact_mut(2) {
+                    let v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b.copy_from_slice(&half::bf16::from_f32(v * f).to_le_bytes());
+                }
+            }
+        }
+    }
+    write_safetensors(&path, &tensors);
+    (tmp, dir)
+}
+
+/// The qwen3_next checkpoint `src` with its grouped Gated DeltaNet projections named in
+/// `quantized` (`in_proj_qkvz`, `in_proj_ba`) stored in `format` (`"nvfp4"`: ModelOpt
+/// layout; `"fp8-channel"`: a scale per row; `"fp8-block"`: 128 × 128 block scales, the Qwen
+/// `*-FP8` layout), the rest bf16; and beside it the same checkpoint with those tensors
+/// replaced by their dequantized values in F32. Returns both directories.
+fn grouped_export(tmp: &Path, src: &Path, quantized: &[&str], format: &str) -> (PathBuf, PathBuf) {
+    use ninfer_perplexity::quant::{fp8, nvfp4, QuantTensor};
+    let (export, reference) = (tmp.join(format), tmp.join(format!("{format}-dequantized")));
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for d in [&export, &reference] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    }
+    if format == "nvfp4" {
+        let claim = serde_json::json!({"quantization": {"quant_algo": "NVFP4", "group_size": 16}});
+        std::fs::write(export.join("hf_quant_config.json"), claim.to_string()).unwrap();
+    } else {
+        config["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+        std::fs::write(export.join("config.json"), config.to_string()).unwrap();
+    }
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (mut out, mut plain) = (Vec::<Tensor>::new(), Vec::<Tensor>::new());
+    for (name, dtype, shape, data) in read_safetensors(&src.join("model.safetensors")) {
+        let Some(base) = name.strip_suffix(".weight").filter(|b| {
+            quantized
+                .iter()
+                .any(|q| b.ends_with(&format!("linear_attn.{q}")))
+        }) else {
+            out.push((name.clone(), dtype, shape.clone(), data.clone()));
+            plain.push((name, dtype, shape, data));
+            continue;
+        };
+        let (rows, cols) = (shape[0], shape[1]);
+        let w = bf16_to_f32(&data);
+        let q = match format {
+            "nvfp4" => QuantTensor::Nvfp4(nvfp4::quantize_group(&[&w], cols).remove(0)),
+            "fp8-block" => QuantTensor::Fp8(fp8::quantize_block(&w, rows, cols)),
+            _ => {
+                // One block per row: a per-row scale.
+                let per_row: Vec<fp8::Fp8Tensor> = w
+                    .chunks(cols)
+                    .map(|r| fp8::quantize_block(r, 1, cols))
+                    .collect();
+                QuantTensor::Fp8(fp8::Fp8Tensor {
+                    rows,
+                    cols,
+                    codes: per_row.iter().flat_map(|t| t.codes.clone()).collect(),
+                    scale: fp8::Fp8Scale::Channel(
+                        per_row.iter().map(|t| t.scale.values()[0]).collect(),
+                    ),
+                })
+            }
+        };
+        plain.push((
+            name.clone(),
+            safetensors::Dtype::F32,
+            shape.clone(),
+            f32_bytes(&q.dequantize().unwrap()),
+        ));
+        let part = |suffix: &str, d, shape: Vec<usize>, bytes| {
+            (format!("{base}.{suffix}"), d, shape, bytes)
+        };
+        match q {
+            QuantTensor::Nvfp4(t) => {
+                out.push(part(
+                    "weight",
+                    safetensors::Dtype::U8,
+                    vec![rows, cols / 2],
+                    t.packed,
+                ));
+                out.push(part(
+                    "weight_scale",
+                    safetensors::Dtype::F8_E4M3,
+                    vec![rows, cols / nvfp4::BLOCK],
+                    t.block_scales,
+                ));
+                let g = t.global.value().to_le_bytes().to_vec();
+                out.push(part("weight_scale_2", safetensors::Dtype::F32, vec![], g));
+            }
+            QuantTensor::Fp8(t) => {
+                let shape = match t.scale {
+                    fp8::Fp8Scale::Channel(_) => vec![rows, 1],
+                    _ => vec![rows.div_ceil(fp8::BLOCK), cols.div_ceil(fp8::BLOCK)],
+                };
+                let bytes = f32_bytes(t.scale.values());
+                out.push(part(
+                    "weight",
+                    safetensors::Dtype::F8_E4M3,
+                    vec![rows, cols],
+                    t.codes,
+                ));
+                out.push(part(
+                    "weight_scale_inv",
+                    safetensors::Dtype::F32,
+                    shape,
+                    bytes,
+                ));
+            }
+        }
+    }
+    write_safetensors(&export.join("model.safetensors"), &out);
+    write_safetensors(&reference.join("model.safetensors"), &plain);
+    (export, reference)
+}
+
+/// Qwen3-Next's grouped projections stored quantized are un-grouped with their scales: the
+/// import scores bit for bit as the checkpoint holding their dequantized values, in nvfp4,
+/// in per-row fp8, and in fp8 with 128 × 128 block scales when every key head's parts are
+/// whole blocks (the Qwen3-Next-80B FP8 layout, `in_proj_ba` left in bf16 as there). Block
+/// scales cannot follow the tiny model's 8-row parts: refused, naming the file and tensor.
+fn grouped_quantized_projections_import_exactly() {
+    let tmp = common::tempdir();
+    let text = moe_text(tmp.path());
+    let (_keep, tiny) = checkpoint("qwen3_next", |_| {});
+    let (_keep_wide, wide) = wide_next_checkpoint();
+    let both: &[&str] = &["in_proj_qkvz", "in_proj_ba"];
+    // 3 Gated DeltaNet layers × in_proj_qkv, in_proj_z (and in_proj_b, in_proj_a).
+    for (src, quantized, format, count) in [
+        (&tiny, both, "nvfp4", 3 * 4),
+        (&tiny, both, "fp8-channel", 3 * 4),
+        (&wide, &both[..1], "fp8-block", 3 * 2),
+    ] {
+        let (export, reference) = grouped_export(tmp.path(), src, quantized, format);
+        let w = format.split('-').next().unwrap();
+        let (art, ri) = pack_quantized(&export, &export, "f32", (0, 0), &text);
+        let o = common::run_bin("ninfer-pack", &["inspect", s(&art)]);
+        let info: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(format_count(&info, w), count, "{format}: {info}");
+        let (_, rd) = pack_quantized(&reference, &reference, "f32", (0, 0), &text);
+        let windows = |r: &Value| r["streams"][0]["windows"].clone();
+        assert_eq!(windows(&ri), windows(&rd), "{format}");
+        eprintln!(
+            "{format}: imported / dequantized mean NLL {} / {}",
+            ri["overall"]["mean_nll"], rd["overall"]["mean_nll"]
+        );
+    }
+    let bad = tmp.path().join("bad");
+    let (export, _) = grouped_export(&bad, &tiny, both, "fp8-block");
+    let out = export.join("x.ninfer");
+    let o = pack(&export, &out);
+    assert!(!o.status.success());
+    let line = common::error_line(&o);
+    assert!(
+        line.contains("model.safetensors")
+            && line.contains("model.layers.0.linear_attn.in_proj_ba.weight")
+            && line.contains("cannot be un-grouped")
+            && line.contains("not whole blocks"),
+        "{line}"
+    );
+    assert!(!common::exists(&out), "a partial artifact was left behind");
+}
+
 test_main! {
     Prepared experts_are_packed_in_fp8,
     Prepared experts_are_packed_in_nvfp4,
     Prepared per_expert_fp8_checkpoints_import_exactly,
     Prepared per_expert_nvfp4_checkpoints_import_exactly,
+    Prepared grouped_quantized_projections_import_exactly,
     Prepared contradicting_checkpoints_are_refused,
     Prepared a_moe_run_reports_its_routing,
 }

@@ -11,6 +11,7 @@ pub mod hf;
 pub mod hf_quant;
 pub mod moe;
 pub mod qwen3_5;
+pub mod rows;
 
 use crate::model::config::ModelConfig;
 use serde::{Deserialize, Serialize};

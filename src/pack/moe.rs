@@ -12,7 +12,7 @@
 //! qwen3_5_moe is sparse.
 
 use super::hf::get_usize;
-use super::{SourceTensor, TensorData};
+use super::{rows, SourceTensor, TensorData};
 use crate::model::config::MoeConfig;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
@@ -87,7 +87,8 @@ pub fn qwen3_next(c: &Value, layers: usize) -> Result<MoeConfig> {
 /// (r·Dv) | z_g (r·Dv)` (the value heads of group g are `g·r .. g·r + r − 1`); it becomes
 /// `in_proj_qkv = [q_0..q_{Hk−1} | k_0.. | v_0..]` and `in_proj_z = [z_0..]`. `in_proj_ba
 /// [Hk·2r, d]` holds `b_g (r) | a_g (r)` per group and becomes `in_proj_b` and `in_proj_a`.
-/// A reordering of rows, no arithmetic.
+/// A reordering of rows, no arithmetic; a quantized tensor's rows move with their scales
+/// ([`rows::gather`]).
 pub fn ungroup_qwen3_next(
     tensors: &mut Vec<SourceTensor>,
     h: &crate::model::config::HybridConfig,
@@ -110,12 +111,6 @@ pub fn ungroup_qwen3_next(
                 continue;
             };
         let from = t.origin.display().to_string();
-        let TensorData::Values(v) = &t.data else {
-            bail!(
-                "{from}: `{}` is stored quantized; grouped quantized projections are not read yet",
-                t.name
-            );
-        };
         let group = if qkvz { 2 * dk + 2 * r * dv } else { 2 * r };
         let [rows, cols] = t.shape[..] else {
             bail!(
@@ -131,44 +126,29 @@ pub fn ungroup_qwen3_next(
                 hk * group
             );
         }
-        // Row ranges within a group, and which output each goes to.
-        let parts: Vec<(usize, usize)> = if qkvz {
+        // Row ranges within a group, by output: the outputs take their parts part-major
+        // (`q` of every group, then `k` of every group, ...).
+        let outputs: Vec<(&str, Vec<(usize, usize)>)> = if qkvz {
             vec![
-                (0, dk),
-                (dk, dk),
-                (2 * dk, r * dv),
-                (2 * dk + r * dv, r * dv),
+                ("in_proj_qkv", vec![(0, dk), (dk, dk), (2 * dk, r * dv)]),
+                ("in_proj_z", vec![(2 * dk + r * dv, r * dv)]),
             ]
         } else {
-            vec![(0, r), (r, r)]
+            vec![("in_proj_b", vec![(0, r)]), ("in_proj_a", vec![(r, r)])]
         };
-        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
-        for g in 0..hk {
-            for (o, &(start, n)) in outs.iter_mut().zip(&parts) {
-                let a = (g * group + start) * cols;
-                o.extend_from_slice(&v[a..a + n * cols]);
-            }
-        }
-        let mut push = |name: &str, vals: Vec<f32>| {
-            let rows = vals.len() / cols.max(1);
+        for (name, parts) in outputs {
+            let spans: Vec<rows::Span> = parts
+                .iter()
+                .flat_map(|&(start, n)| (0..hk).map(move |g| (g * group + start, n)))
+                .collect();
+            let data = rows::gather(&t.data, cols, &spans)
+                .map_err(|e| anyhow!("{from}: `{}` cannot be un-grouped: {e}", t.name))?;
             out.push(SourceTensor {
                 name: format!("{prefix}.linear_attn.{name}.weight"),
-                shape: vec![rows, cols],
-                data: TensorData::Values(vals),
+                shape: vec![spans.iter().map(|s| s.1).sum(), cols],
+                data,
                 origin: t.origin.clone(),
             });
-        };
-        let mut it = outs.into_iter();
-        if qkvz {
-            let (q, k, val, z) = (it.next(), it.next(), it.next(), it.next());
-            let mut qkv = q.unwrap_or_default();
-            qkv.extend(k.unwrap_or_default());
-            qkv.extend(val.unwrap_or_default());
-            push("in_proj_qkv", qkv);
-            push("in_proj_z", z.unwrap_or_default());
-        } else {
-            push("in_proj_b", it.next().unwrap_or_default());
-            push("in_proj_a", it.next().unwrap_or_default());
         }
     }
     *tensors = out;
