@@ -2,8 +2,8 @@
 // and the sum of the chosen experts' (and the shared expert's) outputs into the residual
 // stream. The experts' matrix products are cuBLAS GEMMs over the tokens grouped by expert;
 // the grouping is built on the host from `moe_route`'s choices (src/backend/cuda/moe.rs).
-// CPU twins: src/model/moe.rs (`softmax_into`, `top_k_into`, the renormalisation and the
-// per-token sums of `moe_block`).
+// CPU twins: src/model/moe.rs, `route_row` (softmax, top-k, renormalisation) for
+// `moe_route`, `add_expert` and `add_shared` (the sums of `moe_block`) for `moe_combine`.
 
 // A float as an integer that orders like Rust's `f32::total_cmp` (a NaN above every number):
 // the CPU's top-k compares probabilities that way.

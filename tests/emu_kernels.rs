@@ -1728,10 +1728,6 @@ fn device_route(
     )
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// Fails at the first element whose bits differ, naming it and both values.
 fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
@@ -1794,17 +1790,17 @@ fn the_router_kernel_reproduces_the_cpu_choice_bit_for_bit() {
                 &mut w,
             );
             let case = format!("{experts} experts, top-{k}, renorm {renorm}, row {t}");
-            assert_eq!(
-                bits(&probs[t * experts..(t + 1) * experts]),
-                bits(&pr),
-                "{case}: probabilities"
+            assert_same_bits(
+                &probs[t * experts..(t + 1) * experts],
+                &pr,
+                &format!("{case}: probabilities"),
             );
             let got: Vec<usize> = idx[t * k..(t + 1) * k]
                 .iter()
                 .map(|&e| e as usize)
                 .collect();
             assert_eq!(got, chosen, "{case}: experts");
-            assert_eq!(bits(&wts[t * k..(t + 1) * k]), bits(&w), "{case}: weights");
+            assert_same_bits(&wts[t * k..(t + 1) * k], &w, &format!("{case}: weights"));
             // A tie decides the choice: two chosen experts, or the last chosen and an
             // unchosen one, have the same probability.
             let last = pr[chosen[k - 1]];
@@ -1831,7 +1827,7 @@ fn the_router_kernel_reproduces_the_cpu_choice_bit_for_bit() {
 #[test]
 fn the_expert_combine_reproduces_the_cpu_sums_bit_for_bit() {
     use ninfer_perplexity::backend::cuda::moe::Grouping;
-    use ninfer_perplexity::model::moe::route_row;
+    use ninfer_perplexity::model::moe::{add_expert, add_shared, route_row};
     let mut r = Rng(73);
     let (rows, experts, k, d) = (23usize, 10usize, 3usize, 40usize);
     let logits = r.vec(rows * experts, 3.0);
@@ -1863,27 +1859,24 @@ fn the_expert_combine_reproduces_the_cpu_sums_bit_for_bit() {
             .collect();
         let x_len = if subset { (2 * rows + 1) * d } else { rows * d };
         let x0 = r.vec(x_len, 1.0);
+        // The CPU block's sums: its per-expert and shared-expert steps, in its order.
         let mut acc = vec![0f32; rows * d];
         for e in 0..experts {
-            for j in g.offsets[e]..g.offsets[e + 1] {
-                let t = g.src[j] as usize;
-                let choice = idx[t * k..(t + 1) * k]
-                    .iter()
-                    .position(|&c| c as usize == e)
-                    .unwrap();
-                let wt = wts[t * k + choice];
-                for c in 0..d {
-                    acc[t * d + c] += y[j * d + c] * wt;
-                }
-            }
+            let (a, b) = (g.offsets[e], g.offsets[e + 1]);
+            let tokens: Vec<(usize, f32)> = (a..b)
+                .map(|j| {
+                    let t = g.src[j] as usize;
+                    let choice = idx[t * k..(t + 1) * k]
+                        .iter()
+                        .position(|&c| c as usize == e)
+                        .unwrap();
+                    (t, wts[t * k + choice])
+                })
+                .collect();
+            add_expert(&mut acc, &tokens, &y[a * d..b * d], d);
         }
         if with_shared {
-            for t in 0..rows {
-                let sig = 1.0 / (1.0 + (-gate[t]).exp());
-                for c in 0..d {
-                    acc[t * d + c] += sig * shared[t * d + c];
-                }
-            }
+            add_shared(&mut acc, &shared, &gate, d, false);
         }
         let mut want = x0.clone();
         for t in 0..rows {

@@ -85,6 +85,33 @@ pub fn route_row(
     }
 }
 
+/// One expert's share of the block output: `acc[r] += wt · y[j]` for its j-th token
+/// `tokens[j] = (r, wt)`, with `y [tokens, d]` its outputs. Called expert by expert in index
+/// order, so each row's sum has a fixed order whatever the grouping.
+pub fn add_expert(acc: &mut [f32], tokens: &[(usize, f32)], y: &[f32], d: usize) {
+    for (j, &(r, wt)) in tokens.iter().enumerate() {
+        let out = &mut acc[r * d..(r + 1) * d];
+        for (o, &v) in out.iter_mut().zip(&y[j * d..(j + 1) * d]) {
+            *o += v * wt;
+        }
+    }
+}
+
+/// The gated shared expert: `acc[r] += sigmoid(g[r]) · s[r]` for `s [n, d]`, `g [n]`
+/// (`silu(g[r])` in place of the sigmoid: a planted pitfall).
+pub fn add_shared(acc: &mut [f32], s: &[f32], g: &[f32], d: usize, silu: bool) {
+    for (r, &z) in g.iter().enumerate() {
+        let sig = 1.0 / (1.0 + (-z).exp());
+        let scale = if silu { z * sig } else { sig };
+        for (o, &v) in acc[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&s[r * d..(r + 1) * d])
+        {
+            *o += scale * v;
+        }
+    }
+}
+
 /// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`.
 fn run_swiglu(e: &SwiGlu, x: &[f32], n: usize, d: usize, out: &mut [f32]) {
     let f = e.width;
@@ -140,30 +167,14 @@ pub fn moe_block(
         }
         y.resize(m * d, 0.0);
         run_swiglu(&w.experts[e], &gathered, m, d, &mut y);
-        for (j, &(r, wt)) in tokens.iter().enumerate() {
-            let out = &mut acc[r * d..(r + 1) * d];
-            for (o, &v) in out.iter_mut().zip(&y[j * d..(j + 1) * d]) {
-                *o += v * wt;
-            }
-        }
+        add_expert(&mut acc, tokens, &y, d);
     }
     if let Some((shared, gate)) = &w.shared {
         let mut s = vec![0f32; n * d];
         run_swiglu(shared, h, n, d, &mut s);
         let mut g = vec![0f32; n];
         matmul_wt(h, n, d, gate, 1, &mut g, false);
-        let silu = faults.pitfall(Pitfall::SharedGateSilu);
-        for r in 0..n {
-            let z = g[r];
-            let sig = 1.0 / (1.0 + (-z).exp());
-            let scale = if silu { z * sig } else { sig };
-            for (o, &v) in acc[r * d..(r + 1) * d]
-                .iter_mut()
-                .zip(&s[r * d..(r + 1) * d])
-            {
-                *o += scale * v;
-            }
-        }
+        add_shared(&mut acc, &s, &g, d, faults.pitfall(Pitfall::SharedGateSilu));
     }
     for (xi, a) in x.iter_mut().zip(&acc) {
         *xi += a;

@@ -12,7 +12,7 @@
 //! qwen3_5_moe is sparse.
 
 use super::hf::get_usize;
-use super::{rows, SourceTensor, TensorData};
+use super::{SourceTensor, TensorData};
 use crate::model::config::MoeConfig;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
@@ -88,7 +88,7 @@ pub fn qwen3_next(c: &Value, layers: usize) -> Result<MoeConfig> {
 /// `in_proj_qkv = [q_0..q_{Hk−1} | k_0.. | v_0..]` and `in_proj_z = [z_0..]`. `in_proj_ba
 /// [Hk·2r, d]` holds `b_g (r) | a_g (r)` per group and becomes `in_proj_b` and `in_proj_a`.
 /// A reordering of rows, no arithmetic; a quantized tensor's rows move with their scales
-/// ([`rows::gather`]).
+/// ([`super::rows::gather`]).
 pub fn ungroup_qwen3_next(
     tensors: &mut Vec<SourceTensor>,
     h: &crate::model::config::HybridConfig,
@@ -137,11 +137,11 @@ pub fn ungroup_qwen3_next(
             vec![("in_proj_b", vec![(0, r)]), ("in_proj_a", vec![(r, r)])]
         };
         for (name, parts) in outputs {
-            let spans: Vec<rows::Span> = parts
+            let spans: Vec<super::rows::Span> = parts
                 .iter()
                 .flat_map(|&(start, n)| (0..hk).map(move |g| (g * group + start, n)))
                 .collect();
-            let data = rows::gather(&t.data, cols, &spans)
+            let data = super::rows::gather(&t.data, rows, cols, &spans)
                 .map_err(|e| anyhow!("{from}: `{}` cannot be un-grouped: {e}", t.name))?;
             out.push(SourceTensor {
                 name: format!("{prefix}.linear_attn.{name}.weight"),

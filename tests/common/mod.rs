@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod checkpoint;
 pub mod gguf_synth;
 pub mod logprobs;
 pub mod rng;
@@ -81,6 +82,11 @@ pub fn error_line(o: &std::process::Output) -> String {
 
 /// `ninfer-pack hf DIR --tokenizer <the Qwen3 tokenizer> --weights f32 -o OUT`.
 pub fn pack_hf_f32(dir: &Path, out: &Path) -> std::process::Output {
+    pack_hf(dir, "f32", out)
+}
+
+/// `ninfer-pack hf DIR --tokenizer <the pinned Qwen3 tokenizer> --weights W -o OUT`.
+pub fn pack_hf(dir: &Path, weights: &str, out: &Path) -> std::process::Output {
     let tok = cache_file("qwen3-tokenizer.json");
     let (dir, tok, out) = (
         dir.to_str().unwrap(),
@@ -89,8 +95,42 @@ pub fn pack_hf_f32(dir: &Path, out: &Path) -> std::process::Output {
     );
     run_bin(
         "ninfer-pack",
-        &["hf", dir, "--tokenizer", tok, "--weights", "f32", "-o", out],
+        &[
+            "hf",
+            dir,
+            "--tokenizer",
+            tok,
+            "--weights",
+            weights,
+            "-o",
+            out,
+        ],
     )
+}
+
+/// `ninfer-perplexity ART --text TEXT --context 32 --stride 16 --output OUT EXTRA...`: a
+/// short text in a few windows.
+pub fn score_text(art: &Path, text: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    let mut a = vec![
+        p(art),
+        "--text".into(),
+        p(text),
+        "--context".into(),
+        "32".into(),
+        "--stride".into(),
+        "16".into(),
+        "--output".into(),
+        p(out),
+    ];
+    a.extend(extra.iter().map(|x| x.to_string()));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    run_bin("ninfer-perplexity", &a)
+}
+
+/// The `report.json` of a run's output directory.
+pub fn report(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap()
 }
 
 /// The tiny qwen3 fixture packed through `ninfer-pack` into `dir/tiny.ninfer`.

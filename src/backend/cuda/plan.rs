@@ -679,7 +679,8 @@ mod tests {
         (narrow.num_heads, narrow.num_kv_heads, narrow.head_dim) = (16, 16, 4);
         // The 27B hybrid: Gated DeltaNet buffers wider than attention's, a gated q.
         let hybrid = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
-        // The 35B-A3B sparse hybrid: router, grouped expert rows (k · 2I wider than d).
+        // The 35B-A3B sparse hybrid: the router and the rows grouped by expert, k · 2I =
+        // 8 · 1024 wide per token, four times the model width.
         let moe = crate::backend::cuda::random::preset("qwen3_5-35b-a3b").unwrap();
         for c in [
             small,
@@ -691,12 +692,15 @@ mod tests {
             moe.with_layers(4),
             moe,
         ] {
+            // Each configuration must fit at least once, or it would check nothing.
+            let mut planned = 0;
             for p in [Precision::Bf16, Precision::F32] {
                 for (free, longest) in [(1usize << 30, 4096usize), (8 << 30, 1), (80 << 30, 32768)]
                 {
                     let Ok(plan) = plan_memory(&c, KvDtype::F32, p, free, longest) else {
                         continue;
                     };
+                    planned += 1;
                     let z = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk);
                     let ints = 4 * 6 * plan.max_rows;
                     let used = z.total() + ints + rope_bytes(&c, longest);
@@ -710,6 +714,7 @@ mod tests {
                     assert!(plan.planned_bytes <= free, "plan exceeds free memory");
                 }
             }
+            assert!(planned > 0, "{:?} never fits", c.family);
         }
     }
 }
