@@ -17,7 +17,7 @@ use common::checkpoint::{
     bf16_to_f32, f32_bytes, fixture_copy, fp8_per_row, quantized_parts, read_config,
     read_safetensors, reshape, write_safetensors, Tensor,
 };
-use common::{pack_hf, pack_hf_f32, report, score_text};
+use common::{pack_hf, report, score_text};
 use ninfer_perplexity::artifact::Artifact;
 use ninfer_perplexity::quant::{fp8, nvfp4, select, QuantTensor};
 use safetensors::Dtype;
@@ -366,19 +366,6 @@ fn nvfp4_experts_score_alike_on_the_emulated_device() {
     assert!((a - b).abs() <= 1e-5 * b.abs(), "emu {a} vs cpu {b}");
 }
 
-/// Packing `dir` fails with one line containing every one of `needles`, and leaves no
-/// artifact.
-fn assert_refused(dir: &Path, needles: &[&str]) {
-    let out = dir.join("x.ninfer");
-    let o = pack_hf_f32(dir, &out);
-    assert!(!o.status.success());
-    let line = common::error_line(&o);
-    for n in needles {
-        assert!(line.contains(n), "`{n}` not in {line}");
-    }
-    assert!(!common::exists(&out), "a partial artifact was left behind");
-}
-
 /// An export missing one expert's scale is refused, naming the file and the expert.
 fn an_expert_without_its_scale_is_refused() {
     let tmp = common::tempdir();
@@ -400,7 +387,7 @@ fn an_expert_without_its_scale_is_refused() {
     ] {
         let (export, ..) = exports(&tmp.path().join(w), src, w, Some(gone));
         let weight = format!("{}.weight", gone.rsplit_once(".weight").unwrap().0);
-        assert_refused(&export, &["model.safetensors", &weight, problem]);
+        common::pack_fails(&export, &["model.safetensors", &weight, problem]);
     }
 }
 
@@ -521,7 +508,7 @@ fn grouped_quantized_projections_import_exactly() {
     }
     let (_c, narrow) = wide_next_checkpoint(64);
     let (export, _) = grouped_export(&tmp.path().join("narrow"), &narrow, &both[..1], "fp8-block");
-    assert_refused(
+    common::pack_fails(
         &export,
         &[
             "model.safetensors",

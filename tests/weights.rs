@@ -359,17 +359,6 @@ fn rewrite(path: &Path, mut f: impl FnMut(&str, Tensor) -> Option<Tensor>) {
     safetensors::serialize_to_file(views, meta, path).unwrap();
 }
 
-/// Packs `dir` with the CLI; asserts one error line holding every needle and no artifact.
-fn pack_fails(dir: &Path, needles: &[&str]) {
-    let out = dir.join("out.ninfer");
-    let o = common::pack_hf_f32(dir, &out);
-    let line = common::error_line(&o);
-    for n in needles {
-        assert!(line.contains(n), "`{n}` not in: {line}");
-    }
-    assert!(!out.exists(), "nothing is written on failure");
-}
-
 const SHARD: &str = "model-00002-of-00002.safetensors";
 const UP: &str = "model.layers.0.mlp.up_proj";
 
@@ -392,7 +381,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
     edit(&d, format!("{UP}.weight_scale"), &|(t, s, b)| {
         Some((t, vec![s[0], 2], [b.clone(), b].concat()))
     });
-    pack_fails(
+    common::pack_fails(
         &d,
         &[
             SHARD,
@@ -405,34 +394,34 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
     edit(&d, format!("{UP}.weight"), &|(t, s, b)| {
         Some((t, vec![s[0], 7], b[..s[0] * 7].to_vec()))
     });
-    pack_fails(&d, &[SHARD, UP]);
+    common::pack_fails(&d, &[SHARD, UP]);
     // NaN and zero global scales, an e4m3 NaN code among the block scales.
     let d = fresh("modelopt-nvfp4", "nan-global");
     edit(&d, format!("{UP}.weight_scale_2"), &|(t, s, _)| {
         Some((t, s, nan.clone()))
     });
-    pack_fails(&d, &[&format!("{UP}.weight"), "global scale is NaN"]);
+    common::pack_fails(&d, &[&format!("{UP}.weight"), "global scale is NaN"]);
     let d = fresh("modelopt-nvfp4", "zero-global");
     edit(&d, format!("{UP}.weight_scale_2"), &|(t, s, _)| {
         Some((t, s, 0f32.to_le_bytes().to_vec()))
     });
-    pack_fails(&d, &[&format!("{UP}.weight"), "global scale is 0"]);
+    common::pack_fails(&d, &[&format!("{UP}.weight"), "global scale is 0"]);
     let d = fresh("modelopt-nvfp4", "nan-block-scale");
     edit(&d, format!("{UP}.weight_scale"), &|(t, s, mut b)| {
         b[3] = 0x7F;
         Some((t, s, b))
     });
-    pack_fails(&d, &[&format!("{UP}.weight"), "e4m3 NaN code"]);
+    common::pack_fails(&d, &[&format!("{UP}.weight"), "e4m3 NaN code"]);
     let d = fresh("modelopt-nvfp4", "no-global");
     edit(&d, format!("{UP}.weight_scale_2"), &|_| None);
-    pack_fails(&d, &[SHARD, &format!("{UP}.weight"), "no global scale"]);
+    common::pack_fails(&d, &[SHARD, &format!("{UP}.weight"), "no global scale"]);
     // An fp8 payload with a NaN code.
     let d = fresh("fp8-block", "fp8-nan");
     edit(&d, format!("{UP}.weight"), &|(t, s, mut b)| {
         b[5] = 0xFF;
         Some((t, s, b))
     });
-    pack_fails(&d, &[&format!("{UP}.weight"), "NaN code"]);
+    common::pack_fails(&d, &[&format!("{UP}.weight"), "NaN code"]);
     // AWQ's pre-quantization scale: a scheme this build does not dequantize.
     let d = fresh("modelopt-nvfp4", "awq");
     rewrite(&d.join(SHARD), |_, t| Some(t));
@@ -441,7 +430,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16], &v).unwrap();
     safetensors::serialize_to_file(vec![(format!("{UP}.pre_quant_scale"), view)], None, &extra)
         .unwrap();
-    pack_fails(&d, &["pre_quant_scale", "AWQ"]);
+    common::pack_fails(&d, &["pre_quant_scale", "AWQ"]);
     // The config claims one scheme, the tensors hold another.
     let d = fresh("modelopt-nvfp4", "claims-fp8");
     let hq = d.join("hf_quant_config.json");
@@ -449,7 +438,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
         .unwrap()
         .replace("\"NVFP4\"", "\"FP8\"");
     std::fs::write(&hq, text).unwrap();
-    pack_fails(
+    common::pack_fails(
         &d,
         &["is nvfp4, but the checkpoint's config says modelopt FP8"],
     );
@@ -460,7 +449,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
         serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     c.as_object_mut().unwrap().remove("quantization_config");
     std::fs::write(&cfg, c.to_string()).unwrap();
-    pack_fails(
+    common::pack_fails(
         &d,
         &["is fp8, but the checkpoint has no quantization config"],
     );
@@ -479,7 +468,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
         d.join("hf_quant_config.json"),
     )
     .unwrap();
-    pack_fails(
+    common::pack_fails(
         &d,
         &[
             "config.json",

@@ -133,6 +133,18 @@ pub fn report(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap()
 }
 
+/// Packs `dir` with `ninfer-pack hf --weights f32`; asserts one error line holding every
+/// needle and no artifact written.
+pub fn pack_fails(dir: &Path, needles: &[&str]) {
+    let out = dir.join("out.ninfer");
+    let o = pack_hf_f32(dir, &out);
+    let line = error_line(&o);
+    for n in needles {
+        assert!(line.contains(n), "`{n}` not in: {line}");
+    }
+    assert!(!out.exists(), "nothing is written on failure");
+}
+
 /// The tiny qwen3 fixture packed through `ninfer-pack` into `dir/tiny.ninfer`.
 pub fn tiny_artifact(dir: &Path) -> PathBuf {
     let out = dir.join("tiny.ninfer");
