@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Checks that cargo-nextest's hash partitions spread the regression harness's trials over
 # runners correctly: for n = 3 the partitions of the CPU tier are disjoint and together are
-# exactly the trials the harness lists itself (every trial is a test of its own, selected
-# with --exact). Run by ci/test.sh after `cargo test`; GPU runners partition the same way
+# exactly the tests the harness lists itself (its CPU-tier trials and its own gate tests; every
+# one a test of its own, selected with --exact). Run by ci/test.sh after `cargo test`; GPU runners partition the same way
 # (ci/examples/gpu-gate-matrix.yml).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -42,7 +42,7 @@ parts = [matching(f"{work}/part-{i}.json") for i in range(1, n + 1)]
 union = set().union(*parts)
 overlap = sum(len(p) for p in parts) - len(union)
 ok = everything == own and union == everything and overlap == 0 and all(parts)
-print(f"check-partitions: {len(everything)} CPU-tier trials (harness lists {len(own)}); "
+print(f"check-partitions: {len(everything)} tests with --tier cpu (the harness lists {len(own)}); "
       f"hash partitions of {n}: {[len(p) for p in parts]}, {overlap} in two, "
       f"{len(everything - union)} in none: {'ok' if ok else 'FAILED'}")
 sys.exit(0 if ok else 1)

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Installs the pinned cargo-nextest (from the crate registry, built from source) into
-# eval/.cache/nextest, once, and prints the path of its binary. tests/nextest_partition.rs
-# uses it (NINFER_NEXTEST) to check that hash partitions of the harness's trials are
-# disjoint and cover every trial; GPU runners use it to spread the gate (ci/examples/).
+# Prints the path of a cargo-nextest binary: the machine's own when one is on PATH (most CI
+# images and this project's development machines have one), else the pinned version built
+# from the crate registry into eval/.cache/nextest, once (a few minutes). ci/check-partitions.sh
+# uses it to check that hash partitions of the harness's trials are disjoint and cover every
+# trial; GPU runners use it to spread the gate (ci/examples/).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+if command -v cargo-nextest >/dev/null 2>&1 && cargo-nextest nextest --version >/dev/null 2>&1; then
+  command -v cargo-nextest
+  exit 0
+fi
 version=0.9.151
 dest="$root/eval/.cache/nextest/$version"
 bin="$dest/bin/cargo-nextest"

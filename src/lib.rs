@@ -32,3 +32,16 @@ pub mod score;
 pub mod shard;
 pub mod tokenizer;
 pub mod ui;
+
+// The unit tests' build: `#[test]` is ninfer-testkit's (a test says what it needs, and the
+// harness's flags are accepted), and this crate is their binary (`harness = false`).
+#[cfg(test)]
+#[macro_use]
+extern crate ninfer_testkit;
+
+#[cfg(test)]
+fn main() -> std::process::ExitCode {
+    ninfer_testkit::main(ninfer_testkit::Probes::host(std::path::PathBuf::from(env!(
+        "CARGO_MANIFEST_DIR"
+    ))))
+}

@@ -7,10 +7,13 @@ pub mod checkpoint;
 pub mod gguf_synth;
 pub mod logprobs;
 pub mod rng;
-pub mod trials;
 
+/// The repository: `NINFER_REPO` when set (a test binary carried to another machine by
+/// `ci/gpu-check.sh`), else where the test was built.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("NINFER_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// A prepared artifact under `models/` (tests that read one are `Needs::Prepared`, so they

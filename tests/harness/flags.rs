@@ -105,16 +105,6 @@ Environment:
   CI=true or INSTA_UPDATE=no      write nothing into the tree
 ";
 
-/// libtest options whose value is the next argument; they and their value pass through.
-const LIBTEST_WITH_VALUE: [&str; 6] = [
-    "--test-threads",
-    "--logfile",
-    "--skip",
-    "--color",
-    "--format",
-    "-Z",
-];
-
 /// Splits the harness's flags from the rest. `args[0]` is the program name and is kept.
 pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), String> {
     let mut flags = HarnessFlags::default();
@@ -128,7 +118,7 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
             rest.push(arg);
             continue;
         };
-        if LIBTEST_WITH_VALUE.contains(&s) {
+        if ninfer_testkit::LIBTEST_WITH_VALUE.contains(&s) {
             rest.push(arg);
             if let Some(v) = it.next() {
                 rest.push(v);
@@ -144,15 +134,7 @@ pub fn extract(args: Vec<OsString>) -> Result<(HarnessFlags, Vec<OsString>), Str
             Some((n, v)) => (n, Some(v.to_string())),
             None => (s, None),
         };
-        if !matches!(
-            name,
-            "--kv-dtype"
-                | "--artifact"
-                | "--device"
-                | "--tier"
-                | "--precision"
-                | "--measure-spread"
-        ) {
+        if !ninfer_testkit::HARNESS_FLAGS.contains(&name) {
             rest.push(arg);
             continue;
         }

@@ -11,7 +11,7 @@
 //! matrix quantized that should not be, or left alone that should be, a wrong scale group, an
 //! expert read under another expert's name or a scale moved with the wrong rows changes them.
 
-mod common;
+use crate::common;
 
 use common::checkpoint::{
     bf16_to_f32, f32_bytes, fixture_copy, fp8_per_row, quantized_parts, read_config,
@@ -264,6 +264,7 @@ const QWEN3_5_MOE_QUANTIZED: u64 = 4 + 9 + 4 * (8 * 3 + 3);
 /// linears; the routers and the shared expert's gate stay bf16), with the same quantizer and
 /// nvfp4 scale groups (each expert's gate and up sharing a global scale); and a per-expert
 /// export of the same checkpoint imports as stored: the three artifacts score the same bits.
+#[test(prepared)]
 fn quantized_experts_pack_and_import_exactly() {
     let tmp = common::tempdir();
     let text = text(tmp.path());
@@ -336,6 +337,7 @@ fn assert_gate_and_up_share_a_global(a: &Artifact) {
 
 /// The nvfp4 artifact on the emulated CUDA device, which dequantizes the experts at load:
 /// the CPU's routing counts, and its mean NLL within 1e-5 relative.
+#[test(prepared)]
 fn nvfp4_experts_score_alike_on_the_emulated_device() {
     if !cfg!(feature = "cuda") {
         return;
@@ -367,6 +369,7 @@ fn nvfp4_experts_score_alike_on_the_emulated_device() {
 }
 
 /// An export missing one expert's scale is refused, naming the file and the expert.
+#[test(prepared)]
 fn an_expert_without_its_scale_is_refused() {
     let tmp = common::tempdir();
     let (_a, qwen3_moe) = fixture_copy("qwen3_moe", |_| {});
@@ -480,6 +483,7 @@ fn grouped_export(tmp: &Path, src: &Path, quantized: &[&str], format: &str) -> (
 /// its rows from one source block (the tiny model's matrices of at most 128 rows; heads of
 /// 128, the Qwen3-Next-80B FP8 layout, `in_proj_ba` left in bf16 as there). Heads of 64 put
 /// two key heads' parts in one result block: refused, naming the file and tensor.
+#[test(prepared)]
 fn grouped_quantized_projections_import_exactly() {
     let tmp = common::tempdir();
     let text = text(tmp.path());
@@ -516,11 +520,4 @@ fn grouped_quantized_projections_import_exactly() {
             "rows 0..128 would share one block scale while coming from source blocks 0 and 2",
         ],
     );
-}
-
-test_main! {
-    Prepared quantized_experts_pack_and_import_exactly,
-    Prepared nvfp4_experts_score_alike_on_the_emulated_device,
-    Prepared an_expert_without_its_scale_is_refused,
-    Prepared grouped_quantized_projections_import_exactly,
 }

@@ -2,40 +2,20 @@
 //! (`NINFER_TEST_FAULT`) its trials fail, two clean runs give identical numbers, missing
 //! artifacts are ignored (never passed), and bad input is reported by file and field.
 //!
-//! The harness code (`tests/harness/`) is compiled into this test binary too. With
-//! `NINFER_HARNESS_GATE_ARGS` set, this executable runs the harness instead of its tests; the
-//! tests run it that way as a child process, so the harness runs in a process of its own with
-//! its own environment (the fault switch is read when the model is built) and exits with its
-//! own status.
+//! These are `#[test]`s of the harness binary itself. They run the binary again as a child
+//! process with harness arguments and `NINFER_CHILD=1` (which leaves these tests out of the
+//! child's list), so the harness runs in a process of its own with its own environment (the
+//! fault switch is read when the model is built) and exits with its own status.
 
-mod common;
-
-#[path = "harness/mod.rs"]
-mod harness;
-
-use harness::baseline::{self, Location, Record, Verdict};
-use harness::flags::{self, DeviceKind, Tier};
-use harness::report::TrialReport;
+use crate::baseline::{self, Location, Record, Verdict};
+use crate::common;
+use crate::flags::{self, DeviceKind, Tier};
+use crate::report::TrialReport;
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::registry::{Registry, Tolerance};
 use std::ffi::OsString;
 use std::path::Path;
-use std::process::{Command, ExitCode};
-
-const CHILD_ARGS: &str = "NINFER_HARNESS_GATE_ARGS";
-
-/// In a child process (`NINFER_HARNESS_GATE_ARGS` set): the harness with the given
-/// arguments, exiting with its status.
-fn harness_child(json: &str) -> ExitCode {
-    let args: Vec<String> = serde_json::from_str(json).expect("child arguments");
-    let mut argv: Vec<OsString> = vec!["harness".into()];
-    argv.extend(args.into_iter().map(OsString::from));
-    let code = harness::main_with(argv);
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    ExitCode::from(code)
-}
+use std::process::Command;
 
 struct Run {
     code: i32,
@@ -49,7 +29,8 @@ struct Run {
 fn run_harness(args: &[&str], envs: &[(&str, &str)]) -> Run {
     let report = common::tempdir();
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.env(CHILD_ARGS, serde_json::to_string(args).unwrap())
+    cmd.args(args)
+        .env("NINFER_CHILD", "1")
         .env("INSTA_UPDATE", "no")
         .env("NINFER_HARNESS_REPORT_DIR", report.path())
         .env("RUST_BACKTRACE", "0")
@@ -109,6 +90,7 @@ fn no_pending_snapshots() -> Vec<String> {
     out
 }
 
+#[test(prepared)]
 fn fault_switch_makes_trials_fail() {
     common::artifact("smollm2-135m-bf16.ninfer");
     let before = no_pending_snapshots();
@@ -155,6 +137,7 @@ fn fault_switch_makes_trials_fail() {
     );
 }
 
+#[test(prepared)]
 fn clean_runs_pass_with_identical_numbers() {
     common::artifact("smollm2-135m-bf16.ninfer");
     // One engine thread and one trial at a time, then two trials at once on all cores.
@@ -201,6 +184,7 @@ fn clean_runs_pass_with_identical_numbers() {
     }
 }
 
+#[test]
 fn missing_artifact_is_ignored_with_the_reason_never_passed() {
     let dir = common::tempdir();
     let reg = dir.path().join("registry.json");
@@ -239,6 +223,7 @@ fn missing_artifact_is_ignored_with_the_reason_never_passed() {
     }
 }
 
+#[test(prepared)]
 fn gpu_tier_is_ignored_without_a_gpu() {
     if ninfer_perplexity::backend::Device::select(
         ninfer_perplexity::backend::DeviceRequest::Cuda(0),
@@ -271,6 +256,7 @@ fn gpu_tier_is_ignored_without_a_gpu() {
     );
 }
 
+#[test]
 fn harness_flags_from_the_environment() {
     let run = run_harness(
         &["--list"],
@@ -314,6 +300,7 @@ fn harness_flags_from_the_environment() {
     );
 }
 
+#[test]
 fn bad_flag_values_list_the_choices() {
     for (args, want) in [
         (
@@ -350,6 +337,7 @@ fn argv(v: &[&str]) -> Vec<OsString> {
         .collect()
 }
 
+#[test]
 fn harness_flags_are_removed_and_libtest_flags_kept() {
     let (f, rest) = flags::extract(argv(&[
         "--kv-dtype",
@@ -421,6 +409,7 @@ fn record() -> Record {
     }
 }
 
+#[test]
 fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     let r = record();
     assert_eq!(Record::parse(&r.render()).unwrap(), r);
@@ -484,6 +473,7 @@ fn baseline_bodies_round_trip_and_compare_with_tolerance() {
     ));
 }
 
+#[test]
 fn malformed_baseline_names_the_file_and_the_field() {
     let dir = common::tempdir();
     let loc = Location {
@@ -510,6 +500,7 @@ fn malformed_baseline_names_the_file_and_the_field() {
 /// The paired gate judges a trial by its windows: an exact repeat and last-bit noise pass, a
 /// drift of θ spread over the windows fails with the figures in words, and a trial whose
 /// windows do not line up with the baseline's is refused before any NLL is compared.
+#[test]
 fn the_paired_gate_judges_by_the_windows() {
     let spec = ninfer_perplexity::gate::GateSpec {
         theta: 1e-3,
@@ -559,6 +550,7 @@ fn the_paired_gate_judges_by_the_windows() {
     assert_eq!(Record::parse(&base.render()).unwrap(), base);
 }
 
+#[test]
 fn malformed_registry_names_the_file_and_the_field() {
     let dir = common::tempdir();
     let p = dir.path().join("registry.json");
@@ -651,6 +643,7 @@ fn malformed_registry_names_the_file_and_the_field() {
     assert_eq!(e.tolerance_for("cpu", "bf16"), None);
 }
 
+#[test(prepared)]
 fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
     let r = Registry::load(&common::repo().join("eval/registry.json")).unwrap();
     for e in r
@@ -661,7 +654,7 @@ fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
         for kv in KvDtype::ALL {
             let t = e
                 .tolerance_for("cpu", kv.name())
-                .unwrap_or_else(|| harness::default_tolerance("cpu", kv));
+                .unwrap_or_else(|| crate::default_tolerance("cpu", kv));
             assert!(
                 t.allowed(3.0) < 1e-6,
                 "{}: the CPU tier must stay (almost) exact",
@@ -669,24 +662,4 @@ fn the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance() {
             );
         }
     }
-}
-
-fn main() -> ExitCode {
-    if let Ok(json) = std::env::var(CHILD_ARGS) {
-        return harness_child(&json);
-    }
-    common::trials::run(cases! {
-        Prepared fault_switch_makes_trials_fail,
-        Prepared clean_runs_pass_with_identical_numbers,
-        Nothing missing_artifact_is_ignored_with_the_reason_never_passed,
-        Prepared gpu_tier_is_ignored_without_a_gpu,
-        Nothing harness_flags_from_the_environment,
-        Nothing bad_flag_values_list_the_choices,
-        Nothing harness_flags_are_removed_and_libtest_flags_kept,
-        Nothing baseline_bodies_round_trip_and_compare_with_tolerance,
-        Nothing malformed_baseline_names_the_file_and_the_field,
-        Nothing malformed_registry_names_the_file_and_the_field,
-        Nothing the_paired_gate_judges_by_the_windows,
-        Prepared the_registry_in_the_tree_loads_and_every_tier_artifact_has_cpu_tolerance,
-    })
 }

@@ -1,7 +1,7 @@
 //! The evaluator in corpus mode: a small manifest of our own streams, the domain table, and
 //! the corpus bad-input paths.
 
-mod common;
+use crate::common;
 
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -61,6 +61,7 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+#[test(prepared)]
 fn smollm2_corpus_run_prints_domain_table() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let m = mini(
@@ -171,6 +172,7 @@ fn smollm2_corpus_run_prints_domain_table() {
     assert_eq!(svg.matches("<circle").count(), windows);
 }
 
+#[test(prepared)]
 fn corpus_bad_input() {
     let dir = common::tempdir();
     let art = common::tiny_artifact(dir.path());
@@ -240,9 +242,4 @@ fn corpus_bad_input() {
         e.contains("/nonexistent/manifest.json") && e.contains("cannot read manifest"),
         "{e}"
     );
-}
-
-test_main! {
-    Prepared smollm2_corpus_run_prints_domain_table,
-    Prepared corpus_bad_input,
 }

@@ -15,12 +15,10 @@
 //! printed, and appended as JSON lines to `$NINFER_PARITY_OUT` when set (ci/gpu-check.sh
 //! builds its table from them).
 //!
-//! Each case runs on the emulated device (the CUDA model with its kernels compiled for the
-//! host: small models and short streams, in every `cargo test`) and on a CUDA GPU (ignored
-//! in a plain `cargo test`; `ci/gpu-check.sh` runs them with `--ignored`; without a GPU
-//! they fail and say why).
-
-#![cfg(feature = "cuda")]
+//! Each case runs on the emulated device (`<case>::emu`: the CUDA model with its kernels
+//! compiled for the host, small models and short streams, in every `cargo test`) and on a
+//! CUDA GPU (`<case>::cuda`: reported ignored where there is none; `ci/gpu-check.sh` runs
+//! them).
 
 use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
 use ninfer_perplexity::backend::cuda::plan::Precision;
@@ -32,6 +30,7 @@ use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::config::ModelConfig;
 use ninfer_perplexity::pack::hf::read_hf_dir;
 use ninfer_perplexity::score::{windows, Protocol};
+use crate::Dev;
 use std::path::{Path, PathBuf};
 
 /// Per-stream |Δ mean NLL| bounds of one case, by precision.
@@ -87,40 +86,31 @@ struct Run {
     streams: usize,
 }
 
-fn gpu_run() -> Run {
-    Run {
-        target: Target::Cuda(0),
-        bounds: GPU_BOUNDS,
-        protocol: Protocol::new(512, 256).unwrap(),
-        tokens: parity_tokens(),
-        streams: 4,
+impl Run {
+    /// A GPU runs the project's parity protocol; the emulated device short streams and
+    /// windows (it runs at tens of tokens per second on a SmolLM2-sized layer).
+    fn on(dev: Dev) -> Run {
+        match dev {
+            Dev::Cuda => Run {
+                target: Target::Cuda(0),
+                bounds: GPU_BOUNDS,
+                protocol: Protocol::new(512, 256).unwrap(),
+                tokens: parity_tokens(),
+                streams: 4,
+            },
+            Dev::Emu => Run {
+                target: Target::Emulated,
+                bounds: EMU_BOUNDS,
+                protocol: Protocol::new(96, 48).unwrap(),
+                tokens: 160,
+                streams: 2,
+            },
+        }
     }
 }
 
-/// Short streams and windows: the emulated device runs at tens of tokens per second on a
-/// SmolLM2-sized layer.
-fn emu_run() -> Run {
-    Run {
-        target: Target::Emulated,
-        bounds: EMU_BOUNDS,
-        protocol: Protocol::new(96, 48).unwrap(),
-        tokens: 160,
-        streams: 2,
-    }
-}
-
-/// The repository: `NINFER_REPO` when set (test binaries carried to another machine),
-/// else where this test was built.
 fn repo() -> PathBuf {
-    std::env::var_os("NINFER_REPO")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-}
-
-fn require_gpu() {
-    if let Err(e) = ninfer_perplexity::backend::cuda::probe(0) {
-        panic!("this test needs a CUDA GPU ({e}); it is ignored in plain `cargo test`");
-    }
+    crate::common::repo()
 }
 
 fn parity_tokens() -> usize {
@@ -128,12 +118,6 @@ fn parity_tokens() -> usize {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1024)
-}
-
-fn require(run: &Run) {
-    if run.target != Target::Emulated {
-        require_gpu();
-    }
 }
 
 /// The corpus's quick streams (one per domain), tokenized and cut.
@@ -316,17 +300,11 @@ fn assert_none(failures: Vec<String>) {
     );
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
+/// SmolLM2-135M itself: on a GPU only (the emulated device would take hours).
+#[test(gpu)]
 fn smollm2_matches_the_cpu_for_every_kv_format() {
-    let run = gpu_run();
-    require(&run);
+    let run = Run::on(Dev::Cuda);
     let art = repo().join("models/smollm2-135m-bf16.ninfer");
-    assert!(
-        art.exists(),
-        "{} is missing: run `bash eval/prepare-smollm2.sh`",
-        art.display()
-    );
     let e = Engine::load(&art, &LoadOptions::default(), &mut |_, _| {}).unwrap();
     let streams = quick_streams(&|t| e.tokenizer.encode(t).unwrap(), run.tokens);
     drop(e);
@@ -336,11 +314,6 @@ fn smollm2_matches_the_cpu_for_every_kv_format() {
 /// A tiny fixture checkpoint (`eval/fixtures/tiny-<family>`) packed in bf16.
 fn tiny(dir: &Path, family: &str) -> PathBuf {
     let tok = repo().join("models/cache/qwen3-tokenizer.json");
-    assert!(
-        tok.exists(),
-        "{} is missing: run `bash eval/fetch-qwen3-tokenizer.sh`",
-        tok.display()
-    );
     let src = read_hf_dir(
         &repo().join(format!("eval/fixtures/tiny-{family}")),
         Some(&tok),
@@ -356,7 +329,6 @@ fn tiny_qwen3(dir: &Path) -> PathBuf {
 }
 
 fn tiny_case(run: &Run, family: &str) {
-    require(run);
     let d = tempfile::tempdir().unwrap();
     let art = tiny(d.path(), family);
     let e = Engine::load(&art, &LoadOptions::default(), &mut |_, _| {}).unwrap();
@@ -365,34 +337,23 @@ fn tiny_case(run: &Run, family: &str) {
     assert_none(run_case(run, &format!("tiny-{family}"), &art, &streams));
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn tiny_qwen3_matches_the_cpu_for_every_kv_format() {
-    tiny_case(&gpu_run(), "qwen3");
+device_case!(tiny_qwen3_matches_the_cpu_for_every_kv_format, |dev| {
+    tiny_case(&Run::on(dev), "qwen3")
+});
+
+/// qkv biases and an untied head.
+#[test(gxx)]
+fn tiny_qwen2_matches_the_cpu_on_the_emulated_device() {
+    tiny_case(&Run::on(Dev::Emu), "qwen2");
 }
 
-#[test]
-fn emulated_tiny_qwen3_matches_the_cpu_for_every_kv_format() {
-    tiny_case(&emu_run(), "qwen3");
-}
-
-#[test]
-fn emulated_tiny_qwen2_matches_the_cpu_for_every_kv_format() {
-    tiny_case(&emu_run(), "qwen2");
-}
-
-/// The tiny Qwen3.5 hybrid fixture (4 Gated DeltaNet + 2 gated attention layers, value/key
-/// heads 3:1, rotary dim half the head): windows of 96 cross the State kernels' chunks.
-#[test]
-fn emulated_tiny_qwen3_5_matches_the_cpu_for_every_kv_format() {
-    tiny_case(&emu_run(), "qwen3_5");
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn tiny_qwen3_5_matches_the_cpu_for_every_kv_format() {
-    tiny_case(&gpu_run(), "qwen3_5");
-}
+device_case!(
+    /// The tiny Qwen3.5 hybrid fixture (4 Gated DeltaNet + 2 gated attention layers,
+    /// value/key heads 3:1, rotary dim half the head): windows of 96 cross the State
+    /// kernels' chunks.
+    tiny_qwen3_5_matches_the_cpu_for_every_kv_format,
+    |dev| tiny_case(&Run::on(dev), "qwen3_5")
+);
 
 /// The tiny mixture-of-experts fixtures (8 experts, top-2; qwen3_5_moe and qwen3_next with a
 /// gated shared expert, qwen3_next with dense layers too): the router, the tokens grouped
@@ -414,20 +375,11 @@ fn moe_run(run: Run) -> Run {
     }
 }
 
-#[test]
-fn emulated_tiny_moe_families_match_the_cpu_for_every_kv_format() {
+device_case!(tiny_moe_families_match_the_cpu_for_every_kv_format, |dev| {
     for family in ["qwen3_moe", "qwen3_5_moe", "qwen3_next"] {
-        tiny_case(&moe_run(emu_run()), family);
+        tiny_case(&moe_run(Run::on(dev)), family);
     }
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn tiny_moe_families_match_the_cpu_for_every_kv_format() {
-    for family in ["qwen3_moe", "qwen3_5_moe", "qwen3_next"] {
-        tiny_case(&moe_run(gpu_run()), family);
-    }
-}
+});
 
 /// The Qwen3.5 27B's layer pattern and head ratios at a small width: 3 Gated DeltaNet
 /// layers then a gated attention layer of head_dim 64 (the tensor-core attention in bf16)
@@ -452,16 +404,9 @@ fn small_hybrid() -> ModelConfig {
     }
 }
 
-#[test]
-fn emulated_random_hybrid_matches_the_cpu_for_every_kv_format() {
-    random_case(&emu_run(), "random-hybrid", small_hybrid(), 11);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn random_hybrid_matches_the_cpu_for_every_kv_format() {
-    random_case(&gpu_run(), "random-hybrid", small_hybrid(), 11);
-}
+device_case!(random_hybrid_matches_the_cpu_for_every_kv_format, |dev| {
+    random_case(&Run::on(dev), "random-hybrid", small_hybrid(), 11)
+});
 
 /// SmolLM2's shape (llama, 9/3 heads of 64, tied 49,152-entry head) with 2 layers of
 /// random weights: the head_dim-64 tensor-core path, needing no files.
@@ -489,28 +434,19 @@ fn random_artifact(dir: &Path, name: impl AsRef<str>, config: ModelConfig, seed:
 }
 
 fn random_case(run: &Run, case: &str, config: ModelConfig, seed: u64) {
-    require(run);
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), format!("{case}.ninfer"), config, seed);
     let streams = quick_streams(&|t| t.bytes().map(u32::from).collect(), run.tokens);
     assert_none(run_case(run, case, &art, &streams));
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn random_smollm2_shaped_matches_the_cpu_for_every_kv_format() {
-    random_case(&gpu_run(), "random-smollm2-2l", smollm2_shaped(), 7);
-}
+device_case!(random_smollm2_shaped_matches_the_cpu_for_every_kv_format, |dev| {
+    random_case(&Run::on(dev), "random-smollm2-2l", smollm2_shaped(), 7)
+});
 
-#[test]
-fn emulated_random_smollm2_shaped_matches_the_cpu_for_every_kv_format() {
-    random_case(&emu_run(), "random-smollm2-2l", smollm2_shaped(), 7);
-}
-
-#[test]
-fn emulated_random_qwen3_hd128_matches_the_cpu_for_every_kv_format() {
-    random_case(&emu_run(), "random-qwen3-hd128", small_hd128(), 3);
-}
+device_case!(random_qwen3_hd128_matches_the_cpu_for_every_kv_format, |dev| {
+    random_case(&Run::on(dev), "random-qwen3-hd128", small_hd128(), 3)
+});
 
 fn small_hd128() -> ModelConfig {
     ModelConfig {
@@ -525,32 +461,20 @@ fn small_hd128() -> ModelConfig {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn random_qwen3_hd128_matches_the_cpu_for_every_kv_format() {
-    random_case(&gpu_run(), "random-qwen3-hd128", small_hd128(), 3);
-}
+device_case!(
+    /// A rerun gives the same bits, and one window per pass what packed passes give (a GPU
+    /// runs 3000 tokens, the emulated device 400).
+    reruns_are_bitwise_and_batching_changes_nothing,
+    |dev| reruns_case(&Run::on(dev), if dev == Dev::Cuda { 3000 } else { 400 }, small_hd128())
+);
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn reruns_are_bitwise_and_batching_changes_nothing() {
-    reruns_case(&gpu_run(), 3000, small_hd128());
-    reruns_case(&gpu_run(), 3000, small_hybrid());
-}
-
-#[test]
-fn emulated_reruns_are_bitwise_and_batching_changes_nothing() {
-    reruns_case(&emu_run(), 400, small_hd128());
-}
-
-/// Packed windows share no State: one window per pass gives what packed passes give.
-#[test]
-fn emulated_hybrid_reruns_are_bitwise_and_batching_changes_nothing() {
-    reruns_case(&emu_run(), 300, small_hybrid());
-}
+device_case!(
+    /// Packed windows share no State: one window per pass gives what packed passes give.
+    hybrid_reruns_are_bitwise_and_batching_changes_nothing,
+    |dev| reruns_case(&Run::on(dev), if dev == Dev::Cuda { 3000 } else { 300 }, small_hybrid())
+);
 
 fn reruns_case(run: &Run, tokens: usize, config: ModelConfig) {
-    require(run);
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), "random.ninfer", config, 5);
     let a = Artifact::open(&art).unwrap();
@@ -595,16 +519,10 @@ fn reruns_case(run: &Run, tokens: usize, config: ModelConfig) {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn a_bad_token_fails_with_the_cpu_message() {
-    bad_token_case(DeviceRequest::Cuda(0), "cuda-sm", GPU_BOUNDS);
-}
-
-#[test]
-fn emulated_a_bad_token_fails_with_the_cpu_message() {
-    bad_token_case(DeviceRequest::Emu, "emu", EMU_BOUNDS);
-}
+device_case!(a_bad_token_fails_with_the_cpu_message, |dev| match dev {
+    Dev::Cuda => bad_token_case(DeviceRequest::Cuda(0), "cuda-sm", GPU_BOUNDS),
+    Dev::Emu => bad_token_case(DeviceRequest::Emu, "emu", EMU_BOUNDS),
+});
 
 /// The engine for `art` on `device` (digest not verified).
 fn engine(art: &Path, device: DeviceRequest, precision: Option<Precision>) -> Engine {
@@ -622,9 +540,6 @@ fn engine(art: &Path, device: DeviceRequest, precision: Option<Precision>) -> En
 }
 
 fn bad_token_case(device: DeviceRequest, class: &str, bounds: Bounds) {
-    if device != DeviceRequest::Emu {
-        require_gpu();
-    }
     let d = tempfile::tempdir().unwrap();
     let art = tiny_qwen3(d.path());
     let load = |device, precision| engine(&art, device, precision);
@@ -672,8 +587,8 @@ fn bad_token_case(device: DeviceRequest, class: &str, bounds: Bounds) {
 
 /// When a window of a pass fails, the windows before it are still delivered (as the CPU
 /// backend delivers them), then the failing window's error, with its index.
-#[test]
-fn emulated_windows_before_a_failing_one_are_delivered() {
+#[test(gxx)]
+fn windows_before_a_failing_one_are_delivered() {
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), "random-hd128.ninfer", small_hd128(), 9);
     let a = Artifact::open(&art).unwrap();
@@ -709,8 +624,8 @@ fn emulated_windows_before_a_failing_one_are_delivered() {
 
 /// The benchmark's in-memory random weights are the very values `write_random_artifact`
 /// stores: the same windows score to the same bits from either.
-#[test]
-fn emulated_random_weights_in_memory_equal_the_written_artifact() {
+#[test(gxx)]
+fn random_weights_in_memory_equal_the_written_artifact() {
     // A dense shape, and the 27B hybrid's preset cut to 4 layers and a small width (the
     // bench's `qwen3_5-27b` path: conv taps, gates and gated q rows from the generator).
     for (name, config) in [("hd128", small_hd128()), ("hybrid", small_hybrid())] {
@@ -735,17 +650,12 @@ fn emulated_random_weights_in_memory_equal_the_written_artifact() {
 
 /// A quantized artifact loads through the on-device dequantization and scores like the CPU
 /// (f32 precision, f32 KV: the 1e-5 relative bound; one window of 96 tokens). nvfp4 only,
-/// for time: the fp8 kernel is held bit for bit in tests/emu_kernels.rs (measured here
+/// for time: the fp8 kernel is held bit for bit in tests/parity/kernels.rs (measured here
 /// too: fp8 6.5e-8, nvfp4 2.7e-7 relative).
-#[test]
-fn emulated_quantized_artifacts_score_like_the_cpu() {
+#[test(gxx)]
+fn quantized_artifacts_score_like_the_cpu() {
     let name = "smollm2-135m-nvfp4";
     let art = repo().join(format!("models/{name}.ninfer"));
-    assert!(
-        art.exists(),
-        "{} is missing: run `bash eval/prepare-smollm2.sh`",
-        art.display()
-    );
     let load = |device, precision| engine(&art, device, precision);
     let (cpu, emu) = (
         load(DeviceRequest::Cpu, None),
@@ -789,8 +699,8 @@ fn set_f32(path: &Path, name: &str, index: usize, value: f32) {
 
 /// A decay that overflows (A_log = 100: g = −inf) in value head 2 of the second Gated
 /// DeltaNet layer fails the window as the CPU fails it, naming layer, position and head.
-#[test]
-fn emulated_a_non_finite_state_gate_fails_with_the_cpu_message() {
+#[test(gxx)]
+fn a_non_finite_state_gate_fails_with_the_cpu_message() {
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), "hybrid.ninfer", small_hybrid(), 3);
     set_f32(&art, "model.layers.1.linear_attn.A_log", 2, 100.0);

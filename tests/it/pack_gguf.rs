@@ -2,7 +2,7 @@
 //! written here (parsing, renaming, tied/untied, error messages), and the real SmolLM2 GGUF
 //! (tests named `real_*`; ignored with the reason before `bash ci/prepare.sh` fetches it).
 
-mod common;
+use crate::common;
 
 use common::gguf_synth::*;
 
@@ -99,6 +99,7 @@ fn permute_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> 
 // Dequantization on hand-built blocks
 // ---------------------------------------------------------------------------------------
 
+#[test]
 fn q8_0_block() {
     let mut block = f16::from_f32(0.125).to_le_bytes().to_vec();
     let qs: Vec<i8> = (0..32).map(|i| (i as i8 - 16) * 7).collect();
@@ -112,6 +113,7 @@ fn q8_0_block() {
     assert_eq!(out[31], 13.125);
 }
 
+#[test]
 fn q4_0_block() {
     // d = 0.5; byte j holds low nibble j (element j) and high nibble 15 - j (element j + 16).
     let mut block = f16::from_f32(0.5).to_le_bytes().to_vec();
@@ -131,6 +133,7 @@ fn q4_0_block() {
     assert_eq!(out[16], 3.5);
 }
 
+#[test]
 fn q4_1_block() {
     // d = 0.25, m = -1.5: value = q·d + m.
     let mut block = f16::from_f32(0.25).to_le_bytes().to_vec();
@@ -146,6 +149,7 @@ fn q4_1_block() {
     assert_eq!(out[31], 2.25);
 }
 
+#[test]
 fn float_types_and_random_blocks_match_reference() {
     let mut rng = Rng(0x9E3779B97F4A7C15);
     for ty in [0u32, 1, 30, 8, 2, 3] {
@@ -179,6 +183,7 @@ fn float_types_and_random_blocks_match_reference() {
 // Q/K un-permute
 // ---------------------------------------------------------------------------------------
 
+#[test]
 fn unpermute_inverts_llama_cpp_permute() {
     let mut rng = Rng(42);
     for (n_head, hd, cols) in [(9usize, 64usize, 5usize), (3, 64, 3), (2, 4, 1), (1, 2, 7)] {
@@ -235,6 +240,7 @@ fn err_of(r: anyhow::Result<PackSource>) -> String {
     }
 }
 
+#[test]
 fn synthetic_parse_rename_and_values() {
     let dir = tempfile::tempdir().unwrap();
     for untied in [false, true] {
@@ -332,6 +338,7 @@ fn synthetic_parse_rename_and_values() {
     }
 }
 
+#[test]
 fn synthetic_metadata_and_alignment() {
     let dir = tempfile::tempdir().unwrap();
     let mut synth = Synth::new(false);
@@ -367,6 +374,7 @@ fn synthetic_metadata_and_alignment() {
     assert_eq!(src.config.rope_theta, 10000.0);
 }
 
+#[test]
 fn synthetic_tokenizer_loads_and_encodes() {
     let dir = tempfile::tempdir().unwrap();
     let mut synth = Synth::new(false);
@@ -437,6 +445,7 @@ fn synthetic_tokenizer_loads_and_encodes() {
     assert_eq!(pieces, vec!["a", "123", "45"]);
 }
 
+#[test]
 fn synthetic_errors_name_the_problem() {
     let dir = tempfile::tempdir().unwrap();
 
@@ -563,6 +572,7 @@ fn smollm2() -> &'static PackSource {
     CELL.get_or_init(|| read_gguf(&common::cache_file("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap())
 }
 
+#[test(prepared)]
 fn real_smollm2_config_and_tensors() {
     let src = smollm2();
     let c = &src.config;
@@ -619,6 +629,7 @@ fn real_smollm2_config_and_tensors() {
     assert!(mean > 0.1 && mean < 10.0, "final norm mean {mean}");
 }
 
+#[test(prepared)]
 fn real_smollm2_q_k_match_an_independent_decode() {
     let src = smollm2();
     // Read the raw bytes through the container parser, decode with the reference decoder
@@ -689,6 +700,7 @@ const SMOLLM2_TRANSFORMERS_SHA256: [(&str, &str); 6] = [
     ),
 ];
 
+#[test(prepared)]
 fn real_smollm2_weights_match_transformers_bit_for_bit() {
     let src = smollm2();
     use sha2::Digest;
@@ -706,6 +718,7 @@ fn real_smollm2_weights_match_transformers_bit_for_bit() {
     }
 }
 
+#[test(prepared)]
 fn real_smollm2_tokenizer_hello_world() {
     let src = smollm2();
     let tok = tokenizers::Tokenizer::from_str(&src.tokenizer_json).unwrap();
@@ -735,6 +748,7 @@ fn real_smollm2_tokenizer_hello_world() {
     );
 }
 
+#[test(prepared)]
 fn real_smollm2_tokenizer_matches_transformers_fixture() {
     let src = smollm2();
     let fixture =
@@ -780,21 +794,4 @@ fn real_smollm2_tokenizer_matches_transformers_fixture() {
         failures.join("\n")
     );
     eprintln!("{} fixture cases agree", cases.len());
-}
-
-test_main! {
-    Nothing q8_0_block,
-    Nothing q4_0_block,
-    Nothing q4_1_block,
-    Nothing float_types_and_random_blocks_match_reference,
-    Nothing unpermute_inverts_llama_cpp_permute,
-    Nothing synthetic_parse_rename_and_values,
-    Nothing synthetic_metadata_and_alignment,
-    Nothing synthetic_tokenizer_loads_and_encodes,
-    Nothing synthetic_errors_name_the_problem,
-    Prepared real_smollm2_config_and_tensors,
-    Prepared real_smollm2_q_k_match_an_independent_decode,
-    Prepared real_smollm2_weights_match_transformers_bit_for_bit,
-    Prepared real_smollm2_tokenizer_hello_world,
-    Prepared real_smollm2_tokenizer_matches_transformers_fixture,
 }

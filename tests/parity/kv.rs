@@ -7,12 +7,8 @@
 //! bit with `Elem::roundtrip`.
 //!
 //! Every check runs twice: on the emulated device (the kernels compiled for the host, in
-//! every `cargo test`), and on a CUDA GPU (ignored in a plain `cargo test`, run by
-//! `ci/gpu-check.sh` with `--ignored`; without a GPU those fail and say why).
-
-#![cfg(feature = "cuda")]
-
-mod common;
+//! every `cargo test`), and on a CUDA GPU (`<check>::cuda`: reported ignored where there is
+//! none; `ci/gpu-check.sh` runs them).
 
 use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_with, STORE_VARIANTS};
 use ninfer_perplexity::backend::cuda::device::Gpu;
@@ -20,18 +16,7 @@ use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
 
 const ELEMS: [Elem; 5] = [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4];
 
-fn gpu() -> Gpu {
-    if let Err(e) = ninfer_perplexity::backend::cuda::probe(0) {
-        panic!("this test needs a CUDA GPU ({e}); it is ignored in plain `cargo test`");
-    }
-    Gpu::open(0).expect("open CUDA device 0")
-}
-
-fn emu() -> Gpu {
-    Gpu::emulated().expect("the emulated CUDA device (needs g++)")
-}
-
-use common::rng::Rng;
+use crate::common::rng::Rng;
 
 /// Vectors with a spread of magnitudes per vector (scales from 1e-30 to 1e30).
 fn random_vectors(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -103,27 +88,11 @@ fn check_variant(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize, what: &s
     }
 }
 
-#[test]
-fn emulated_codecs_store_the_cpu_bits() {
-    codecs_store_the_cpu_bits(&emu());
-}
+device_case!(codecs_store_the_cpu_bits, |dev| codecs_store_the_cpu_bits(&dev.gpu()));
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn device_codecs_store_the_cpu_bits() {
-    codecs_store_the_cpu_bits(&gpu());
-}
-
-#[test]
-fn emulated_codecs_match_the_reference_fixtures() {
-    codecs_match_the_reference_fixtures(&emu());
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn device_codecs_match_the_reference_fixtures() {
-    codecs_match_the_reference_fixtures(&gpu());
-}
+device_case!(codecs_match_the_reference_fixtures, |dev| {
+    codecs_match_the_reference_fixtures(&dev.gpu())
+});
 
 fn codecs_store_the_cpu_bits(g: &Gpu) {
     for elem in ELEMS {
@@ -141,11 +110,7 @@ fn codecs_store_the_cpu_bits(g: &Gpu) {
 }
 
 fn codecs_match_the_reference_fixtures(g: &Gpu) {
-    // NINFER_REPO: the repository when this binary runs on another machine than it was built on.
-    let repo = std::env::var_os("NINFER_REPO").map(std::path::PathBuf::from);
-    let dir = repo
-        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-        .join("eval/fixtures/kv");
+    let dir = crate::common::repo().join("eval/fixtures/kv");
     let index: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("index.json")).expect("eval/fixtures/kv/index.json"),
     )

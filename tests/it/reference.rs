@@ -6,7 +6,7 @@
 //! bf16 artifact rounds every weight, so it is held to the measured bound documented in
 //! `docs/accuracy.md`.
 
-mod common;
+use crate::common;
 
 use common::logprobs::compare;
 
@@ -27,6 +27,7 @@ fn load(path: &Path, threads: usize) -> Engine {
     .unwrap()
 }
 
+#[test(prepared)]
 fn smollm2_f32_matches_transformers() {
     let fx = common::read_json("eval/fixtures/smollm2_logprobs.json");
     let e = load(&common::artifact("smollm2-135m-f32.ninfer"), 0);
@@ -48,6 +49,7 @@ fn smollm2_f32_matches_transformers() {
 /// bf16 weights against the float32 reference. Measured on the committed fixture
 /// (docs/accuracy.md): max |Δ logprob| 0.0833, max relative Δ mean NLL 9.17e-4; the bounds
 /// are those measurements with a 1.5x margin.
+#[test(prepared)]
 fn smollm2_bf16_stays_within_measured_bound() {
     let fx = common::read_json("eval/fixtures/smollm2_logprobs.json");
     let e = load(&common::artifact("smollm2-135m-bf16.ninfer"), 0);
@@ -89,6 +91,7 @@ fn tiny(dir: &str, fixture: &str) {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen3_moe_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3_moe",
@@ -96,6 +99,7 @@ fn tiny_qwen3_moe_matches_transformers() {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen3_5_moe_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3_5_moe",
@@ -103,6 +107,7 @@ fn tiny_qwen3_5_moe_matches_transformers() {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen3_next_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3_next",
@@ -110,6 +115,7 @@ fn tiny_qwen3_next_matches_transformers() {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen3_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3",
@@ -117,6 +123,7 @@ fn tiny_qwen3_matches_transformers() {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen2_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen2",
@@ -124,6 +131,7 @@ fn tiny_qwen2_matches_transformers() {
     );
 }
 
+#[test(prepared)]
 fn tiny_qwen3_5_hybrid_matches_transformers() {
     tiny(
         "eval/fixtures/tiny-qwen3_5",
@@ -165,6 +173,7 @@ fn planted_faults_fail(family: &str, faults: &[ninfer_perplexity::model::fault::
 
 /// Each classic mistake of the hybrid math, planted alone, must fail the bound above (the
 /// reference moves 0.1 to 22 nats for them).
+#[test(prepared)]
 fn every_planted_hybrid_pitfall_fails_the_reference() {
     planted_faults_fail("qwen3_5", &ninfer_perplexity::model::fault::Pitfall::ALL);
 }
@@ -172,22 +181,10 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
 /// Each planted routing mistake fails the MoE references: top-k off by one and no
 /// renormalisation on every family, the shared expert's gate as SiLU on qwen3_5_moe and
 /// qwen3_next (qwen3_moe has no shared expert).
+#[test(prepared)]
 fn every_planted_routing_fault_fails_the_moe_references() {
     use ninfer_perplexity::model::fault::Pitfall;
     planted_faults_fail("qwen3_moe", &Pitfall::MOE[..2]);
     planted_faults_fail("qwen3_5_moe", &Pitfall::MOE);
     planted_faults_fail("qwen3_next", &Pitfall::MOE);
-}
-
-test_main! {
-    Prepared tiny_qwen3_moe_matches_transformers,
-    Prepared tiny_qwen3_5_moe_matches_transformers,
-    Prepared tiny_qwen3_next_matches_transformers,
-    Prepared every_planted_routing_fault_fails_the_moe_references,
-    Prepared tiny_qwen3_5_hybrid_matches_transformers,
-    Prepared every_planted_hybrid_pitfall_fails_the_reference,
-    Prepared smollm2_f32_matches_transformers,
-    Prepared smollm2_bf16_stays_within_measured_bound,
-    Prepared tiny_qwen3_matches_transformers,
-    Prepared tiny_qwen2_matches_transformers,
 }

@@ -2,7 +2,7 @@
 //! can fail to be comparable. Each error is one line naming the file(s) and the problem, exits
 //! non-zero, and writes no `--json` file.
 
-mod common;
+use crate::common;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -81,6 +81,7 @@ fn refused(base: &Path, new: &Path, json: &Path, needles: &[&str]) {
     assert!(o.stdout.is_empty() && !json.exists(), "nothing written");
 }
 
+#[test(prepared)]
 fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
     let r = runs();
     let a = plain(&r, "a");
@@ -110,6 +111,7 @@ fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
     assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
 }
 
+#[test(prepared)]
 fn kv_formats_compare_window_by_window() {
     let r = runs();
     let p = ["--context", "48", "--stride", "16"];
@@ -188,6 +190,7 @@ fn kv_formats_compare_window_by_window() {
     assert_eq!(c["streams"][0]["delta_nll"], all["delta_nll"]);
 }
 
+#[test(prepared)]
 fn incomparable_runs_are_refused() {
     let r = runs();
     let base = plain(&r, "base");
@@ -261,6 +264,7 @@ fn incomparable_runs_are_refused() {
     refused(&moved, &["different windows"]);
 }
 
+#[test(prepared)]
 fn files_that_are_not_reports_are_refused() {
     let r = runs();
     let base = plain(&r, "base");
@@ -339,11 +343,4 @@ fn files_that_are_not_reports_are_refused() {
     // Usage errors are clap's (exit 2).
     let o = perplexity(&["compare", s(&report)]);
     assert_eq!(o.status.code(), Some(2));
-}
-
-test_main! {
-    Prepared a_run_compared_with_itself_is_zero_with_a_zero_width_interval,
-    Prepared kv_formats_compare_window_by_window,
-    Prepared incomparable_runs_are_refused,
-    Prepared files_that_are_not_reports_are_refused,
 }

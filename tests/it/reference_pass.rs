@@ -3,7 +3,7 @@
 //! invariants (a reference equal to the run gives exactly 0; adding a reference leaves the
 //! run's own scores' bits alone) and bad input.
 
-mod common;
+use crate::common;
 
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
@@ -21,6 +21,7 @@ fn load(name: &str) -> Engine {
 
 /// Per-position KL(f32 ‖ nvfp4) of SmolLM2 against transformers with the same KV format
 /// written in PyTorch (eval/reference/make_kld_fixture.py).
+#[test(prepared)]
 fn kld_matches_transformers() {
     let fx = common::read_json("eval/fixtures/smollm2_kld_f32_vs_nvfp4.json");
     let mut e = load("smollm2-135m-f32.ninfer");
@@ -177,6 +178,7 @@ fn kld_matches_transformers() {
 
 /// A reference equal to the run gives KL exactly 0 and agreement exactly 1; a reference of
 /// any kind leaves the run's own scores bit for bit as without one.
+#[test(prepared)]
 fn an_identical_reference_gives_exactly_zero_and_the_run_keeps_its_bits() {
     let text = std::fs::read_to_string(
         common::repo().join("eval/corpora/perplexity-1m/streams/en-ref-1.txt"),
@@ -213,6 +215,7 @@ fn an_identical_reference_gives_exactly_zero_and_the_run_keeps_its_bits() {
     }
 }
 
+#[test(prepared)]
 fn bad_references_are_refused() {
     let tmp = common::tempdir();
     let tiny = common::tiny_artifact(tmp.path());
@@ -296,10 +299,4 @@ fn bad_references_are_refused() {
     assert_eq!(h.len(), 9);
     assert_eq!(h[0], r["overall"]["reference"]["positions"]);
     assert_eq!(r["settings"]["reference"]["kv_dtype"], "bf16");
-}
-
-test_main! {
-    Prepared kld_matches_transformers,
-    Prepared an_identical_reference_gives_exactly_zero_and_the_run_keeps_its_bits,
-    Prepared bad_references_are_refused,
 }

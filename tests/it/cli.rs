@@ -2,7 +2,7 @@
 //! Each error must be one line naming the file and the problem, exit non-zero, and leave no
 //! report behind.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -42,6 +42,7 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+#[test(prepared)]
 fn smollm2_text_run_prints_table_and_writes_report() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let tmp = common::tempdir();
@@ -111,6 +112,7 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     }
 }
 
+#[test(prepared)]
 fn bad_artifacts() {
     let tmp = common::tempdir();
     let txt = text_file(tmp.path(), "t.txt", b"hello world, hello world");
@@ -211,6 +213,7 @@ fn bad_artifacts() {
     assert!(!out.exists(), "no report may be written on failure");
 }
 
+#[test(prepared)]
 fn bad_text_and_flags() {
     let tmp = common::tempdir();
     let art = tiny_artifact(tmp.path());
@@ -266,6 +269,7 @@ fn bad_text_and_flags() {
     assert!(stderr(&o).contains("cannot be used with"));
 }
 
+#[test(prepared)]
 fn a_bad_gemm_switch_is_refused() {
     let tmp = common::tempdir();
     let art = tiny_artifact(tmp.path());
@@ -286,6 +290,7 @@ fn a_bad_gemm_switch_is_refused() {
     assert!(!out.exists(), "no report may be written on failure");
 }
 
+#[test]
 fn pack_errors_name_the_input() {
     let tmp = common::tempdir();
     let o = pack(&["hf", s(tmp.path()), "-o", s(&tmp.path().join("x.ninfer"))]);
@@ -300,6 +305,7 @@ fn pack_errors_name_the_input() {
     assert!(!tmp.path().join("x.ninfer").exists());
 }
 
+#[test]
 fn help_says_what_each_binary_does() {
     let first = |bin: &str| {
         let o = common::run_bin(bin, &["--help"]);
@@ -328,13 +334,4 @@ fn help_says_what_each_binary_does() {
         text.contains("Usage: ninfer-perplexity compare [OPTIONS] <BASE> <NEW>"),
         "{text}"
     );
-}
-
-test_main! {
-    Nothing help_says_what_each_binary_does,
-    Prepared smollm2_text_run_prints_table_and_writes_report,
-    Prepared bad_artifacts,
-    Prepared bad_text_and_flags,
-    Prepared a_bad_gemm_switch_is_refused,
-    Nothing pack_errors_name_the_input,
 }

@@ -3,7 +3,7 @@
 //! races) leave the first run's report intact; never a silent wrong number, a hang or an
 //! unbounded read.
 
-mod common;
+use crate::common;
 
 use serde_json::Value;
 use std::io::Read;
@@ -114,6 +114,7 @@ fn fill_f32(v: f32) -> impl Fn(&mut [u8]) {
 
 // ---- 1. Non-finite values ------------------------------------------------------------
 
+#[test(prepared)]
 fn a_non_finite_weight_is_refused_at_load_naming_the_tensor() {
     let tmp = common::tempdir();
     let nan_at_3 = |b: &mut [u8]| b[12..16].copy_from_slice(&f32::NAN.to_le_bytes());
@@ -136,6 +137,7 @@ fn a_non_finite_weight_is_refused_at_load_naming_the_tensor() {
     assert!(!out.exists(), "no report, no directory left behind");
 }
 
+#[test(prepared)]
 fn an_overflowing_query_fails_the_window_saying_where() {
     // Finite weights so large that the queries overflow: the run must fail, naming the
     // stream, the window, the layer, the position and the head, not print a perplexity.
@@ -161,6 +163,7 @@ fn an_overflowing_query_fails_the_window_saying_where() {
 
 // ---- 2. Reports are never lost or replaced ----------------------------------------------
 
+#[test(prepared)]
 fn a_second_run_never_replaces_the_first_report() {
     let tmp = common::tempdir();
     let art = common::tiny_artifact(tmp.path());
@@ -251,6 +254,7 @@ fn a_second_run_never_replaces_the_first_report() {
     assert!(runs.iter().all(|d| d.join("report.json").exists()));
 }
 
+#[test(prepared)]
 fn an_unusable_output_directory_fails_before_any_scoring() {
     let tmp = common::tempdir();
     let art = common::tiny_artifact(tmp.path());
@@ -273,6 +277,7 @@ fn an_unusable_output_directory_fails_before_any_scoring() {
 
 // ---- 3. Sizes without bounds -------------------------------------------------------------
 
+#[test(prepared)]
 fn huge_config_sizes_are_refused_by_name() {
     let tmp = common::tempdir();
     let t = text(tmp.path(), "t.txt", "hello world, hello world");
@@ -383,6 +388,7 @@ fn huge_config_sizes_are_refused_by_name() {
 
 // ---- 4. Files that are not regular files --------------------------------------------------
 
+#[test(prepared)]
 fn pipes_and_devices_are_refused_without_blocking_or_reading_forever() {
     let tmp = common::tempdir();
     let art = common::tiny_artifact(tmp.path());
@@ -439,6 +445,7 @@ fn pipes_and_devices_are_refused_without_blocking_or_reading_forever() {
 
 // ---- 5. The small ones ----------------------------------------------------------------
 
+#[test(prepared)]
 fn a_closed_stdout_ends_quietly() {
     let tmp = common::tempdir();
     let art = common::tiny_artifact(tmp.path());
@@ -479,6 +486,7 @@ fn a_closed_stdout_ends_quietly() {
     }
 }
 
+#[test(prepared)]
 fn the_packer_checks_its_output_first_and_never_replaces_an_input() {
     let tmp = common::tempdir();
     let gguf = tmp.path().join("model.gguf");
@@ -508,6 +516,7 @@ fn the_packer_checks_its_output_first_and_never_replaces_an_input() {
     assert_eq!(line.matches("not a directory").count(), 1, "{line}");
 }
 
+#[test(prepared)]
 fn the_packer_names_the_shard_of_a_bad_tensor() {
     let tmp = common::tempdir();
     let hf = tmp.path().join("hf");
@@ -546,6 +555,7 @@ fn hybrid_copy(dir: &Path, edit: impl FnOnce(&mut Value)) -> PathBuf {
     hf
 }
 
+#[test(prepared)]
 fn hybrid_configs_that_contradict_their_tensors_are_refused() {
     let tmp = common::tempdir();
     let tok = common::cache_file("qwen3-tokenizer.json");
@@ -619,6 +629,7 @@ fn hybrid_configs_that_contradict_their_tensors_are_refused() {
     );
 }
 
+#[test(prepared)]
 fn windows_past_the_trained_context_are_warned_about_and_recorded() {
     let tmp = common::tempdir();
     let art = edited_artifact(
@@ -660,6 +671,7 @@ fn windows_past_the_trained_context_are_warned_about_and_recorded() {
     );
 }
 
+#[test(prepared)]
 fn a_registered_name_means_the_registered_bytes() {
     let tmp = common::tempdir();
     let art = common::tiny_artifact(tmp.path());
@@ -699,6 +711,7 @@ fn a_registered_name_means_the_registered_bytes() {
     assert!(ok.status.success(), "{}", stderr(&ok));
 }
 
+#[test(prepared)]
 fn reports_and_artifacts_get_the_usual_mode() {
     use std::os::unix::fs::PermissionsExt;
     let tmp = common::tempdir();
@@ -722,6 +735,7 @@ fn reports_and_artifacts_get_the_usual_mode() {
 
 // ---- 6. Long inputs ------------------------------------------------------------------------
 
+#[test(prepared)]
 fn a_capped_run_tokenizes_only_its_prefix_and_gets_the_same_tokens() {
     let tmp = common::tempdir();
     let art = common::artifact("smollm2-135m-bf16.ninfer");
@@ -798,21 +812,4 @@ fn a_capped_run_tokenizes_only_its_prefix_and_gets_the_same_tokens() {
             }
         }
     }
-}
-
-test_main! {
-    Prepared a_non_finite_weight_is_refused_at_load_naming_the_tensor,
-    Prepared an_overflowing_query_fails_the_window_saying_where,
-    Prepared a_second_run_never_replaces_the_first_report,
-    Prepared an_unusable_output_directory_fails_before_any_scoring,
-    Prepared huge_config_sizes_are_refused_by_name,
-    Prepared pipes_and_devices_are_refused_without_blocking_or_reading_forever,
-    Prepared a_closed_stdout_ends_quietly,
-    Prepared the_packer_checks_its_output_first_and_never_replaces_an_input,
-    Prepared the_packer_names_the_shard_of_a_bad_tensor,
-    Prepared windows_past_the_trained_context_are_warned_about_and_recorded,
-    Prepared hybrid_configs_that_contradict_their_tensors_are_refused,
-    Prepared a_registered_name_means_the_registered_bytes,
-    Prepared reports_and_artifacts_get_the_usual_mode,
-    Prepared a_capped_run_tokenizes_only_its_prefix_and_gets_the_same_tokens,
 }

@@ -8,7 +8,7 @@
 //!
 //! It runs as a single trial in its own test binary, so the allocation counter sees only it.
 
-mod common;
+use crate::common;
 
 use common::gguf_synth::{Rng, Synth, Val};
 use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
@@ -263,6 +263,7 @@ fn with_header(h: &Value, data: &[u8]) -> Vec<u8> {
     out
 }
 
+#[test]
 fn parsers_survive_mutated_inputs() {
     let dir = common::tempdir();
     let mut rng = Rng(0x5eed);
@@ -363,8 +364,4 @@ fn parsers_survive_mutated_inputs() {
         t.accepted > 0 && t.accepted < t.tried,
         "the mutants must include valid and invalid inputs"
     );
-}
-
-fn main() -> std::process::ExitCode {
-    common::trials::run(cases![Nothing parsers_survive_mutated_inputs])
 }

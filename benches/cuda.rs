@@ -11,9 +11,8 @@
 //! (qwen3-8b), NINFER_BENCH_LAYERS (the preset's), NINFER_BENCH_WINDOWS (16),
 //! NINFER_BENCH_KV (bf16), NINFER_BENCH_CONTEXT (4096), NINFER_BENCH_STRIDE (2048).
 //!
-//! Needs a CUDA GPU: ignored in a plain `cargo test`; run by `ci/gpu-check.sh`.
-
-#![cfg(feature = "cuda")]
+//! Needs a CUDA GPU: `cargo bench --bench cuda` (what `ci/gpu-check.sh` runs); without one
+//! it says why and exits 1.
 
 use ninfer_perplexity::artifact::Artifact;
 use ninfer_perplexity::backend::cuda::plan::Precision;
@@ -31,12 +30,16 @@ fn env_or<T: std::str::FromStr>(k: &str, d: T) -> T {
         .unwrap_or(d)
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/gpu-check.sh"]
-fn random_model_throughput_against_the_gemm_rate() {
+fn main() {
     if let Err(e) = ninfer_perplexity::backend::cuda::probe(0) {
-        panic!("this benchmark needs a CUDA GPU ({e})");
+        eprintln!("bench cuda: needs a CUDA GPU ({e})");
+        std::process::exit(1);
     }
+    random_model_throughput_against_the_gemm_rate();
+}
+
+/// The throughput of the configured model against the device's GEMM rate.
+fn random_model_throughput_against_the_gemm_rate() {
     let preset_name = std::env::var("NINFER_BENCH_PRESET").unwrap_or_else(|_| "qwen3-8b".into());
     let config = preset(&preset_name).unwrap();
     let config = config.with_layers(env_or("NINFER_BENCH_LAYERS", config.num_layers));

@@ -11,7 +11,7 @@
 //!   bit, and scores like transformers (max |Δ logprob| ≤ 2e-4, mean NLL within 1e-5 relative);
 //! - broken quantized checkpoints and artifacts fail with one line naming the tensor.
 
-mod common;
+use crate::common;
 
 use common::logprobs::compare;
 use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat, WeightPlan};
@@ -83,6 +83,7 @@ fn import(kind: &str, tmp: &Path) -> PathBuf {
     art
 }
 
+#[test(prepared)]
 fn imported_checkpoints_dequantize_exactly() {
     let tmp = common::tempdir();
     for kind in KINDS {
@@ -112,6 +113,7 @@ fn imported_checkpoints_dequantize_exactly() {
     }
 }
 
+#[test(prepared)]
 fn imported_checkpoints_score_like_transformers() {
     let tmp = common::tempdir();
     for kind in KINDS {
@@ -190,6 +192,7 @@ fn library_tensors(kind: &str) -> Vec<(String, String, Vec<usize>, String)> {
         .collect()
 }
 
+#[test(prepared)]
 fn packer_bytes_equal_the_libraries_on_the_tiny_model() {
     let src = read_hf_dir(
         &common::repo().join("eval/fixtures/tiny-qwen3"),
@@ -208,6 +211,7 @@ fn packer_bytes_equal_the_libraries_on_the_tiny_model() {
     }
 }
 
+#[test(prepared)]
 fn packer_bytes_equal_the_libraries_on_smollm2() {
     let gguf = common::cache_file("SmolLM2-135M-Instruct.Q4_1.gguf");
     let src = read_gguf(&gguf).unwrap();
@@ -267,6 +271,7 @@ fn packer_bytes_equal_the_libraries_on_smollm2() {
 /// exactly as an f32 artifact holding its dequantized weights: the quantized path adds no
 /// arithmetic of its own. nvfp4 is refused by name on this tiny geometry, whose
 /// `out_proj` reads 36 values per row (not a multiple of 16).
+#[test(prepared)]
 fn hybrid_quantized_scores_as_its_dequantized_weights() {
     use ninfer_perplexity::kv::KvDtype;
     use ninfer_perplexity::pack::TensorData;
@@ -362,6 +367,7 @@ fn rewrite(path: &Path, mut f: impl FnMut(&str, Tensor) -> Option<Tensor>) {
 const SHARD: &str = "model-00002-of-00002.safetensors";
 const UP: &str = "model.layers.0.mlp.up_proj";
 
+#[test(prepared)]
 fn broken_quantized_checkpoints_are_refused_by_name() {
     let tmp = common::tempdir();
     let fresh = |kind: &str, case: &str| {
@@ -480,6 +486,7 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
 
 /// A packed nvfp4 artifact with one part removed or its metadata changed fails at open,
 /// naming the artifact and the tensor, before any output is written.
+#[test(prepared)]
 fn broken_quantized_artifacts_fail_at_open() {
     let tmp = common::tempdir();
     let src = read_hf_dir(
@@ -548,14 +555,4 @@ fn broken_quantized_artifacts_fail_at_open() {
         &art,
         &["is quantized, but the metadata has no `quantization` key"],
     );
-}
-
-test_main! {
-    Prepared imported_checkpoints_dequantize_exactly,
-    Prepared imported_checkpoints_score_like_transformers,
-    Prepared packer_bytes_equal_the_libraries_on_the_tiny_model,
-    Prepared packer_bytes_equal_the_libraries_on_smollm2,
-    Prepared broken_quantized_checkpoints_are_refused_by_name,
-    Prepared broken_quantized_artifacts_fail_at_open,
-    Prepared hybrid_quantized_scores_as_its_dequantized_weights,
 }

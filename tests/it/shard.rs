@@ -2,7 +2,7 @@
 //! run's report bit for bit (NLL sums, calibration sums, table), and everything that is not
 //! exactly the N pieces of one run is refused with one line and no output.
 
-mod common;
+use crate::common;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -77,6 +77,7 @@ fn same(got: Value, want: Value) {
 
 /// SmolLM2 on the corpus's four quick streams, 600 tokens each: 36 windows, cut into 3
 /// shards (one with one thread), merged in a shuffled order.
+#[test(prepared)]
 fn shards_merge_into_the_unsharded_report_bit_for_bit() {
     let art = common::artifact("smollm2-135m-bf16.ninfer");
     let manifest = common::repo().join("eval/corpora/perplexity-1m/manifest.json");
@@ -232,6 +233,7 @@ fn refused(t: &Tiny, inputs: &[&Path], needles: &[&str]) {
     assert!(!out.exists(), "a refused merge leaves no directory");
 }
 
+#[test(prepared)]
 fn tiny_text_shards_merge_too() {
     let t = tiny();
     let full = t.run("full", &[]);
@@ -249,6 +251,7 @@ fn tiny_text_shards_merge_too() {
     same(numbers(read(&m1)), numbers(read(&full)));
 }
 
+#[test(prepared)]
 fn shards_of_different_runs_are_refused() {
     let t = tiny();
     let full = t.run("full", &[]);
@@ -369,6 +372,7 @@ fn shards_of_different_runs_are_refused() {
     assert!(common::error_line(&o).contains("not empty"));
 }
 
+#[test(prepared)]
 fn bad_shard_specs_fail_before_any_output() {
     let t = tiny();
     for (spec, want) in [
@@ -400,6 +404,7 @@ fn bad_shard_specs_fail_before_any_output() {
 
 /// `ci/examples/shard-task.sh`, the task of the Slurm and Kubernetes examples, with the
 /// variables each scheduler sets (a 0-based Slurm array, an Indexed Job).
+#[test(prepared)]
 fn the_job_array_task_script_gives_mergeable_shards() {
     let t = tiny();
     let full = t.run("full", &[]);
@@ -468,12 +473,4 @@ fn the_job_array_task_script_gives_mergeable_shards() {
     let o = task(&t.tmp.path().join("none"), &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not an array task"));
-}
-
-test_main! {
-    Prepared shards_merge_into_the_unsharded_report_bit_for_bit,
-    Prepared tiny_text_shards_merge_too,
-    Prepared shards_of_different_runs_are_refused,
-    Prepared bad_shard_specs_fail_before_any_output,
-    Prepared the_job_array_task_script_gives_mergeable_shards,
 }

@@ -5,7 +5,7 @@
 //! column blocks and attention tasks (more threads than this machine has cores: the bits
 //! must not care). The hybrid (qwen3_5) model is held to the same.
 
-mod common;
+use crate::common;
 
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
@@ -74,6 +74,7 @@ fn tokens(bytes: usize, take: usize) -> Vec<u32> {
     tokens
 }
 
+#[test(prepared)]
 fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
     let tokens = tokens(4000, 300);
     for kv in [KvDtype::Bf16, KvDtype::Nvfp4] {
@@ -97,6 +98,7 @@ fn identical_bits_for_1_2_3_and_16_threads_and_repeated_runs() {
     }
 }
 
+#[test(prepared)]
 fn windows_split_between_threads_give_the_same_bits() {
     // Windows of 512 tokens are long enough to be split between two threads (rows of the
     // window's later layers on a second thread, `Split` in src/model/forward.rs). A stream
@@ -119,6 +121,7 @@ fn windows_split_between_threads_give_the_same_bits() {
     }
 }
 
+#[test(prepared)]
 fn a_hybrid_model_gives_identical_bits_for_any_thread_count() {
     // Gated DeltaNet value heads run as parallel tasks, windows in flight together; windows
     // of 160 tokens cross the chunked rule's 64-token chunks.
@@ -132,10 +135,4 @@ fn a_hybrid_model_gives_identical_bits_for_any_thread_count() {
             assert_eq!(bits(&s), reference, "{} with {threads} threads", kv.name());
         }
     }
-}
-
-test_main! {
-    Prepared a_hybrid_model_gives_identical_bits_for_any_thread_count,
-    Prepared identical_bits_for_1_2_3_and_16_threads_and_repeated_runs,
-    Prepared windows_split_between_threads_give_the_same_bits,
 }

@@ -5,27 +5,17 @@
 //!
 //! NVRTC is found through `NINFER_NVRTC_LIB_DIR` (what `ci/install-nvrtc.sh` prints), else
 //! `eval/.cache/nvrtc/<version>/nvidia/cu13/lib`, else the dynamic loader's search path.
-//! Without it the test prints why and is skipped; a kernel that fails to compile fails it.
+//! Without it the test is reported ignored with that reason; a kernel that fails to compile
+//! fails it.
 
-#[cfg(not(feature = "cuda"))]
-#[test]
-fn nvrtc_compiles_every_kernel() {
-    eprintln!("SKIPPED: built without the `cuda` feature");
-}
+use ninfer_perplexity::backend::cuda::kernels::{is_hot, Program};
+use ninfer_perplexity::backend::cuda::{loader, nvrtc};
+use std::path::PathBuf;
 
-#[cfg(feature = "cuda")]
-#[test]
-fn nvrtc_compiles_every_kernel() {
-    use ninfer_perplexity::backend::cuda::kernels::{is_hot, Program};
-    use ninfer_perplexity::backend::cuda::{loader, nvrtc};
-    use std::path::PathBuf;
-
-    // Explicit directory first, then the install script's default cache.
+/// Loads NVRTC from the places above (`Err(why)` when it is not there or does not load).
+pub fn probe() -> Result<(), String> {
     let mut dirs: Vec<PathBuf> = loader::env_dirs();
-    let repo = std::env::var_os("NINFER_REPO").map(PathBuf::from);
-    let cache = repo
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-        .join("eval/.cache/nvrtc");
+    let cache = crate::common::repo().join("eval/.cache/nvrtc");
     if let Ok(rd) = std::fs::read_dir(&cache) {
         for e in rd.flatten() {
             dirs.push(e.path().join("nvidia/cu13/lib"));
@@ -33,17 +23,19 @@ fn nvrtc_compiles_every_kernel() {
     }
     for d in &dirs {
         for lib in loader::libraries_in(d) {
-            if let Err(e) = loader::open_path(&lib) {
-                panic!("NVRTC is there but does not load: {e}");
-            }
+            loader::open_path(&lib).map_err(|e| format!("NVRTC is there but does not load: {e}"))?;
         }
     }
     if !loader::nvrtc_present() {
-        eprintln!(
-            "SKIPPED: libnvrtc.so.13 not found (run `export NINFER_NVRTC_LIB_DIR=\"$(bash ci/install-nvrtc.sh)\"`; searched {dirs:?} and the loader path)"
-        );
-        return;
+        return Err(format!(
+            "libnvrtc.so.13 not found (run `export NINFER_NVRTC_LIB_DIR=\"$(bash ci/install-nvrtc.sh)\"`; searched {dirs:?} and the loader path)"
+        ));
     }
+    Ok(())
+}
+
+#[test(nvrtc)]
+fn nvrtc_compiles_every_kernel() {
     let (maj, min) = nvrtc::version().expect("nvrtcVersion");
     eprintln!("NVRTC {maj}.{min}");
 

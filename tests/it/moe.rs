@@ -2,7 +2,7 @@
 //! a MoE checkpoint can contradict its config (one line naming the file and tensor, no
 //! artifact written). Quantized experts are `tests/moe_quantized.rs`.
 
-mod common;
+use crate::common;
 
 use common::checkpoint::fixture_copy as checkpoint;
 use common::pack_hf_f32 as pack;
@@ -14,6 +14,7 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+#[test(prepared)]
 fn contradicting_checkpoints_are_refused() {
     let experts_key = |c: &Value| {
         if c.get("num_experts").is_some() {
@@ -83,6 +84,7 @@ fn contradicting_checkpoints_are_refused() {
 /// A run of the tiny hybrid MoE reports the experts, the active parameters and the routing
 /// balance; its shards merge with the same counts; the CUDA model on the emulated device
 /// routes the same tokens.
+#[test(prepared)]
 fn a_moe_run_reports_its_routing() {
     let (tmp, dir) = checkpoint("qwen3_5_moe", |_| {});
     let art = tmp.path().join("moe.ninfer");
@@ -168,9 +170,4 @@ fn a_moe_run_reports_its_routing() {
         );
         assert!((a - b).abs() <= 1e-5 * b.abs(), "emu {a} vs cpu {b}");
     }
-}
-
-test_main! {
-    Prepared contradicting_checkpoints_are_refused,
-    Prepared a_moe_run_reports_its_routing,
 }

@@ -13,13 +13,21 @@
 //!   for it, the four quick streams cut to [`EMU_TIER_PREFIX`] tokens, the CPU tier's
 //!   protocol, the KV formats [`EMU_TIER_KV`] (or `--kv-dtype`). Names: `emu/<artifact>/<stream>/<kv>`.
 //!
-//! Compiled into the `harness` test binary (`tests/harness.rs`) and into `harness_gate`
-//! (`tests/harness_gate.rs`), which runs it in child processes.
-#![allow(dead_code)]
+//! `cargo test --release --test harness -- [--kv-dtype ..] [--artifact ..] [--device ..]
+//! [--tier ..] [--precision ..] [--measure-spread N] [libtest flags]`; the same flags given
+//! to `cargo test --release -- ...` reach it too (every other test binary drops them). See
+//! `docs/harness.md`. The binary's own `#[test]`s (`gate`) prove that the trials gate.
 
-pub mod baseline;
-pub mod flags;
-pub mod report;
+#[macro_use]
+extern crate ninfer_testkit;
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod baseline;
+mod flags;
+mod gate;
+mod report;
 
 use baseline::{Location, Record, Rule, Verdict};
 use flags::{DeviceKind, HarnessFlags, Tier};
@@ -715,7 +723,7 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
         measure_spread: flags.measure_spread,
         spreads: Mutex::new(Vec::new()),
     });
-    let trials: Vec<Trial> = plan
+    let mut trials: Vec<Trial> = plan
         .specs
         .into_iter()
         .map(|spec| {
@@ -725,6 +733,11 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
             Trial::ignorable_test(name, move || run_trial(&ctx, &spec)).with_ignored_flag(ignored)
         })
         .collect();
+    // The harness's own tests (`gate`), except in the child processes they start.
+    if std::env::var_os("NINFER_CHILD").is_none() {
+        let probes = Box::leak(Box::new(ninfer_testkit::Probes::host(ctx.root.clone())));
+        trials.extend(ninfer_testkit::trials(probes));
+    }
     let c = libtest_mimic::run(&args, trials);
     if let Some(runs) = flags.measure_spread {
         print_spread_summary(&ctx.spreads.lock().unwrap_or_else(|e| e.into_inner()), runs);
@@ -746,4 +759,8 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
     } else {
         0
     }
+}
+
+fn main() -> std::process::ExitCode {
+    std::process::ExitCode::from(main_with(std::env::args_os().collect()))
 }
