@@ -41,7 +41,7 @@ extern crate ninfer_testkit;
 
 #[cfg(test)]
 fn main() -> std::process::ExitCode {
-    ninfer_testkit::main(ninfer_testkit::Probes::host(std::path::PathBuf::from(env!(
-        "CARGO_MANIFEST_DIR"
-    ))))
+    ninfer_testkit::main(ninfer_testkit::Probes::host(std::path::PathBuf::from(
+        env!("CARGO_MANIFEST_DIR"),
+    )))
 }

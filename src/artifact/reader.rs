@@ -9,7 +9,7 @@ use super::digest::DigestBuilder;
 use super::quantized::{self, Layout, Stored};
 use super::{is_vector_tensor, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
 use crate::model::config::ModelConfig;
-use crate::model::tensors::ModelTensors;
+use crate::model::layout::Model;
 use crate::quant::{select, Imported};
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
@@ -134,7 +134,7 @@ impl Artifact {
         }
         // Counted before any name is built (the config is bounded, this is cheaper still);
         // a quantized matrix has at most three tensors.
-        let count = ModelTensors::count(&config);
+        let count = Model::count(&config);
         if tensors.len() > 3 * count {
             bail!(
                 "holds {} tensors, but a {} model with this config has at most {}",
@@ -153,7 +153,7 @@ impl Artifact {
                 config.family.name(),
             );
         }
-        let expected = ModelTensors::expected(&config);
+        let expected = Model::expected(&config);
         let mut layouts = BTreeMap::new();
         let mut known: std::collections::HashSet<String> = std::collections::HashSet::new();
         for (name, shape) in &expected {
@@ -328,7 +328,7 @@ impl Artifact {
     /// count and bytes (scales included). Norms are left out: they are always f32.
     pub fn weight_formats(&self) -> Vec<FormatUse> {
         let mut by: BTreeMap<&'static str, FormatUse> = BTreeMap::new();
-        for (name, _) in ModelTensors::expected(&self.config) {
+        for (name, _) in Model::expected(&self.config) {
             let class = select::class(&name);
             if class == "norms" {
                 continue;

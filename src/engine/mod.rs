@@ -16,7 +16,6 @@ use crate::backend::{Device, DeviceRequest, Precision};
 use crate::kv::KvDtype;
 use crate::model::fault::Faults;
 use crate::model::forward::CpuModel;
-use crate::model::weights::Weights;
 use crate::score::{
     windows, Calibration, NllSum, Protocol, ReferenceAcc, StreamScore, Window, WindowScore,
 };
@@ -120,7 +119,7 @@ impl Engine {
             .map_err(|e| anyhow!("cannot start {threads} worker threads: {e}"))?;
         let model = match &device {
             Device::Cpu { .. } => {
-                let weights = Weights::load(&artifact, progress)?;
+                let weights = crate::model::weights::load(&artifact, progress)?;
                 let m = CpuModel::new(artifact.config.clone(), weights).with_faults(faults);
                 Model::Cpu(Box::new(m))
             }

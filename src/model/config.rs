@@ -4,7 +4,7 @@
 //! packers translate GGUF metadata or a Hugging Face `config.json` into it, and the
 //! artifact reader validates every tensor against it.
 
-use crate::model::tensors::ModelTensors;
+use crate::model::layout::Model;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
@@ -477,9 +477,9 @@ impl ModelConfig {
     }
 
     /// Every tensor the artifact must hold, with its shape (row-major, Hugging Face naming):
-    /// [`ModelTensors::expected`].
+    /// [`Model::expected`].
     pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
-        ModelTensors::expected(self)
+        Model::expected(self)
     }
 
     /// Number of parameters (tied head counted once).

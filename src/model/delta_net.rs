@@ -20,7 +20,7 @@ use crate::backend::cpu::norm::rms_norm_row;
 use crate::model::config::{HybridConfig, OutputGate};
 use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::{Faults, Pitfall};
-use crate::model::weights::DeltaNetWeights;
+use crate::model::weights::DeltaNet;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
@@ -48,7 +48,7 @@ fn take(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// One Gated DeltaNet layer of a model.
 pub(crate) struct Mix<'a> {
     pub hc: &'a HybridConfig,
-    pub w: &'a DeltaNetWeights,
+    pub w: &'a DeltaNet,
     /// Hidden size.
     pub d: usize,
     pub layer: usize,
@@ -83,7 +83,7 @@ impl Mix<'_> {
 
         // proj[T, conv_dim + Hv·Dv + 2·Hv] = [q|k|v, z, b, a]
         let proj = take(&mut sc.proj, t_len * width);
-        matmul_wt(h, t_len, d, &w.w_in, width, proj, false);
+        matmul_wt(h, t_len, d, &w.in_proj, width, proj, false);
         // The fast exp below clamps a NaN: non-finite values are caught before it can.
         check_finite(proj, 1, width, Part::DeltaNetInput, layer, 0)?;
         let proj = &*proj;
@@ -165,7 +165,7 @@ impl Mix<'_> {
                 gate_row(yh, zh, hc.output_gate);
             }
         });
-        matmul_wt(y, n, vdim, &w.w_out, d, x, true);
+        matmul_wt(y, n, vdim, &w.out_proj, d, x, true);
         Ok(())
     }
 }

@@ -22,10 +22,11 @@ use crate::model::delta_net;
 use crate::model::error::{check_finite, ForwardError, Part};
 use crate::model::fault::{Faults, Pitfall};
 use crate::model::kv_store::{self, Stored};
+use crate::model::layout::{Ffn, Mixer};
 use crate::model::moe::{self, RoutingCounts};
 use crate::model::profile::{self, Laps, Phase};
 use crate::model::split::{Link, Split, Stop};
-use crate::model::weights::{AttentionWeights, FfnWeights, MixerWeights, Weights};
+use crate::model::weights::{Attention, Weights};
 use rayon::prelude::*;
 
 pub struct CpuModel {
@@ -85,9 +86,9 @@ impl CpuModel {
             let w = &mut self.weights;
             let mut norms: Vec<&mut Vec<f32>> = vec![&mut w.final_norm];
             for l in &mut w.layers {
-                norms.push(&mut l.attn_norm);
-                norms.push(&mut l.mlp_norm);
-                if let MixerWeights::Attention(a) = &mut l.mixer {
+                norms.push(&mut l.norm);
+                norms.push(&mut l.ffn_norm);
+                if let Mixer::Attention(a) = &mut l.mixer {
                     norms.extend(a.q_norm.iter_mut());
                     norms.extend(a.k_norm.iter_mut());
                 }
@@ -365,13 +366,13 @@ impl CpuModel {
         };
 
         laps.lap(Phase::QkvPrep);
-        rms_norm(x, &l.attn_norm, eps, &mut b.h[..m * d]);
+        rms_norm(x, &l.norm, eps, &mut b.h[..m * d]);
         laps.lap(Phase::Norms);
         match &l.mixer {
-            MixerWeights::Attention(a) => {
+            Mixer::Attention(a) => {
                 self.attention(li, a, rows, r0, x, b, pass, link, laps)?;
             }
-            MixerWeights::DeltaNet(g) => {
+            Mixer::DeltaNet(g) => {
                 // Windows of hybrid models are never split: the whole window is here.
                 debug_assert!(lo == 0 && matches!(link, Link::Alone));
                 let hc = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
@@ -396,24 +397,24 @@ impl CpuModel {
 
         // MLP block.
         match &l.ffn {
-            FfnWeights::Dense(mlp) => {
+            Ffn::Dense(mlp) => {
                 let (h, gu, act) = (
                     &mut b.h[..n * d],
                     &mut b.gu[..n * 2 * f],
                     &mut b.act[..n * f],
                 );
-                rms_norm(x, &l.mlp_norm, eps, h);
+                rms_norm(x, &l.ffn_norm, eps, h);
                 laps.lap(Phase::Norms);
-                matmul_wt(h, n, d, &mlp.wgu, 2 * f, gu, false);
+                matmul_wt(h, n, d, &mlp.gate_up, 2 * f, gu, false);
                 laps.lap(Phase::GateUp);
                 swiglu(gu, f, act);
                 laps.lap(Phase::Swiglu);
-                matmul_wt(act, n, f, &mlp.wdown, d, x, true);
+                matmul_wt(act, n, f, &mlp.down, d, x, true);
                 laps.lap(Phase::Down);
             }
-            FfnWeights::Moe(moe) => {
+            Ffn::Moe(moe) => {
                 let h = &mut b.h[..n * d];
-                rms_norm(x, &l.mlp_norm, eps, h);
+                rms_norm(x, &l.ffn_norm, eps, h);
                 laps.lap(Phase::Norms);
                 moe::moe_block(
                     moe,
@@ -436,7 +437,7 @@ impl CpuModel {
     fn attention(
         &self,
         li: usize,
-        l: &AttentionWeights,
+        l: &Attention,
         rows: std::ops::Range<usize>,
         r0: usize,
         x: &mut [f32],
@@ -454,9 +455,9 @@ impl CpuModel {
         let (lo, hi) = (rows.start, rows.end);
         let m = hi - lo;
         let qkv = &mut b.qkv[..m * qkv_w];
-        matmul_wt(&b.h[..m * d], m, d, &l.wqkv, qkv_w, qkv, false);
+        matmul_wt(&b.h[..m * d], m, d, &l.qkv, qkv_w, qkv, false);
         laps.lap(Phase::Qkv);
-        if let Some(bias) = &l.bqkv {
+        if let Some(bias) = &l.qkv_bias {
             qkv.par_chunks_mut(qkv_w)
                 .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
         }
@@ -532,7 +533,7 @@ impl CpuModel {
         }
         laps.lap(Phase::Attention);
         let x = &mut x[(r0 - lo) * d..];
-        matmul_wt(&b.attn[r0 * qd..], n, qd, &l.wo, d, x, true);
+        matmul_wt(&b.attn[r0 * qd..], n, qd, &l.o_proj, d, x, true);
         laps.lap(Phase::OProj);
         Ok(())
     }
@@ -623,10 +624,10 @@ mod tests {
         }
     }
 
-    fn attention_mut(m: &mut CpuModel, layer: usize) -> &mut AttentionWeights {
+    fn attention_mut(m: &mut CpuModel, layer: usize) -> &mut Attention {
         match &mut m.weights.layers[layer].mixer {
-            MixerWeights::Attention(a) => a,
-            MixerWeights::DeltaNet(_) => unreachable!("the synthetic model has attention only"),
+            Mixer::Attention(a) => a,
+            Mixer::DeltaNet(_) => unreachable!("the synthetic model has attention only"),
         }
     }
 
@@ -647,7 +648,7 @@ mod tests {
         );
         // An infinite query: layer 1's query projection (rows 0..Hq·D of the stacked qkv).
         let mut m = synthetic_model();
-        attention_mut(&mut m, 1).wqkv[8 * d] = f32::INFINITY; // query head 1, first row
+        attention_mut(&mut m, 1).qkv[8 * d] = f32::INFINITY; // query head 1, first row
         let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
         assert!(
             matches!(
@@ -667,7 +668,7 @@ mod tests {
         );
         // Finite queries and keys whose scores overflow: attention's output is refused.
         let mut m = synthetic_model();
-        let qkv = &mut attention_mut(&mut m, 0).wqkv;
+        let qkv = &mut attention_mut(&mut m, 0).qkv;
         qkv[..(4 + 2) * 8 * d].iter_mut().for_each(|w| *w *= 1e20);
         let e = m.window_logprobs(&tokens, 1, KvDtype::F32).unwrap_err();
         assert!(
@@ -712,7 +713,7 @@ mod tests {
     #[test]
     fn a_non_finite_gated_delta_net_value_fails_the_window() {
         let mut m = crate::model::synthetic::synthetic_hybrid_model();
-        if let MixerWeights::DeltaNet(g) = &mut m.weights.layers[2].mixer {
+        if let Mixer::DeltaNet(g) = &mut m.weights.layers[2].mixer {
             g.dt_bias[4] = f32::NAN;
         }
         let tokens: Vec<u32> = (0..80).map(|i| ((i * 7919) % 300) as u32).collect();

@@ -13,10 +13,10 @@ pub mod fault;
 pub mod flops;
 pub mod forward;
 pub mod kv_store;
+pub mod layout;
 pub mod moe;
 pub mod profile;
 pub(crate) mod split;
-pub mod tensors;
 pub mod weights;
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::swiglu;
 use crate::model::fault::{Faults, Pitfall};
-use crate::model::weights::{MoeWeights, SwiGlu};
+use crate::model::weights::Moe;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Token-to-expert assignments counted per expert (summed over layers), for the report's
@@ -112,19 +112,27 @@ pub fn add_shared(acc: &mut [f32], s: &[f32], g: &[f32], d: usize, silu: bool) {
     }
 }
 
-/// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`.
-fn run_swiglu(e: &SwiGlu, x: &[f32], n: usize, d: usize, out: &mut [f32]) {
-    let f = e.width;
+/// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`, with `gate_up [2f, d]` and
+/// `down [d, f]`.
+fn run_swiglu(
+    gate_up: &[f32],
+    down: &[f32],
+    f: usize,
+    x: &[f32],
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+) {
     let mut gu = vec![0f32; n * 2 * f];
     let mut act = vec![0f32; n * f];
-    matmul_wt(x, n, d, &e.wgu, 2 * f, &mut gu, false);
+    matmul_wt(x, n, d, gate_up, 2 * f, &mut gu, false);
     swiglu(&gu, f, &mut act);
-    matmul_wt(&act, n, f, &e.wdown, d, out, false);
+    matmul_wt(&act, n, f, down, d, out, false);
 }
 
 /// Adds the MoE block's output for the normed rows `h[n, d]` to the residual rows `x[n, d]`.
 pub fn moe_block(
-    w: &MoeWeights,
+    w: &Moe,
     h: &[f32],
     n: usize,
     d: usize,
@@ -132,7 +140,7 @@ pub fn moe_block(
     faults: Faults,
     counts: Option<&RoutingCounts>,
 ) {
-    let experts = w.experts.len();
+    let (experts, f) = (w.experts.count, w.experts.width);
     let mut logits = vec![0f32; n * experts];
     matmul_wt(h, n, d, &w.router, experts, &mut logits, false);
     let k = if faults.pitfall(Pitfall::TopKOffByOne) {
@@ -166,14 +174,17 @@ pub fn moe_block(
             gathered.extend_from_slice(&h[r * d..(r + 1) * d]);
         }
         y.resize(m * d, 0.0);
-        run_swiglu(&w.experts[e], &gathered, m, d, &mut y);
+        let gate_up = &w.experts.gate_up[e * 2 * f * d..(e + 1) * 2 * f * d];
+        let down = &w.experts.down[e * d * f..(e + 1) * d * f];
+        run_swiglu(gate_up, down, f, &gathered, m, d, &mut y);
         add_expert(&mut acc, tokens, &y, d);
     }
-    if let Some((shared, gate)) = &w.shared {
+    if let Some(shared) = &w.shared {
         let mut s = vec![0f32; n * d];
-        run_swiglu(shared, h, n, d, &mut s);
+        let m = &shared.mlp;
+        run_swiglu(&m.gate_up, &m.down, m.width, h, n, d, &mut s);
         let mut g = vec![0f32; n];
-        matmul_wt(h, n, d, gate, 1, &mut g, false);
+        matmul_wt(h, n, d, &shared.gate, 1, &mut g, false);
         add_shared(&mut acc, &s, &g, d, faults.pitfall(Pitfall::SharedGateSilu));
     }
     for (xi, a) in x.iter_mut().zip(&acc) {
@@ -184,6 +195,7 @@ pub fn moe_block(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::layout::{Experts, Shared, SwiGlu};
 
     fn top_k(probs: &[f32], k: usize) -> Vec<usize> {
         let mut idx = Vec::new();
@@ -221,15 +233,28 @@ mod tests {
                 })
                 .collect()
         };
-        let expert = |gen: &mut dyn FnMut(usize) -> Vec<f32>| SwiGlu {
-            wgu: gen(2 * 6 * d),
-            wdown: gen(d * 6),
-            width: 6,
+        let (router, mut gate_up, mut down) = (gen(5 * d), Vec::new(), Vec::new());
+        for _ in 0..5 {
+            gate_up.extend(gen(2 * 6 * d));
+            down.extend(gen(d * 6));
+        }
+        let shared = Shared {
+            mlp: SwiGlu {
+                gate_up: gen(2 * 6 * d),
+                down: gen(d * 6),
+                width: 6,
+            },
+            gate: gen(d),
         };
-        let w = MoeWeights {
-            router: gen(5 * d),
-            experts: (0..5).map(|_| expert(&mut gen)).collect(),
-            shared: Some((expert(&mut gen), gen(d))),
+        let w = Moe {
+            router,
+            experts: Experts {
+                gate_up,
+                down,
+                count: 5,
+                width: 6,
+            },
+            shared: Some(shared),
             top_k: 2,
             norm_topk_prob: true,
         };

@@ -4,9 +4,7 @@
 
 use crate::model::config::{Family, HybridConfig, LayerKind, ModelConfig, OutputGate};
 use crate::model::forward::CpuModel;
-use crate::model::weights::{
-    AttentionWeights, DeltaNetWeights, FfnWeights, LayerWeights, MixerWeights, SwiGlu, Weights,
-};
+use crate::model::layout::{Attention, DeltaNet, Ffn, Layer, Mixer, Model, SwiGlu};
 
 pub(crate) fn synthetic_model() -> CpuModel {
     let (vocab, d, f, layers, hq, hkv, hd) = (300, 32, 48, 2, 4, 2, 8);
@@ -17,24 +15,25 @@ pub(crate) fn synthetic_model() -> CpuModel {
             .map(|i| ((((i + 7 * seed) * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0) * scale)
             .collect()
     };
-    let layer = |gen: &mut dyn FnMut(usize, f32) -> Vec<f32>| LayerWeights {
-        attn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
-        mixer: MixerWeights::Attention(AttentionWeights {
-            wqkv: gen((hq * hd + 2 * hkv * hd) * d, 0.3),
-            bqkv: None,
+    // Fields in the order their values are drawn.
+    let layer = |gen: &mut dyn FnMut(usize, f32) -> Vec<f32>| Layer {
+        norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+        mixer: Mixer::Attention(Attention {
+            qkv: gen((hq * hd + 2 * hkv * hd) * d, 0.3),
+            qkv_bias: None,
             q_norm: None,
             k_norm: None,
-            wo: gen(d * hq * hd, 0.3),
+            o_proj: gen(d * hq * hd, 0.3),
             gated: false,
         }),
-        mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
-        ffn: FfnWeights::Dense(SwiGlu {
-            wgu: gen(2 * f * d, 0.3),
-            wdown: gen(d * f, 0.3),
+        ffn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+        ffn: Ffn::Dense(SwiGlu {
+            gate_up: gen(2 * f * d, 0.3),
+            down: gen(d * f, 0.3),
             width: f,
         }),
     };
-    let weights = Weights {
+    let weights = Model {
         embed: gen(vocab * d, 1.0),
         layers: (0..layers).map(|_| layer(&mut gen)).collect(),
         final_norm: vec![1.0; d],
@@ -75,35 +74,35 @@ pub(crate) fn synthetic_hybrid_model() -> CpuModel {
     let mut layers = Vec::new();
     for kind in &hc.layer_types {
         let mixer = match kind {
-            LayerKind::FullAttention => MixerWeights::Attention(AttentionWeights {
-                wqkv: gen((2 * hq * hd + 2 * hkv * hd) * d, 0.3),
-                bqkv: None,
+            LayerKind::FullAttention => Mixer::Attention(Attention {
+                qkv: gen((2 * hq * hd + 2 * hkv * hd) * d, 0.3),
+                qkv_bias: None,
                 q_norm: Some(gen(hd, 0.3).iter().map(|x| 1.0 + x).collect()),
                 k_norm: Some(gen(hd, 0.3).iter().map(|x| 1.0 + x).collect()),
-                wo: gen(d * hq * hd, 0.3),
+                o_proj: gen(d * hq * hd, 0.3),
                 gated: true,
             }),
-            LayerKind::LinearAttention => MixerWeights::DeltaNet(DeltaNetWeights {
-                w_in: gen((hc.conv_dim() + hc.value_dim() + 12) * d, 0.3),
+            LayerKind::LinearAttention => Mixer::DeltaNet(DeltaNet {
+                in_proj: gen((hc.conv_dim() + hc.value_dim() + 12) * d, 0.3),
                 conv: gen(4 * hc.conv_dim(), 0.5), // [K, conv_dim]
                 dt_bias: gen(6, 1.0),
                 a_log: gen(6, 1.0),
                 norm: gen(4, 0.3).iter().map(|x| 1.0 + x).collect(),
-                w_out: gen(d * hc.value_dim(), 0.3),
+                out_proj: gen(d * hc.value_dim(), 0.3),
             }),
         };
-        layers.push(LayerWeights {
-            attn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+        layers.push(Layer {
+            norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
             mixer,
-            mlp_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
-            ffn: FfnWeights::Dense(SwiGlu {
-                wgu: gen(2 * f * d, 0.3),
-                wdown: gen(d * f, 0.3),
+            ffn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
+            ffn: Ffn::Dense(SwiGlu {
+                gate_up: gen(2 * f * d, 0.3),
+                down: gen(d * f, 0.3),
                 width: f,
             }),
         });
     }
-    let weights = Weights {
+    let weights = Model {
         embed: gen(vocab * d, 1.0),
         layers,
         final_norm: vec![1.0; d],

@@ -14,12 +14,13 @@ use super::kernels::Program;
 use super::launch::{self, Any, KvArg, Ptr};
 use super::moe::{self, MoeBufs};
 use super::plan::{self, AttnKernel, MemPlan, Precision};
-use super::weights::{DeltaW, DevWeights, FfnW, MixerW, Source};
+use super::weights::{self, DeltaNet, DevWeights, Source};
 use super::MemoryReport;
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::kv::KvDtype;
 use crate::model::config::{ModelConfig, OutputGate};
+use crate::model::layout::{Ffn, Mixer};
 use crate::model::{ForwardError, Part};
 use crate::score::Window;
 use anyhow::{bail, Result};
@@ -171,7 +172,7 @@ impl CudaModel {
                 free >> 20
             );
         }
-        let weights = DevWeights::upload(a, &gpu, precision, progress)?;
+        let weights = weights::upload(a, &gpu, precision, progress)?;
         let weights_bytes = gpu.stats.current.load(Ordering::Relaxed);
         let blas = Blas::new(&gpu, precision)?;
         let inv_freq = inv_freq(c.rotary_dim(), c.rope_theta, c.rope_scaling.as_ref());
@@ -451,7 +452,7 @@ impl CudaModel {
     fn delta_net_block(
         &self,
         b: &Buffers,
-        dn: &DeltaW,
+        dn: &DeltaNet,
         li: usize,
         m: usize,
         ints: &DevBuf,
@@ -498,7 +499,7 @@ impl CudaModel {
             width,
             d,
             Mat::of(&b.h, 0, d),
-            Mat::of(&dn.w_in, 0, d),
+            Mat::of(&dn.in_proj, 0, d),
             Mat::of(&b.scratch, 0, width),
             false,
         )?;
@@ -594,7 +595,7 @@ impl CudaModel {
             d,
             vdim,
             Mat::of(&b.attn, 0, vdim),
-            Mat::of(&dn.w_out, 0, vdim),
+            Mat::of(&dn.out_proj, 0, vdim),
             Mat::of(&b.x, 0, d),
             true,
         )?;
@@ -724,9 +725,9 @@ impl CudaModel {
         // Routed rows per expert in this pass, added to the model's counts when it succeeds.
         let mut routed = vec![0u64; c.moe.as_ref().map_or(0, |m| m.num_experts)];
         for (li, l) in w.layers.iter().enumerate() {
-            norm(b.x.ptr, Ptr::NULL, &l.attn_norm, b.h.ptr, m)?;
+            norm(b.x.ptr, Ptr::NULL, &l.norm, b.h.ptr, m)?;
             match &l.mixer {
-                MixerW::Attention(at) => {
+                Mixer::Attention(at) => {
                     // Attention block: [q | k | v (| gate)] rows, the gate left in scratch.
                     let gate_w = if at.gated { qd } else { 0 };
                     let qkv_w = qd + 2 * kvd + gate_w;
@@ -736,7 +737,7 @@ impl CudaModel {
                         qkv_w,
                         d,
                         Mat::of(&b.h, 0, d),
-                        Mat::of(&at.wqkv, 0, d),
+                        Mat::of(&at.qkv, 0, d),
                         Mat::of(&b.scratch, 0, qkv_w),
                         false,
                     )?;
@@ -747,7 +748,7 @@ impl CudaModel {
                         0,
                         &launch::QkvPrep {
                             qkv: Ptr::new(b.scratch.ptr),
-                            bias: at.bqkv.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
+                            bias: at.qkv_bias.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
                             q_norm: at.q_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
                             k_norm: at.k_norm.as_ref().map_or(Ptr::NULL, |x| Ptr::new(x.ptr)),
                             rope_cos: Ptr::new(rope.cos.ptr),
@@ -793,12 +794,12 @@ impl CudaModel {
                         d,
                         qd,
                         Mat::of(&b.attn, 0, qd),
-                        Mat::of(&at.wo, 0, qd),
+                        Mat::of(&at.o_proj, 0, qd),
                         Mat::of(&b.x, 0, d),
                         true,
                     )?;
                 }
-                MixerW::DeltaNet(dn) => {
+                Mixer::DeltaNet(dn) => {
                     let spans_buf = spans_buf.as_ref().expect("uploaded for hybrid models");
                     self.delta_net_block(b, dn, li, m, &ints, o_pos, o_win, spans_buf, wins.len())?;
                 }
@@ -806,27 +807,27 @@ impl CudaModel {
             // MLP block: dense, or a sparse mixture of experts. A sparse last layer routes
             // only the rows the head reads (and the last of each window), as on the CPU,
             // so both report the same routing.
-            let last_moe = li + 1 == w.layers.len() && matches!(l.ffn, FfnW::Moe(_));
+            let last_moe = li + 1 == w.layers.len() && matches!(l.ffn, Ffn::Moe(_));
             if last_moe {
                 norm(
                     b.x.ptr,
                     Ptr::new(ints.at(o_tail)),
-                    &l.mlp_norm,
+                    &l.ffn_norm,
                     b.h.ptr,
                     tail.len(),
                 )?;
             } else {
-                norm(b.x.ptr, Ptr::NULL, &l.mlp_norm, b.h.ptr, m)?;
+                norm(b.x.ptr, Ptr::NULL, &l.ffn_norm, b.h.ptr, m)?;
             }
             match &l.ffn {
-                FfnW::Dense(mlp) => {
+                Ffn::Dense(mlp) => {
                     self.blas.gemm(
                         &self.gpu,
                         m,
                         2 * f,
                         d,
                         Mat::of(&b.h, 0, d),
-                        Mat::of(&mlp.wgu, 0, d),
+                        Mat::of(&mlp.gate_up, 0, d),
                         Mat::of(&b.scratch, 0, 2 * f),
                         false,
                     )?;
@@ -849,19 +850,19 @@ impl CudaModel {
                         d,
                         f,
                         Mat::of(&b.act, 0, f),
-                        Mat::of(&mlp.wdown, 0, f),
+                        Mat::of(&mlp.down, 0, f),
                         Mat::of(&b.x, 0, d),
                         true,
                     )?;
                 }
-                FfnW::Moe(mw) => {
+                Ffn::Moe(mw) => {
                     let cfg = c.moe.as_ref().expect("a MoE layer has a MoE config");
                     let bufs = b.moe.as_ref().expect("allocated for MoE models");
                     let io = moe::Io {
                         x: &b.x,
                         rows: last_moe.then(|| (&tail[..], Ptr::new(ints.at(o_tail)))),
                         h: &b.h,
-                        norm: &l.mlp_norm,
+                        norm: &l.ffn_norm,
                         scratch: &b.scratch,
                         act: &b.act,
                     };

@@ -17,7 +17,7 @@ use super::device::{DevBuf, Gpu};
 use super::gemm::{Blas, Mat};
 use super::launch::{self, Any, Ptr};
 use super::plan::{self, Precision};
-use super::weights::MoeW;
+use super::weights::Moe;
 use crate::model::config::MoeConfig;
 use anyhow::{bail, Result};
 
@@ -131,7 +131,7 @@ pub(super) fn moe_block(
     cfg: &MoeConfig,
     d: usize,
     eps: f64,
-    w: &MoeW,
+    w: &Moe,
     b: &MoeBufs,
     io: &Io,
     m: usize,
@@ -215,7 +215,7 @@ pub(super) fn moe_block(
             2 * fi,
             d,
             Mat::of(&b.input, r0 * d * e, d),
-            Mat::of(&w.wgu, x * 2 * fi * d * e, d),
+            Mat::of(&w.experts.gate_up, x * 2 * fi * d * e, d),
             Mat::of(io.scratch, r0 * 2 * fi * 4, 2 * fi),
             false,
         )?;
@@ -228,13 +228,14 @@ pub(super) fn moe_block(
             d,
             fi,
             Mat::of(io.act, r0 * fi * e, fi),
-            Mat::of(&w.wdown, x * d * fi * e, fi),
+            Mat::of(&w.experts.down, x * d * fi * e, fi),
             Mat::of(&b.out, r0 * d * 4, d),
             false,
         )?;
     }
     let (shared, gate) = match &w.shared {
-        Some((sw, gw)) => {
+        Some(sh) => {
+            let (sw, gw) = (&sh.mlp, &sh.gate);
             let fs = cfg.shared_expert_intermediate_size;
             let s_off = routed * d * 4;
             blas.gemm(
@@ -243,7 +244,7 @@ pub(super) fn moe_block(
                 2 * fs,
                 d,
                 Mat::of(io.h, 0, d),
-                Mat::of(&sw.wgu, 0, d),
+                Mat::of(&sw.gate_up, 0, d),
                 Mat::of(io.scratch, 0, 2 * fs),
                 false,
             )?;
@@ -254,7 +255,7 @@ pub(super) fn moe_block(
                 d,
                 fs,
                 Mat::of(io.act, 0, fs),
-                Mat::of(&sw.wdown, 0, fs),
+                Mat::of(&sw.down, 0, fs),
                 Mat::of(&b.out, s_off, d),
                 false,
             )?;

@@ -236,7 +236,7 @@ pub fn tensor_bytes(name: &str, shape: &[usize], seed: u64) -> (&'static str, Ve
         return ("F32", bytemuck::cast_slice::<f32, u8>(&data).to_vec());
     }
     // Fan in: every dim after the first (a depthwise conv's `[channels, 1, K]`: K).
-    let std = if name == crate::model::tensors::EMBED {
+    let std = if name == crate::model::layout::EMBED {
         1.0
     } else {
         1.0 / (shape[1..].iter().product::<usize>() as f32).sqrt()
