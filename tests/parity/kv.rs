@@ -88,7 +88,9 @@ fn check_variant(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize, what: &s
     }
 }
 
-device_case!(codecs_store_the_cpu_bits, |dev| codecs_store_the_cpu_bits(&dev.gpu()));
+device_case!(codecs_store_the_cpu_bits, |dev| codecs_store_the_cpu_bits(
+    &dev.gpu()
+));
 
 device_case!(codecs_match_the_reference_fixtures, |dev| {
     codecs_match_the_reference_fixtures(&dev.gpu())

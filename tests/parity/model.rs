@@ -20,6 +20,7 @@
 //! CUDA GPU (`<case>::cuda`: reported ignored where there is none; `ci/gpu-check.sh` runs
 //! them).
 
+use crate::Dev;
 use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
 use ninfer_perplexity::backend::cuda::plan::Precision;
 use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
@@ -30,7 +31,6 @@ use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::config::ModelConfig;
 use ninfer_perplexity::pack::hf::read_hf_dir;
 use ninfer_perplexity::score::{windows, Protocol};
-use crate::Dev;
 use std::path::{Path, PathBuf};
 
 /// Per-stream |Δ mean NLL| bounds of one case, by precision.
@@ -440,13 +440,15 @@ fn random_case(run: &Run, case: &str, config: ModelConfig, seed: u64) {
     assert_none(run_case(run, case, &art, &streams));
 }
 
-device_case!(random_smollm2_shaped_matches_the_cpu_for_every_kv_format, |dev| {
-    random_case(&Run::on(dev), "random-smollm2-2l", smollm2_shaped(), 7)
-});
+device_case!(
+    random_smollm2_shaped_matches_the_cpu_for_every_kv_format,
+    |dev| { random_case(&Run::on(dev), "random-smollm2-2l", smollm2_shaped(), 7) }
+);
 
-device_case!(random_qwen3_hd128_matches_the_cpu_for_every_kv_format, |dev| {
-    random_case(&Run::on(dev), "random-qwen3-hd128", small_hd128(), 3)
-});
+device_case!(
+    random_qwen3_hd128_matches_the_cpu_for_every_kv_format,
+    |dev| { random_case(&Run::on(dev), "random-qwen3-hd128", small_hd128(), 3) }
+);
 
 fn small_hd128() -> ModelConfig {
     ModelConfig {

@@ -23,7 +23,8 @@ pub fn probe() -> Result<(), String> {
     }
     for d in &dirs {
         for lib in loader::libraries_in(d) {
-            loader::open_path(&lib).map_err(|e| format!("NVRTC is there but does not load: {e}"))?;
+            loader::open_path(&lib)
+                .map_err(|e| format!("NVRTC is there but does not load: {e}"))?;
         }
     }
     if !loader::nvrtc_present() {
