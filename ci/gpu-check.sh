@@ -81,7 +81,7 @@ bundle)
     mv "$stash/smollm2.gguf.part-00" "$stash/a/"
     mv "$stash/smollm2.gguf.part-01" "$stash/b/"
   else
-    say "bundle: no SmolLM2 GGUF in models/cache (run bash eval/fetch-smollm2.sh models/cache)"
+    say "bundle: no SmolLM2 GGUF in models/cache (run bash eval/prepare/fetch-smollm2.sh models/cache)"
   fi
   du -sh "$carry" "$stash/a" "$stash/b" >&2
   say "device calls: (1) carry eval/.cache/gpu-stash/a: bash ci/gpu-check.sh stash eval/.cache/gpu-stash/a"
@@ -325,7 +325,7 @@ else
   done
   NP="$root/target/release/ninfer-perplexity"; PACK="$root/target/release/ninfer-pack"
   tb() { test_binary "$1"; }
-  [ -f models/smollm2-135m-bf16.ninfer ] || bash eval/prepare-smollm2.sh >&2 || true
+  [ -f models/smollm2-135m-bf16.ninfer ] || bash eval/prepare/prepare-smollm2.sh >&2 || true
 fi
 say "setup done in $(elapsed_s)s, $(left_s)s left"
 echo "setup done in $(elapsed_s)s" >>"$steps"

@@ -9,7 +9,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
-bash eval/prepare-smollm2.sh
-bash eval/fetch-qwen3-tokenizer.sh >/dev/null
-bash eval/prepare-tiny-hybrid.sh
+bash eval/prepare/prepare-smollm2.sh
+bash eval/prepare/fetch-qwen3-tokenizer.sh >/dev/null
+bash eval/prepare/prepare-tiny-hybrid.sh
 python3 eval/corpora/perplexity-1m/build.py -q

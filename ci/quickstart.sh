@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
-bash eval/prepare-smollm2.sh
+bash eval/prepare/prepare-smollm2.sh
 python3 eval/corpora/perplexity-1m/build.py -q --quick
 cargo build --release --quiet --bin ninfer-perplexity
 exec target/release/ninfer-perplexity smollm2-135m-bf16 \

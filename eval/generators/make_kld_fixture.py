@@ -9,10 +9,16 @@ before attention, written here from that definition in PyTorch (nothing shared w
 code). Per scored position it records KL(f32 || nvfp4) over the full vocabulary (float64
 from the float32 logits), both target log-probabilities and both top-1 tokens.
 
-    eval/.venv/bin/python eval/reference/make_kld_fixture.py [--cache models/cache]
+    eval/.venv/bin/python eval/generators/make_kld_fixture.py [--cache models/cache] [--out DIR]
+
+--out writes DIR/smollm2_kld_f32_vs_nvfp4.json instead of the committed file.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("avx512")
 
 import argparse
 import tempfile
@@ -75,7 +81,9 @@ def window_logits(model, ids, kv):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", default=str(mf.ROOT / "models" / "cache"))
+    ap.add_argument("--out", help="write under this directory instead of eval/fixtures/")
     args = ap.parse_args()
+    out = mf.out_dir(args.out)
     torch.set_num_threads(mf.TORCH_THREADS)
     torch.use_deterministic_algorithms(True)
     AttentionInterface.register("ninfer_kv", kv_attention)
@@ -107,7 +115,7 @@ def main() -> None:
     mean = sum(sum(w["kld"]) for w in wins) / n
     agree = sum(a == b for w in wins for a, b in zip(w["ref_top1"], w["run_top1"])) / n
     print(f"{n} positions, {len(wins)} windows: mean KLD {mean:.6f}, top-1 agreement {agree:.4f}")
-    mf.write_json(mf.FIXTURES / "smollm2_kld_f32_vs_nvfp4.json", {
+    mf.write_json(out / "smollm2_kld_f32_vs_nvfp4.json", {
         "model": mf.SMOLLM2_SOURCE, "gguf_sha256": mf.SMOLLM2_GGUF_SHA256, **mf.versions(),
         "reference_kv": "f32", "run_kv": "nvfp4", "context": CONTEXT, "stride": STRIDE,
         "text": text, "token_ids": ids, "mean_kld": mean, "top1_agreement": agree,

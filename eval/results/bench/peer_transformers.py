@@ -1,6 +1,6 @@
 """Benchmark peer: transformers float32 scoring exactly the windows the Rust bench scores.
 
-Usage: eval/.venv/bin/python eval/bench/peer_transformers.py WORK.json [--gemm-only]
+Usage: eval/.venv/bin/python eval/results/bench/peer_transformers.py WORK.json [--gemm-only]
 WORK.json: {"gguf": path | "model_dir": path, "threads": int, "tokens": [...],
             "windows": [[begin, start, end], ...]}
 Prints one JSON line: seconds, processed/scored token counts, nll_sum, and torch's float32

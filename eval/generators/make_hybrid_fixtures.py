@@ -10,16 +10,23 @@ As a second, independent check the script re-implements the whole text model in 
 from the written math (token-by-token Gated DeltaNet recurrence, partial RoPE, gated attention),
 reading the stored safetensors bytes itself, and asserts that it agrees with transformers.
 
-Run with the project venv (eval/setup-python.sh creates it; do not install
+Run with the project venv (eval/generators/setup-python.sh creates it; do not install
 flash-linear-attention or causal-conv1d there, the fallbacks are the reference):
 
-    eval/.venv/bin/python eval/reference/make_hybrid_fixtures.py [--cache models/cache]
+    eval/.venv/bin/python eval/generators/make_hybrid_fixtures.py [--cache models/cache]
+                                                                 [--out DIR]
+
+--out writes tiny-qwen3_5/ and tiny_qwen3_5_logprobs.json under DIR instead of eval/fixtures/.
 
 The window protocol, the scoring and the texts come from make_fixtures.py. Every output is a
 deterministic function of the pinned inputs.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("avx512")
 
 import argparse
 import json
@@ -41,12 +48,12 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (  # noqa: E402  (the shared texts, window protocol and helpers)
     FIXTURES, FRANCE, MIXED, PARAGRAPH, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256,
-    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases,
-    sha256_file, versions, windows, write_json,
+    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases, out_dir,
+    sha256_file, shown, versions, windows, write_json,
 )
 
 NAME = "tiny-qwen3_5"
-OUT_DIR = FIXTURES / NAME
+OUT_DIR = FIXTURES / NAME  # both moved under --out DIR when given
 OUT_JSON = FIXTURES / "tiny_qwen3_5_logprobs.json"
 
 SEED = 35
@@ -231,7 +238,7 @@ def build_and_save(seqs: list[list[int]]) -> None:
     tensors.update(fake_mtp(np.random.RandomState(SEED + 1)))
     save_file(dict(sorted(tensors.items())), str(st), metadata={"format": "pt"})
     st.chmod(0o644)
-    print(f"wrote {st.relative_to(ROOT)} ({st.stat().st_size} bytes, {len(tensors)} tensors)")
+    print(f"wrote {shown(st)} ({st.stat().st_size} bytes, {len(tensors)} tensors)")
 
 
 def load_reference() -> torch.nn.Module:
@@ -334,7 +341,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 class Float64Reference:
-    """The Qwen3.5 text model written from the math (see eval/reference/README.md)."""
+    """The Qwen3.5 text model written from the math (see eval/generators/README.md)."""
 
     def __init__(self, model_dir: Path, bugs: frozenset = frozenset()):
         assert bugs <= set(PITFALLS), bugs - set(PITFALLS)
@@ -550,7 +557,13 @@ def main() -> None:
     ap.add_argument("--pitfalls", action="store_true",
                     help="only report how far classic mistakes move the stored model's "
                          "log-probabilities (writes nothing)")
+    ap.add_argument("--out", help="write under this directory instead of eval/fixtures/ "
+                                  "(with --pitfalls: read the model from there)")
     args = ap.parse_args()
+    global OUT_DIR, OUT_JSON
+    if args.out is not None:
+        out = out_dir(args.out)
+        OUT_DIR, OUT_JSON = out / NAME, out / OUT_JSON.name
     t0 = time.time()
     torch.set_num_threads(TORCH_THREADS)
     torch.use_deterministic_algorithms(True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Creates eval/.venv with the reference tools (PyTorch, transformers, gguf).
+# Creates eval/.venv with the reference tools (PyTorch, transformers, gguf, ModelOpt,
+# compressed-tensors) pinned in eval/generators/requirements.txt. Prints the venv's path.
 # Development only: the evaluator never imports Python. Idempotent.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-venv="$here/.venv"
+venv="$(cd "$here/.." && pwd)/.venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

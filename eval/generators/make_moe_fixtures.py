@@ -21,10 +21,17 @@ routers scaled so routing is decisive (no near-ties that float rounding could fl
 script checks that every expert gets tokens over the fixture texts and that some get none in
 a short window, and prints the routing counts.
 
-    eval/.venv/bin/python eval/reference/make_moe_fixtures.py [--cache models/cache]
+    eval/.venv/bin/python eval/generators/make_moe_fixtures.py [--cache models/cache]
+                                        [--family NAME ...] [--out DIR]
+
+--out writes under DIR (laid out as eval/fixtures/) instead of over the committed files.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("zen3")
 
 import argparse
 import math
@@ -46,8 +53,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (  # noqa: E402
     FIXTURES, FRANCE, MIXED, PARAGRAPH, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256,
-    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases,
-    sha256_file, versions, write_json,
+    QWEN3_TOKENIZER_SOURCE, ROOT, TORCH_THREADS, adam_fit, ensure_file, logprob_cases, out_dir,
+    sha256_file, shown, versions, write_json,
 )
 
 VOCAB = 151936
@@ -132,8 +139,8 @@ def routing_counts(model: torch.nn.Module, ids: list[int]) -> list[list[int]]:
     return counts
 
 
-def build(family: str, tokenize) -> None:
-    out = FIXTURES / f"tiny-{family}"
+def build(family: str, tokenize, dest: Path = FIXTURES) -> None:
+    out = dest / f"tiny-{family}"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():
         old.unlink()
@@ -157,7 +164,7 @@ def build(family: str, tokenize) -> None:
     (out / "generation_config.json").unlink(missing_ok=True)
     st = out / "model.safetensors"
     st_sha = sha256_file(st)
-    print(f"wrote {st.relative_to(ROOT)} ({st.stat().st_size} bytes, sha256 {st_sha})")
+    print(f"wrote {shown(st)} ({st.stat().st_size} bytes, sha256 {st_sha})")
 
     ref, info = cls.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v}
@@ -177,7 +184,7 @@ def build(family: str, tokenize) -> None:
     cases = logprob_cases(ref, tokenize, CASES)
     for c in cases:
         assert all(math.isfinite(v) for w in c["windows"] for v in w["logprobs"]), c["name"]
-    write_json(FIXTURES / f"tiny_{family}_logprobs.json", {
+    write_json(dest / f"tiny_{family}_logprobs.json", {
         "model": (f"eval/fixtures/tiny-{family} ({conf.architectures[0]}, numpy RandomState "
                   f"seed {SEEDS[family]} init, {STEPS} Adam steps lr {LR} on the fixture "
                   f"texts, stored as bfloat16)"),
@@ -194,7 +201,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", default=str(ROOT / "models" / "cache"))
     ap.add_argument("--family", choices=sorted(CLASSES), action="append")
+    ap.add_argument("--out", help="write under this directory instead of eval/fixtures/")
     args = ap.parse_args()
+    dest = out_dir(args.out)
     t0 = time.time()
     torch.set_num_threads(TORCH_THREADS)
     torch.use_deterministic_algorithms(True)
@@ -203,7 +212,7 @@ def main() -> None:
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path))
     tokenize = lambda t: tok(t)["input_ids"]  # noqa: E731
     for family in args.family or list(CLASSES):
-        build(family, tokenize)
+        build(family, tokenize, dest)
     print(f"done in {time.time() - t0:.1f} s")
 
 

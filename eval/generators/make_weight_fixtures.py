@@ -23,14 +23,21 @@ Two kinds of output, all under eval/fixtures/quantized/:
    tensor, for the Rust packer to reproduce byte for byte. An independent numpy implementation
    of the quantizer rules of WEIGHTS.md must reproduce every weight byte, or the script fails.
 
-    eval/.venv/bin/python eval/reference/make_weight_fixtures.py [--cache models/cache]
-                                                              [--only tiny|smollm2]
+    eval/.venv/bin/python eval/generators/make_weight_fixtures.py [--cache models/cache]
+                                                               [--only tiny|smollm2] [--out DIR]
+
+--out writes DIR/quantized/... instead of eval/fixtures/quantized/ (the inputs, such as
+eval/fixtures/tiny-qwen3, are still read from eval/fixtures/).
 
 Deterministic: fixed texts, 2 torch threads, deterministic algorithms; the quantizers are pure
 functions of the weights (and, for the activation scales, of the calibration texts).
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("avx512")
 
 import argparse
 import copy
@@ -53,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (  # noqa: E402  (the shared texts, window protocol and helpers)
     FIXTURES, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256, QWEN3_TOKENIZER_SOURCE, ROOT,
     SMOLLM2_GGUF, SMOLLM2_GGUF_SHA256, SMOLLM2_SOURCE, TINY_PROTOCOLS, TINY_TEXTS,
-    TORCH_THREADS, ensure_file, logprob_cases, sha256_file, smollm2_dir, versions, write_json,
+    TORCH_THREADS, ensure_file, logprob_cases, out_dir, sha256_file, shown, smollm2_dir, versions,
+    write_json,
 )
 
 import transformers  # noqa: E402
@@ -61,8 +69,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
-OUT = FIXTURES / "quantized"
-TINY_DIR = FIXTURES / "tiny-qwen3"
+OUT = FIXTURES / "quantized"  # DIR/quantized with --out DIR
+TINY_DIR = FIXTURES / "tiny-qwen3"  # an input: always the committed fixture
 KINDS = ("modelopt-nvfp4", "modelopt-mixed", "ct-nvfp4", "fp8-block")
 FP8_BLOCK = 128
 
@@ -561,10 +569,10 @@ def write_checkpoint(kind: str, export_dir: Path, names: list[str], note: str) -
               "`" + files[0].name + "` (as exported; use the bf16 tensors of "
               "`eval/fixtures/tiny-qwen3/model.safetensors` instead):", ""]
     readme += [f"- `{x}`" for x in dropped]
-    readme += ["", "Regenerate with `eval/.venv/bin/python eval/reference/make_weight_fixtures.py "
-               "--only tiny` (see eval/reference/README.md)."]
+    readme += ["", "Regenerate with `eval/.venv/bin/python eval/generators/make_weight_fixtures.py "
+               "--only tiny` (see eval/generators/README.md)."]
     (d / "README.md").write_text("\n".join(readme) + "\n")
-    print(f"wrote {d.relative_to(ROOT)}/ (quantized.safetensors "
+    print(f"wrote {shown(d)}/ (quantized.safetensors "
           f"{(d / 'quantized.safetensors').stat().st_size} bytes, {len(keep)} tensors; "
           f"dropped {len(dropped)})")
     return keep, d
@@ -964,7 +972,11 @@ def main() -> None:
     ap.add_argument("--cache", default=str(ROOT / "models" / "cache"),
                     help="where the GGUF and the Qwen3 tokenizer are (fetched if missing)")
     ap.add_argument("--only", choices=["tiny", "smollm2"])
+    ap.add_argument("--out", help="write DIR/quantized/ instead of eval/fixtures/quantized/")
     args = ap.parse_args()
+    global OUT
+    if args.out is not None:
+        OUT = out_dir(args.out) / "quantized"
 
     torch.manual_seed(0)
     torch.set_num_threads(TORCH_THREADS)

@@ -7,10 +7,10 @@
 # is kept; anything else is (re)packed. Packing is deterministic, so the pinned digest
 # also proves that the packer still produces the same bytes.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 
-gguf="$(bash eval/fetch-smollm2.sh models/cache | tail -n 1)"
+gguf="$(bash eval/prepare/fetch-smollm2.sh models/cache | tail -n 1)"
 cargo build --release --quiet --bin ninfer-pack
 pack=target/release/ninfer-pack
 

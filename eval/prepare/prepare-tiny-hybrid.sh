@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Packs the committed tiny Qwen3.5 checkpoints with the pinned Qwen3 tokenizer into the
 # harness's CPU-tier artifacts: the hybrid (eval/fixtures/tiny-qwen3_5, written by
-# eval/reference/make_hybrid_fixtures.py) into models/tiny-qwen3_5-f32.ninfer, and the hybrid
-# mixture of experts (eval/fixtures/tiny-qwen3_5_moe, eval/reference/make_moe_fixtures.py)
+# eval/generators/make_hybrid_fixtures.py) into models/tiny-qwen3_5-f32.ninfer, and the hybrid
+# mixture of experts (eval/fixtures/tiny-qwen3_5_moe, eval/generators/make_moe_fixtures.py)
 # into models/tiny-qwen3_5_moe-f32.ninfer.
 #
 # Idempotent: an artifact whose digest equals the one eval/registry.json pins is kept.
 # Packing is deterministic, so the pinned digest also proves the packer still produces the
 # same bytes.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
 
-tok="$(bash eval/fetch-qwen3-tokenizer.sh | tail -n 1)"
+tok="$(bash eval/prepare/fetch-qwen3-tokenizer.sh | tail -n 1)"
 cargo build --release --quiet --bin ninfer-pack
 pack=target/release/ninfer-pack
 pack_one() {

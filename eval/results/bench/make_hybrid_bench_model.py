@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A random-weight Qwen3.5-shaped text model for the hybrid speed bench (benches/hybrid.rs).
 
-Usage: eval/.venv/bin/python eval/bench/make_hybrid_bench_model.py OUT_DIR [--layers N]
+Usage: eval/.venv/bin/python eval/results/bench/make_hybrid_bench_model.py OUT_DIR [--layers N]
 
 Writes OUT_DIR/config.json and OUT_DIR/model.safetensors (bf16) of a `Qwen3_5ForCausalLM`
 with transformers' own initialisation from a fixed seed. The geometry is this project's choice

@@ -5,15 +5,22 @@ Everything here goes through Hugging Face transformers / tokenizers / PyTorch; n
 shared with the Rust code. The window protocol is re-implemented below from the metric's
 definition so that the Rust scorer is checked against a second, independent reading of it.
 
-Run with the project venv (eval/setup-python.sh creates it):
+Run with the project venv (eval/generators/setup-python.sh creates it):
 
-    eval/.venv/bin/python eval/reference/make_fixtures.py [--cache models/cache] [--only PART]
+    eval/.venv/bin/python eval/generators/make_fixtures.py [--cache models/cache] [--only PART]
+                                                          [--out DIR]
 
 PART is one of: smollm2-tokenizer, smollm2-logprobs, tiny (default: all). Every output is a
-deterministic function of the pinned inputs, so rerunning leaves the committed files unchanged.
+deterministic function of the pinned inputs, so rerunning leaves the committed files unchanged
+(eval/generators/check-fixtures.sh checks that). --out writes the files under DIR, laid out
+as under eval/fixtures/, instead of over the committed ones.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # before torch: the CPU kernels this script's committed files need
+    from cpu_pins import pin_cpu
+    pin_cpu("zen3")
 
 import argparse
 import hashlib
@@ -31,10 +38,11 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # eval/generators
 EVAL = HERE.parent
 ROOT = EVAL.parent
-FIXTURES = EVAL / "fixtures"
+FIXTURES = EVAL / "fixtures"  # the committed fixtures: the default output, and inputs of some scripts
+PREPARE = EVAL / "prepare"  # the fetch scripts ensure_file() runs
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -155,11 +163,24 @@ def sha256_file(path: Path) -> str:
 def ensure_file(cache: Path, name: str, sha256: str, fetch_script: str) -> Path:
     path = cache / name
     if not (path.is_file() and sha256_file(path) == sha256):
-        subprocess.run(["bash", str(EVAL / fetch_script), str(cache)], check=True,
+        subprocess.run(["bash", str(PREPARE / fetch_script), str(cache)], check=True,
                        stdout=subprocess.DEVNULL)
     if sha256_file(path) != sha256:
         sys.exit(f"make_fixtures: {path} does not have sha256 {sha256}")
     return path
+
+
+def shown(path: Path) -> str:
+    """A path for messages: relative to the repository root when it is inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def out_dir(arg: str | None) -> Path:
+    """The --out option: where the generated files go (default: the committed eval/fixtures)."""
+    out = FIXTURES if arg is None else Path(arg).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_json(path: Path, obj) -> None:
@@ -167,7 +188,7 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-    print(f"wrote {path.relative_to(ROOT)} ({len(text.encode('utf-8'))} bytes)")
+    print(f"wrote {shown(path)} ({len(text.encode('utf-8'))} bytes)")
 
 
 def windows(n: int, context: int, stride: int):
@@ -255,7 +276,7 @@ def smollm2_tokenizer(d: Path):
     return AutoTokenizer.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF)
 
 
-def make_smollm2_tokenizer(d: Path) -> None:
+def make_smollm2_tokenizer(d: Path, out: Path) -> None:
     tok = smollm2_tokenizer(d)
     names = [n for n, _ in TOKENIZER_CASES]
     assert len(names) == len(set(names)), "duplicate case names"
@@ -264,7 +285,7 @@ def make_smollm2_tokenizer(d: Path) -> None:
     assert cases[0]["ids"] == expect, cases[0]["ids"]
     assert len(cases[1]["ids"]) == 31, len(cases[1]["ids"])
     v = versions()
-    write_json(FIXTURES / "smollm2_tokenizer.json", {
+    write_json(out / "smollm2_tokenizer.json", {
         "source": (f"{SMOLLM2_SOURCE}; transformers {v['transformers_version']} "
                    f"AutoTokenizer.from_pretrained(dir, gguf_file=...), tokenizer(text)['input_ids'] "
                    f"with default add_special_tokens"),
@@ -273,7 +294,7 @@ def make_smollm2_tokenizer(d: Path) -> None:
     })
 
 
-def make_smollm2_logprobs(d: Path) -> None:
+def make_smollm2_logprobs(d: Path, out: Path) -> None:
     tok = smollm2_tokenizer(d)
     model = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)
@@ -281,7 +302,7 @@ def make_smollm2_logprobs(d: Path) -> None:
     cases = logprob_cases(model, lambda t: tok(t)["input_ids"], SMOLLM2_CASES)
     france = cases[0]
     assert len(france["token_ids"]) == 31 and abs(france["ppl"] - 3.9754) < 1e-3, france["ppl"]
-    write_json(FIXTURES / "smollm2_logprobs.json", {
+    write_json(out / "smollm2_logprobs.json", {
         "model": SMOLLM2_SOURCE, "gguf_sha256": SMOLLM2_GGUF_SHA256, "dtype": "float32",
         **versions(), "cases": cases,
     })
@@ -393,7 +414,7 @@ def tiny_state_dict(model: torch.nn.Module, tied: bool) -> dict:
     return dict(sorted(sd.items()))
 
 
-def make_tiny(cache: Path) -> None:
+def make_tiny(cache: Path, out: Path) -> None:
     tok_path = ensure_file(cache, QWEN3_TOKENIZER, QWEN3_TOKENIZER_SHA256,
                            "fetch-qwen3-tokenizer.sh")
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_path))
@@ -402,7 +423,7 @@ def make_tiny(cache: Path) -> None:
     assert TINY_VOCAB >= n_tok
     for family in ("qwen3", "qwen2"):
         cfg = tiny_config(family)
-        d = FIXTURES / f"tiny-{family}"
+        d = out / f"tiny-{family}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         init = tiny_init(family, cfg)
@@ -411,7 +432,7 @@ def make_tiny(cache: Path) -> None:
         del init
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
         st_sha = sha256_file(d / "model.safetensors")
-        print(f"wrote {d.relative_to(ROOT)}/model.safetensors "
+        print(f"wrote {shown(d)}/model.safetensors "
               f"({(d / 'model.safetensors').stat().st_size} bytes, sha256 {st_sha})")
 
         model, info = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
@@ -435,7 +456,7 @@ def make_tiny(cache: Path) -> None:
         count = sum(c["scored"] for c in cases if c["context"] == 4096)
         print(f"  {family} mean NLL over the one-window runs: {total / count:.4f} "
               f"(uniform would be ln({TINY_VOCAB}) = {math.log(TINY_VOCAB):.4f})")
-        write_json(FIXTURES / f"tiny_{family}_logprobs.json", {
+        write_json(out / f"tiny_{family}_logprobs.json", {
             "model": (f"eval/fixtures/tiny-{family} (numpy RandomState seed {TINY_SEED[family]} "
                       f"init, {TINY_STEPS} Adam steps lr {TINY_LR} on the fixture texts, "
                       f"stored as bfloat16)"),
@@ -451,6 +472,7 @@ def main() -> None:
     ap.add_argument("--cache", default=str(ROOT / "models" / "cache"),
                     help="where the GGUF and the Qwen3 tokenizer are (fetched if missing)")
     ap.add_argument("--only", choices=["smollm2-tokenizer", "smollm2-logprobs", "tiny"])
+    ap.add_argument("--out", help="write under this directory instead of eval/fixtures/")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -458,15 +480,15 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     cache = Path(args.cache).resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    FIXTURES.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         if args.only in (None, "smollm2-tokenizer"):
-            make_smollm2_tokenizer(smollm2_dir(cache, tmp))
+            make_smollm2_tokenizer(smollm2_dir(cache, tmp), out)
         if args.only in (None, "smollm2-logprobs"):
-            make_smollm2_logprobs(smollm2_dir(cache, tmp))
+            make_smollm2_logprobs(smollm2_dir(cache, tmp), out)
         if args.only in (None, "tiny"):
-            make_tiny(cache)
+            make_tiny(cache, out)
 
 
 if __name__ == "__main__":
