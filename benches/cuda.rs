@@ -16,10 +16,10 @@
 
 use ninfer_perplexity::artifact::Artifact;
 use ninfer_perplexity::backend::cuda::plan::Precision;
-use ninfer_perplexity::backend::cuda::random::preset;
 use ninfer_perplexity::backend::cuda::{bench, CudaModel, Target};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::flops::{window_flops, Work};
+use ninfer_perplexity::model::presets::preset;
 use ninfer_perplexity::score::{windows, Protocol};
 use std::time::Instant;
 
@@ -80,12 +80,12 @@ fn random_model_throughput_against_the_gemm_rate() {
     let ws = windows(ids.len(), p).unwrap();
     // Warm-up: compiles the kernels and allocates the buffers.
     let t = Instant::now();
-    m.score_windows(&ids, &ws[..1], kv, &mut |_, _| Ok(()))
+    m.score_batches(&ids, &ws[..1], kv, &mut |_, _| Ok(()))
         .unwrap();
     let warm_s = t.elapsed().as_secs_f64();
     let mut finite = true;
     let t = Instant::now();
-    m.score_windows(&ids, &ws, kv, &mut |_, b| {
+    m.score_batches(&ids, &ws, kv, &mut |_, b| {
         finite &= b.iter().flatten().all(|v| v.is_finite());
         Ok(())
     })

@@ -11,10 +11,10 @@
 //!
 //! Minutes of CPU time: `cargo bench --bench gate_demo` (after `bash ci/prepare.sh`).
 
-use ninfer_perplexity::compare::paired::{paired, WindowPair};
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::gate::{self, GateSpec};
 use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::score::paired::{paired, WindowPair};
 use ninfer_perplexity::score::Protocol;
 use std::path::PathBuf;
 

@@ -5,8 +5,8 @@
 //! `cargo bench --bench hybrid [-- --context 1024 --stride 512 --tokens 4096 --threads 2 --rounds 2 --layers 12]`
 //!
 //! Needs `bash ci/prepare.sh` (the corpus and the Qwen3 tokenizer) and `bash
-//! eval/setup-python.sh` (the peer and the model's generator): the model is made once by
-//! `eval/bench/make_hybrid_bench_model.py` under `eval/.cache/` (transformers' initialisation,
+//! eval/generators/setup-python.sh` (the peer and the model's generator): the model is made once by
+//! `eval/results/bench/make_hybrid_bench_model.py` under `eval/.cache/` (transformers' initialisation,
 //! fixed seed; geometry in that script) and packed with bf16 weights, as the engine runs it;
 //! transformers runs the same checkpoint in float32 on the same token windows (its pure-PyTorch
 //! Gated DeltaNet path: no flash-linear-attention or causal-conv1d is installed).
@@ -18,11 +18,11 @@
 //! kind of layer, MLP included.
 
 use ninfer_perplexity::artifact::{write_artifact, WeightFormat};
-use ninfer_perplexity::backend::cuda::random::{write_random_artifact, RandomSpec};
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::config::LayerKind;
 use ninfer_perplexity::pack::hf::read_hf_dir;
+use ninfer_perplexity::pack::random::{write_random_artifact, RandomSpec};
 use ninfer_perplexity::score::{windows, Protocol, Window};
 mod common;
 
@@ -48,10 +48,13 @@ fn bench_model(root: &Path, layers: usize) -> (PathBuf, PathBuf) {
     let dir = root.join(format!("eval/.cache/hybrid-bench-{layers}"));
     let art = root.join(format!("eval/.cache/hybrid-bench-{layers}.ninfer"));
     let py = root.join("eval/.venv/bin/python");
-    assert!(py.exists(), "run `bash eval/setup-python.sh` first");
+    assert!(
+        py.exists(),
+        "run `bash eval/generators/setup-python.sh` first"
+    );
     if !dir.join("model.safetensors").exists() {
         let ok = Command::new(&py)
-            .arg(root.join("eval/bench/make_hybrid_bench_model.py"))
+            .arg(root.join("eval/results/bench/make_hybrid_bench_model.py"))
             .arg(&dir)
             .args(["--layers", &layers.to_string()])
             .status()
@@ -78,7 +81,7 @@ fn ours(e: &Engine, tokens: &[u32], ws: &[Window]) -> (f64, f64) {
 
 fn peer(root: &Path, work: &Path) -> serde_json::Value {
     let out = Command::new(root.join("eval/.venv/bin/python"))
-        .arg(root.join("eval/bench/peer_transformers.py"))
+        .arg(root.join("eval/results/bench/peer_transformers.py"))
         .arg(work)
         .output()
         .unwrap();

@@ -2,7 +2,7 @@
 //!
 //! `cargo bench --bench score [-- --context 1024 --stride 512 --tokens 4096 --threads 2 --rounds 2]`
 //!
-//! Needs `bash ci/prepare.sh` (artifact and corpus) and `bash eval/setup-python.sh` (the
+//! Needs `bash ci/prepare.sh` (artifact and corpus) and `bash eval/generators/setup-python.sh` (the
 //! peer). Prints processed and scored tokens/s for both, their ratio, the FLOPs per processed
 //! token, the rate in GFLOP/s against the machine's measured f32 GEMM rate, peak RSS, and
 //! whether each of the speed targets (docs/performance.md) is met.
@@ -161,11 +161,16 @@ fn main() {
     let py = root.join("eval/.venv/bin/python");
     let run_peer = |extra: &[&str]| -> serde_json::Value {
         let out = Command::new(&py)
-            .arg(root.join("eval/bench/peer_transformers.py"))
+            .arg(root.join("eval/results/bench/peer_transformers.py"))
             .arg(&work_path)
             .args(extra)
             .output()
-            .unwrap_or_else(|e| panic!("{}: {e} (run `bash eval/setup-python.sh`)", py.display()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (run `bash eval/generators/setup-python.sh`)",
+                    py.display()
+                )
+            });
         assert!(
             out.status.success(),
             "peer failed: {}",

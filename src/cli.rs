@@ -229,7 +229,6 @@ impl Args {
         if precision == Some(Precision::Bf16) && device == DeviceRequest::Cpu {
             bail!("--precision bf16: the CPU backend computes in f32 only (use --device cuda, or drop --precision)");
         }
-        crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
         if self.threads > MAX_THREADS {
             bail!(
                 "--threads {}: at most {MAX_THREADS} worker threads (0 means one per core)",

@@ -4,7 +4,7 @@
 //! A trial scores the same windows as its baseline, so it is judged on the paired per-window
 //! difference `Δ = Σ (new_w − base_w) / Σ n_w` (nats per token) and its cluster-robust
 //! standard error `se` over windows, exactly as `compare` computes them
-//! ([`crate::compare::paired`]). The registry states, per artifact and KV format, the smallest
+//! ([`crate::score::paired`]). The registry states, per artifact and KV format, the smallest
 //! drift that must be caught, θ (nats per token), the false-alarm rate α and the miss rate β.
 //! The gate fails the trial when `|Δ| > T` with
 //!
@@ -23,7 +23,7 @@
 //! repeated runs (the registry keeps them beside θ) as the smallest θ the gate can detect at
 //! α and β, times a stated margin.
 
-use crate::compare::paired::{paired, Paired, WindowPair};
+use crate::score::paired::{paired, Paired, WindowPair};
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use statrs::distribution::{ContinuousCDF, StudentsT};
@@ -200,7 +200,7 @@ pub fn propose_theta(
 mod tests {
     use super::*;
 
-    use crate::compare::paired::tests::Rng;
+    use crate::score::paired::tests::Rng;
 
     /// `g` windows of `n` scored tokens; the new run is the base plus a per-token drift
     /// `delta` and per-window noise of standard deviation `sd` nats (per window sum).

@@ -1,17 +1,27 @@
 //! ninfer-perplexity: causal perplexity of `.ninfer` language-model artifacts.
 //!
-//! The crate is layered so that the numerical engine knows nothing about corpora,
-//! reports or the command line:
+//! Layered from the bottom up; a module uses only the ones above it in this list:
 //!
-//! * [`artifact`] reads and writes the single-file `.ninfer` container;
-//! * [`pack`] turns GGUF files and Hugging Face directories into artifacts;
-//! * [`model`] holds the text-model configuration, weights and forward pass;
-//! * [`backend`] holds the compute kernels (the CPU reference);
-//! * [`kv`] defines the Main KV representations (the CPU code is the specification);
-//! * [`score`] implements the window protocol and NLL accumulation;
-//! * [`engine`] ties them together: the one API the CLI and the harness call;
-//! * [`tokenizer`] and [`report`] feed and describe a run.
+//! * the formats: [`artifact`] (the single-file `.ninfer` container, its reader, writer and
+//!   what the writer takes), [`quant`] (fp8 and nvfp4 weights), [`kv`] (the Main KV
+//!   representations; the CPU code is the specification), [`tokenizer`];
+//! * [`model`]: what a model is on any device (config, the layout tree of its parts, the
+//!   rows of a forward pass, FLOPs, named real-size shapes);
+//! * [`score`]: the window protocol, NLL accumulation, calibration, paired differences;
+//! * [`backend`]: the forward passes behind one contract, the CPU reference
+//!   (`backend/cpu/model/`) and its CUDA twin (`backend/cuda/model/`);
+//! * [`engine`]: one artifact on one backend, the one API the CLI and the harness call;
+//! * [`pack`]: GGUF files, Hugging Face directories and random weights into artifacts;
+//! * [`corpus`], [`registry`], [`gate`], [`shard`]: the corpus manifest, registered
+//!   artifacts, the paired regression gate, splitting a run;
+//! * [`report`], [`compare`], [`merge`], [`run`]: what a run writes and how two runs or a
+//!   run's shards are joined; [`outfile`] and [`ui`] write files and talk to the user;
+//! * [`cli`] and [`app`]: the command line's flags and its modes.
+//!
+//! The numerical engine (everything up to [`engine`]) knows nothing about corpora, reports
+//! or the command line.
 
+pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod cli;

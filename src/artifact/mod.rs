@@ -20,15 +20,17 @@
 
 pub mod digest;
 pub mod quantized;
+pub mod random;
 pub mod reader;
+pub mod source;
 pub mod writer;
 
 pub use reader::{Artifact, FormatUse};
 pub use writer::{write_artifact, WeightPlan};
 
-use crate::pack::SourceFile;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
+use source::SourceFile;
 use std::collections::BTreeMap;
 
 pub use crate::model::config::ModelConfig;

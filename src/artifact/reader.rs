@@ -295,7 +295,7 @@ impl Artifact {
                 .with_context(|| format!("{}: tensor `{name}`", self.path.display()))?
         } else {
             // Open already checked every dtype against the weight format (F32 or BF16).
-            crate::pack::hf::widen(t.dtype, &self.mmap[t.start..t.end]).ok_or_else(|| {
+            super::source::widen(t.dtype, &self.mmap[t.start..t.end]).ok_or_else(|| {
                 anyhow!(
                     "{}: tensor `{name}` has unsupported dtype {:?}",
                     self.path.display(),

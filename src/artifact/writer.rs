@@ -1,8 +1,8 @@
 //! Writes a [`PackSource`] as a `.ninfer` file, atomically (temp file, then rename).
 
 use super::digest::DigestBuilder;
+use super::source::{PackSource, TensorData};
 use super::{is_vector_tensor, quantized, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
-use crate::pack::{PackSource, TensorData};
 use crate::quant::{select, Imported, QuantTensor, Scheme};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
@@ -81,7 +81,7 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
             src.config.vocab_size
         );
     }
-    let mut given: BTreeMap<&str, &crate::pack::SourceTensor> = BTreeMap::new();
+    let mut given: BTreeMap<&str, &super::source::SourceTensor> = BTreeMap::new();
     for t in &src.tensors {
         if given.insert(t.name.as_str(), t).is_some() {
             bail!("tensor `{}` appears twice in the source", t.name);
@@ -264,7 +264,7 @@ mod tests {
     fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
         let src = PackSource {
             config: ModelConfig::for_test(Family::Llama, 1, 8, 2, 1, 4, 8, 100),
-            tokenizer_json: crate::backend::cuda::random::byte_tokenizer_json(),
+            tokenizer_json: crate::artifact::random::byte_tokenizer_json(),
             tensors: vec![],
             source_kind: "test".into(),
             source_files: vec![],

@@ -1,8 +1,13 @@
-//! Compute backends. The CPU backend is the numerical reference; every CUDA kernel
-//! (under `kernels/`) has its twin here.
+//! Compute backends behind one contract ([`Scorer`], in `scorer.rs`): the CPU backend,
+//! the numerical reference (`cpu/`: kernels, and the forward pass in `cpu/model/`), and the
+//! CUDA backend (`cuda/`: device, launches, and the forward pass in `cuda/model/`, file for
+//! file the CPU model's twin; every kernel under `kernels/` has its CPU twin in `cpu/`).
 
 pub mod cpu;
 pub mod cuda;
+mod scorer;
+
+pub use scorer::{FinishWindow, HeadRows, MemoryReport, PairScore, RowScore, ScoreError, Scorer};
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

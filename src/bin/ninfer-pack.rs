@@ -85,22 +85,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        // A reader that closed the pipe (`inspect | head`) got what it wanted.
-        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-    })
+    ninfer_perplexity::app::exit(run(Args::parse()))
 }
 
 /// The files a pack reads (so the output can be checked against them before any work).
@@ -196,7 +181,7 @@ fn run(args: Args) -> Result<()> {
             layers,
             seed,
             tokenizer,
-        } => ninfer_perplexity::backend::cuda::random::run_cli(
+        } => ninfer_perplexity::pack::random::run_cli(
             &output,
             &preset,
             layers,

@@ -7,12 +7,12 @@
 //! overall; the domain and overall rows pool the windows of their streams.
 
 pub mod load;
-pub mod paired;
+
 pub mod plot;
 pub mod table;
 
+use crate::score::paired::{paired, Paired, WindowPair};
 use anyhow::{Context, Result};
-use paired::{paired, Paired, WindowPair};
 use serde::Serialize;
 use std::path::Path;
 

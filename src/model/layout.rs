@@ -100,7 +100,7 @@ impl Tensor {
     }
 
     /// Elements once laid out.
-    pub fn len(&self) -> usize {
+    pub fn elements(&self) -> usize {
         self.rows * self.cols
     }
 
@@ -582,7 +582,7 @@ mod tests {
 
     #[test]
     fn the_tree_reads_exactly_the_expected_tensors_with_their_shapes() {
-        let hybrid = crate::model::synthetic::synthetic_hybrid_model().config;
+        let hybrid = crate::backend::cpu::model::synthetic::synthetic_hybrid_model().config;
         let mut configs = vec![hybrid];
         for fam in [Family::Llama, Family::Qwen2, Family::Qwen3] {
             for tied in [false, true] {

@@ -1,27 +1,18 @@
-//! The text model: configuration, tensor layout, weights and the CPU reference forward pass.
+//! What a text model is, independent of where it runs: its configuration ([`config`]), the
+//! tree of its parts and the artifact tensors they are made of ([`layout`]), the FLOPs a
+//! window costs ([`flops`]), and how a forward pass fails ([`error`], the same on every
+//! backend).
 //!
-//! The forward pass knows nothing about corpora or windows beyond "score these targets of
-//! this token sequence": the window protocol lives in [`crate::score`]. Its helpers each have
-//! a module of their own so that [`forward`] reads as the model and nothing else: how a
-//! window is split between threads (`split`), where keys and values are stored
-//! ([`kv_store`]), the phase timer ([`profile`]) and the test-only perturbations ([`fault`]).
+//! The forward passes themselves are the backends': the CPU reference in
+//! `backend/cpu/model/` (the numerical specification) and its CUDA twin in
+//! `backend/cuda/model/`, file for file.
 
 pub mod config;
-pub mod delta_net;
 pub mod error;
-pub mod fault;
 pub mod flops;
-pub mod forward;
-pub mod kv_store;
 pub mod layout;
-pub mod moe;
-pub mod profile;
-pub(crate) mod split;
-pub mod weights;
-
-#[cfg(test)]
-pub(crate) mod synthetic;
+pub mod pass;
+pub mod presets;
 
 pub use config::{Family, ModelConfig};
 pub use error::{ForwardError, Part};
-pub use forward::CpuModel;

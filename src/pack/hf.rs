@@ -11,9 +11,9 @@
 //! present, is checked against them.
 
 use super::{PackSource, SourceFile, SourceTensor, TensorData};
+use crate::artifact::source::widen;
 use crate::model::config::{Family, ModelConfig, RopeScaling};
 use anyhow::{anyhow, bail, Context, Result};
-use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -198,25 +198,6 @@ pub fn parse_config(c: &Value) -> Result<ModelConfig> {
     };
     cfg.validate().context("config.json")?;
     Ok(cfg)
-}
-
-/// Little-endian F32/BF16/F16 safetensors bytes widened to f32 (`None` for other dtypes).
-pub(crate) fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 /// Reads a Hugging Face model directory. `tokenizer` overrides `DIR/tokenizer.json`.

@@ -165,7 +165,7 @@ pub fn read_claim(dir: &Path, config: &Value) -> Result<Option<Claim>> {
 }
 
 fn f32s(r: &Raw, name: &str) -> Result<Vec<f32>> {
-    crate::pack::hf::widen(r.dtype, &r.bytes).ok_or_else(|| {
+    crate::artifact::source::widen(r.dtype, &r.bytes).ok_or_else(|| {
         anyhow!(
             "{}: tensor `{name}` has dtype {:?}; scales must be F32, BF16 or F16",
             r.origin.display(),

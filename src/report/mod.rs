@@ -36,7 +36,7 @@ pub struct Report {
     pub warnings: Vec<String>,
     /// Device memory of a CUDA run (planned and peak), absent on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cuda_memory: Option<crate::backend::cuda::MemoryReport>,
+    pub cuda_memory: Option<crate::backend::MemoryReport>,
     /// A `--shard I/N` run: its place in the whole run (its own rows cover its windows only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<crate::shard::ShardInfo>,

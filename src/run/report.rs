@@ -63,7 +63,7 @@ pub fn build(
             device_class: engine.device.class(),
             precision: engine.precision.name().into(),
             threads: engine.threads(),
-            test_fault: engine.faults.active().map(|f| f.describe()),
+            test_fault: engine.test_fault(),
             reference: engine.reference().map(|(kv, a)| report::ReferenceSettings {
                 kv_dtype: kv.name().into(),
                 artifact_path: a.path().display().to_string(),

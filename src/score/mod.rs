@@ -1,7 +1,9 @@
-//! Scoring: the window protocol ([`window`]), NLL accumulation ([`stats`]) and the
+//! Scoring: the window protocol ([`window`]), NLL accumulation ([`stats`]), paired
+//! per-window differences of two runs ([`paired`]: `compare`, the gate, a reference pass) and the
 //! calibration of the predictive distribution ([`calibration`]).
 
 pub mod calibration;
+pub mod paired;
 pub mod reference;
 pub mod stats;
 pub mod window;

@@ -5,11 +5,11 @@
 //! Per position the head gives KL(reference ‖ run), both target log-probabilities and both
 //! top-1 tokens; this keeps every KL value (4 bytes a position, for the percentiles), the
 //! sums for top-1 agreement and Δp (the run's target probability minus the reference's),
-//! and the per-window NLL sums that [`crate::compare::paired`] turns into an interval for
+//! and the per-window NLL sums that [`crate::score::paired`] turns into an interval for
 //! the paired ΔNLL. Percentiles are nearest-rank: the smallest value with at least `p` of
 //! the positions at or below it.
 
-use crate::compare::paired::{paired, Paired, WindowPair};
+use crate::score::paired::{paired, Paired, WindowPair};
 use serde::{Deserialize, Serialize};
 
 /// Sums over the positions of a stream (or several).

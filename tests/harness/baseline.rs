@@ -10,9 +10,9 @@
 //! handle the pending `.snap.new` files a failing trial leaves, and `CI=true` /
 //! `INSTA_UPDATE=no` write nothing.
 
-use ninfer_perplexity::compare::paired::WindowPair;
 use ninfer_perplexity::gate::{self, GateSpec};
 use ninfer_perplexity::registry::Tolerance;
+use ninfer_perplexity::score::paired::WindowPair;
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};

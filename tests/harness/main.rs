@@ -376,7 +376,7 @@ fn measure_spread(
     input: &[u32],
     runs: usize,
 ) -> Result<(), String> {
-    use ninfer_perplexity::compare::paired::{paired, WindowPair};
+    use ninfer_perplexity::score::paired::{paired, WindowPair};
     let class = engine.result_class();
     let score = || {
         engine

@@ -2,7 +2,7 @@
 //! cases, and round-trip error bounds as property tests.
 //!
 //! Fixtures: `eval/fixtures/kv/index.json` + `.bin` arrays, written by
-//! `eval/kv/make_fixtures.py`.
+//! `eval/generators/make_kv_fixtures.py`.
 
 use std::path::PathBuf;
 

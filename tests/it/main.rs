@@ -1,10 +1,10 @@
-//! The integration tests: one binary, a module per area (ripgrep's `tests/tests.rs` shape).
+//! The integration tests: one binary, a module per area (the shape of ripgrep's one test binary).
 //! Run one area with a filter: `cargo test --release --test it -- shard::`.
 //!
 //! Every test is an ordinary `#[test]` function run by `ninfer-testkit` (tests/testkit): one
 //! that reads the prepared model, tokenizer or corpus says `#[test(prepared)]` and is
 //! reported ignored, with the reason, until `bash ci/prepare.sh` has run. The device parity
-//! tests are `tests/parity/`, the regression harness `tests/harness.rs`.
+//! tests are `tests/parity/`, the regression harness `tests/harness/main.rs`.
 
 #[macro_use]
 extern crate ninfer_testkit;
@@ -46,9 +46,11 @@ mod moe;
 // Quantized experts: packed, imported and un-grouped.
 mod moe_quantized;
 
-// --- Output formats.
+// --- Output formats and documentation.
 // report.json's schema and the reviewed stdout table.
 mod report;
+// The environment variables and the paths module headers cite, against the tree.
+mod docs;
 
 fn main() -> std::process::ExitCode {
     ninfer_testkit::main(ninfer_testkit::Probes::host(common::repo()))

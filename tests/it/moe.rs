@@ -1,6 +1,6 @@
 //! Mixture-of-experts models end to end: what a run reports about the experts, and every way
 //! a MoE checkpoint can contradict its config (one line naming the file and tensor, no
-//! artifact written). Quantized experts are `tests/moe_quantized.rs`.
+//! artifact written). Quantized experts are `tests/it/moe_quantized.rs`.
 
 use crate::common;
 

@@ -11,10 +11,11 @@
 use crate::common;
 
 use common::gguf_synth::{Rng, Synth, Val};
-use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
 use ninfer_perplexity::corpus::Manifest;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
+use ninfer_perplexity::model::presets::preset;
+use ninfer_perplexity::pack::random::{write_random_artifact, RandomSpec};
 use ninfer_perplexity::pack::{gguf, hf};
 use ninfer_perplexity::score::Protocol;
 use serde_json::Value;

@@ -1,5 +1,5 @@
 //! The engine against independent references: transformers float32 log-probabilities
-//! committed as fixtures by `eval/reference/make_fixtures.py`.
+//! committed as fixtures by `eval/generators/make_fixtures.py`.
 //!
 //! Tolerances: f32 weights with the exact KV path must match per-token log-probabilities
 //! within 2e-4 (absolute, max over all tokens) and mean NLL within 1e-5 (relative). The
@@ -142,8 +142,11 @@ fn tiny_qwen3_5_hybrid_matches_transformers() {
 /// Packs the tiny checkpoint of `family` (`eval/fixtures/tiny-{family}`) in f32 and requires
 /// each of `faults`, planted alone, to move it past the bound (by a wide margin: more than
 /// 1e-2), and the model without them to be back within it.
-fn planted_faults_fail(family: &str, faults: &[ninfer_perplexity::model::fault::Pitfall]) {
-    use ninfer_perplexity::model::fault::{Fault, Faults};
+fn planted_faults_fail(
+    family: &str,
+    faults: &[ninfer_perplexity::backend::cpu::model::fault::Pitfall],
+) {
+    use ninfer_perplexity::backend::cpu::model::fault::{Fault, Faults};
     let tok = common::cache_file("qwen3-tokenizer.json");
     let dir = common::repo().join(format!("eval/fixtures/tiny-{family}"));
     let src = read_hf_dir(&dir, Some(&tok)).unwrap();
@@ -175,7 +178,10 @@ fn planted_faults_fail(family: &str, faults: &[ninfer_perplexity::model::fault::
 /// reference moves 0.1 to 22 nats for them).
 #[test(prepared)]
 fn every_planted_hybrid_pitfall_fails_the_reference() {
-    planted_faults_fail("qwen3_5", &ninfer_perplexity::model::fault::Pitfall::ALL);
+    planted_faults_fail(
+        "qwen3_5",
+        &ninfer_perplexity::backend::cpu::model::fault::Pitfall::ALL,
+    );
 }
 
 /// Each planted routing mistake fails the MoE references: top-k off by one and no
@@ -183,7 +189,7 @@ fn every_planted_hybrid_pitfall_fails_the_reference() {
 /// qwen3_next (qwen3_moe has no shared expert).
 #[test(prepared)]
 fn every_planted_routing_fault_fails_the_moe_references() {
-    use ninfer_perplexity::model::fault::Pitfall;
+    use ninfer_perplexity::backend::cpu::model::fault::Pitfall;
     planted_faults_fail("qwen3_moe", &Pitfall::MOE[..2]);
     planted_faults_fail("qwen3_5_moe", &Pitfall::MOE);
     planted_faults_fail("qwen3_next", &Pitfall::MOE);

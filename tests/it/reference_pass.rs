@@ -5,9 +5,9 @@
 
 use crate::common;
 
+use ninfer_perplexity::backend::cpu::model::fault::{Fault, Faults};
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
-use ninfer_perplexity::model::fault::{Fault, Faults};
 use ninfer_perplexity::score::Protocol;
 
 fn load(name: &str) -> Engine {
@@ -20,7 +20,7 @@ fn load(name: &str) -> Engine {
 }
 
 /// Per-position KL(f32 ‖ nvfp4) of SmolLM2 against transformers with the same KV format
-/// written in PyTorch (eval/reference/make_kld_fixture.py).
+/// written in PyTorch (eval/generators/make_kld_fixture.py).
 #[test(prepared)]
 fn kld_matches_transformers() {
     let fx = common::read_json("eval/fixtures/smollm2_kld_f32_vs_nvfp4.json");

@@ -1,6 +1,6 @@
 //! fp8 and nvfp4 weights against the libraries that define them.
 //!
-//! The fixtures under `eval/fixtures/quantized/` come from `eval/reference/make_weight_fixtures.py`
+//! The fixtures under `eval/fixtures/quantized/` come from `eval/generators/make_weight_fixtures.py`
 //! (ModelOpt 0.47, compressed-tensors 0.20.1, transformers 5.24 on CPU): checkpoints of the tiny
 //! qwen3 model (the quantized linears only, byte for byte as exported) with transformers float32
 //! log-probabilities on their dequantized weights, and sha256 lists of ModelOpt's and

@@ -1125,7 +1125,7 @@ fn the_kernels_run_clean_under_address_sanitizer() {
 #[test(gxx)]
 fn quantized_weights_dequantize_on_the_device_to_the_cpu_values() {
     use ninfer_perplexity::artifact::Artifact;
-    use ninfer_perplexity::backend::cuda::weights::dequantize_into;
+    use ninfer_perplexity::backend::cuda::model::weights::dequantize_into;
     let root = crate::common::repo();
     for name in ["smollm2-135m-fp8", "smollm2-135m-nvfp4"] {
         let path = root.join(format!("models/{name}.ninfer"));
@@ -1178,7 +1178,7 @@ fn quantized_weights_dequantize_on_the_device_to_the_cpu_values() {
 /// A weight that dequantizes to infinity fails the load with the tensor named, as on the CPU.
 #[test(gxx)]
 fn a_weight_that_dequantizes_to_infinity_fails_the_load() {
-    use ninfer_perplexity::backend::cuda::weights::dequantize_into;
+    use ninfer_perplexity::backend::cuda::model::weights::dequantize_into;
     use ninfer_perplexity::quant::fp8::{Fp8Scale, Fp8Tensor};
     use ninfer_perplexity::quant::QuantTensor;
     let q = QuantTensor::Fp8(Fp8Tensor {
@@ -1225,10 +1225,10 @@ struct DeltaCase {
 #[test(gxx)]
 fn gated_delta_net_kernels_match_their_cpu_twins() {
     use ninfer_perplexity::backend::cpu::delta_rule::{recurrent, DeltaShape};
-    use ninfer_perplexity::model::config::OutputGate;
-    use ninfer_perplexity::model::delta_net::{
+    use ninfer_perplexity::backend::cpu::model::delta_net::{
         conv_silu_row, gate_row, l2_normalize, sigmoid, softplus,
     };
+    use ninfer_perplexity::model::config::OutputGate;
     let cases = [
         DeltaCase {
             lens: &[5, 70, 1],
@@ -1644,7 +1644,7 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
 /// rounding in bf16 up to one bf16 ulp (the input is rounded too).
 #[test(gxx)]
 fn the_attention_output_gate_matches_the_cpu() {
-    use ninfer_perplexity::model::delta_net::sigmoid;
+    use ninfer_perplexity::backend::cpu::model::delta_net::sigmoid;
     let mut r = Rng(61);
     let (rows, qd, kvd) = (9usize, 96usize, 32usize);
     let row_stride = qd + 2 * kvd + qd;
@@ -1755,7 +1755,7 @@ fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
 /// cannot pass without exercising the tie rule.
 #[test(gxx)]
 fn the_router_kernel_reproduces_the_cpu_choice_bit_for_bit() {
-    use ninfer_perplexity::model::moe::route_row;
+    use ninfer_perplexity::backend::cpu::model::moe::route_row;
     let mut r = Rng(71);
     for (experts, k, renorm) in [
         (12usize, 4usize, true),
@@ -1834,8 +1834,8 @@ fn the_router_kernel_reproduces_the_cpu_choice_bit_for_bit() {
 /// random logits, grouped by `Grouping::build`.
 #[test(gxx)]
 fn the_expert_combine_reproduces_the_cpu_sums_bit_for_bit() {
-    use ninfer_perplexity::backend::cuda::moe::Grouping;
-    use ninfer_perplexity::model::moe::{add_expert, add_shared, route_row};
+    use ninfer_perplexity::backend::cpu::model::moe::{add_expert, add_shared, route_row};
+    use ninfer_perplexity::backend::cuda::model::moe::Grouping;
     let mut r = Rng(73);
     let (rows, experts, k, d) = (23usize, 10usize, 3usize, 40usize);
     let logits = r.vec(rows * experts, 3.0);

@@ -23,13 +23,14 @@
 use crate::Dev;
 use ninfer_perplexity::artifact::{write_artifact, Artifact, WeightFormat};
 use ninfer_perplexity::backend::cuda::plan::Precision;
-use ninfer_perplexity::backend::cuda::random::{preset, write_random_artifact, RandomSpec};
 use ninfer_perplexity::backend::cuda::{CudaModel, Target};
 use ninfer_perplexity::backend::DeviceRequest;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::config::ModelConfig;
+use ninfer_perplexity::model::presets::preset;
 use ninfer_perplexity::pack::hf::read_hf_dir;
+use ninfer_perplexity::pack::random::{write_random_artifact, RandomSpec};
 use ninfer_perplexity::score::{windows, Protocol};
 use std::path::{Path, PathBuf};
 
@@ -170,7 +171,7 @@ fn emit(line: serde_json::Value) {
 fn gpu_logprobs(m: &CudaModel, tokens: &[u32], p: Protocol, kv: KvDtype) -> Vec<f32> {
     let ws = windows(tokens.len(), p).unwrap();
     let mut out = Vec::new();
-    m.score_windows(tokens, &ws, kv, &mut |_, batch| {
+    m.score_batches(tokens, &ws, kv, &mut |_, batch| {
         for lps in batch {
             out.extend(lps);
         }
@@ -301,8 +302,16 @@ fn assert_none(failures: Vec<String>) {
 }
 
 /// SmolLM2-135M itself: on a GPU only (the emulated device would take hours).
-#[test(gpu)]
-fn smollm2_matches_the_cpu_for_every_kv_format() {
+mod smollm2_matches_the_cpu_for_every_kv_format {
+    use super::*;
+
+    #[test(gpu)]
+    fn cuda() {
+        smollm2_case()
+    }
+}
+
+fn smollm2_case() {
     let run = Run::on(Dev::Cuda);
     let art = repo().join("models/smollm2-135m-bf16.ninfer");
     let e = Engine::load(&art, &LoadOptions::default(), &mut |_, _| {}).unwrap();
@@ -476,6 +485,43 @@ device_case!(
     |dev| reruns_case(&Run::on(dev), if dev == Dev::Cuda { 3000 } else { 300 }, small_hybrid())
 );
 
+/// The last layer's MLP on the rows the head reads only (`PassPlan::last_layer`, the CPU's
+/// policy) gives the bits of the MLP on every row, for a dense, a hybrid and a MoE model in
+/// both precisions: the emulated GEMM computes each row alone, so any difference is a wrong
+/// row. (On a GPU, cuBLAS may choose another algorithm for fewer rows: a speed change with
+/// its own rounding, held by the parity bounds above.)
+#[test(gxx)]
+fn trimming_the_last_layer_changes_no_bits() {
+    let d = tempfile::tempdir().unwrap();
+    let models = [
+        random_artifact(d.path(), "dense.ninfer", small_hd128(), 5),
+        random_artifact(d.path(), "hybrid.ninfer", small_hybrid(), 5),
+        tiny(d.path(), "qwen3_5_moe"),
+    ];
+    // Windows of 96 with stride 48: every window after the first scores its last 48 rows.
+    let ids: Vec<u32> = (0..200u32).map(|i| i * 7 % 251).collect();
+    let p = Protocol::new(96, 48).unwrap();
+    for art in &models {
+        let a = Artifact::open(art).unwrap();
+        for precision in [Precision::F32, Precision::Bf16] {
+            let m = CudaModel::load(&a, Target::Emulated, precision, &mut |_, _| {}).unwrap();
+            let trimmed = gpu_logprobs(&m, &ids, p, KvDtype::Fp8);
+            m.set_trim_last_layer(false);
+            let whole = gpu_logprobs(&m, &ids, p, KvDtype::Fp8);
+            assert!(!trimmed.is_empty());
+            assert!(
+                trimmed
+                    .iter()
+                    .zip(&whole)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{} {}: trimming the last layer changed bits",
+                art.display(),
+                precision.name()
+            );
+        }
+    }
+}
+
 fn reruns_case(run: &Run, tokens: usize, config: ModelConfig) {
     let d = tempfile::tempdir().unwrap();
     let art = random_artifact(d.path(), "random.ninfer", config, 5);
@@ -606,7 +652,7 @@ fn windows_before_a_failing_one_are_delivered() {
     assert!(bad >= 2, "the bad token must come after a few windows");
     let mut got = Vec::new();
     let e = m
-        .score_windows(&ids, &ws, KvDtype::Int8, &mut |first, batch| {
+        .score_batches(&ids, &ws, KvDtype::Int8, &mut |first, batch| {
             for (i, lps) in batch.into_iter().enumerate() {
                 got.push((first + i, lps.len()));
             }

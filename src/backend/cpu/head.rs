@@ -36,15 +36,7 @@ pub(super) struct Partial {
     pub(super) argmax: u32,
 }
 
-/// One scored row: the target's log-probability and, from the same logits, the entropy of the
-/// predictive distribution (nats) and its top-1 token with that token's log-probability.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct RowScore {
-    pub logprob: f32,
-    pub entropy: f32,
-    pub top1: u32,
-    pub top1_logprob: f32,
-}
+pub use crate::backend::RowScore;
 
 /// `Σ e[i]·(l[i] − max)` in eight lanes (element `i` into lane `i % 8`, lanes added as in
 /// [`exp::exp_sub_sum`], the tail in order): written so that it vectorizes with the same bits

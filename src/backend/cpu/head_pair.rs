@@ -12,16 +12,7 @@ use super::head::{combine, logits_block, row_partial, NonFiniteLogit, Partial, R
 use super::head::{ROWS, VOCAB_CHUNK};
 use rayon::prelude::*;
 
-/// What the reference says about one position.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PairScore {
-    /// The reference's log-probability of the target.
-    pub ref_logprob: f32,
-    /// KL(reference ‖ run) over the full vocabulary, nats.
-    pub kld: f32,
-    /// The reference's top-1 token (lowest id on ties).
-    pub ref_top1: u32,
-}
+pub use crate::backend::PairScore;
 
 /// Which head produced a non-finite logit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -57,8 +57,8 @@ impl Gemm {
     /// `NINFER_CPU_GEMM` (a developer switch for A/B timing; every choice gives the same
     /// bits): `Ok(None)` when unset, an error naming the value when it is not one of the names,
     /// or when it asks for `matrixmultiply` in a build whose `matrixmultiply` does not give the
-    /// engine's bits. The CLI checks it up front, so a typo fails the run instead of timing the
-    /// wrong GEMM.
+    /// engine's bits. The CPU backend checks it when it starts (`CpuScorer::new`), so a typo
+    /// fails the run instead of timing the wrong GEMM.
     pub fn from_env() -> Result<Option<Gemm>, String> {
         let g = match std::env::var("NINFER_CPU_GEMM") {
             Err(std::env::VarError::NotPresent) => return Ok(None),
@@ -82,7 +82,7 @@ impl Gemm {
     }
 
     /// The process-wide default: [`Gemm::from_env`] when it names one, else `Auto` (library
-    /// users that skip the CLI's check get `Auto` for a bad value). `Auto` is `Tile16` where
+    /// users that skip the backend's check get `Auto` for a bad value). `Auto` is `Tile16` where
     /// `matrixmultiply` does not agree with it.
     pub fn configured() -> Gemm {
         static CONFIGURED: OnceLock<Gemm> = OnceLock::new();

@@ -9,6 +9,7 @@ pub mod head;
 pub mod head_pair;
 pub mod isa;
 pub mod matmul;
+pub mod model;
 pub mod norm;
 pub mod rope;
 pub mod sgemm16;

@@ -9,14 +9,12 @@
 //! See `docs/cuda.md`.
 //!
 //! Always compiled, so their tests run on every machine: [`plan`] (batching, tiles, memory
-//! planning, FLOP counts), [`kernels`] (the embedded sources), [`launch`] (typed kernel
-//! arguments, checked against the sources) and [`random`] (random-weight
-//! artifacts for benchmarks).
+//! planning), [`kernels`] (the embedded sources) and [`launch`] (typed kernel arguments,
+//! checked against the sources). The forward pass is [`model`], the CPU model's twin.
 
 pub mod kernels;
 pub mod launch;
 pub mod plan;
-pub mod random;
 
 #[cfg(feature = "cuda")]
 pub mod codec;
@@ -31,13 +29,9 @@ pub mod loader;
 #[cfg(feature = "cuda")]
 pub mod model;
 #[cfg(feature = "cuda")]
-pub mod moe;
-#[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub mod real;
-#[cfg(feature = "cuda")]
-pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub use model::CudaModel;
@@ -124,32 +118,26 @@ pub fn probe(_ordinal: usize) -> Result<GpuInfo, String> {
     Err("built without the `cuda` feature".to_string())
 }
 
-/// Device memory of a CUDA run, for reports.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemoryReport {
-    /// The most bytes this process had allocated at once (weights, activations, head).
-    pub peak_allocated_bytes: u64,
-    /// Device memory in use at the fullest point seen (all processes, driver included).
-    pub peak_used_bytes: u64,
-    pub weights_bytes: u64,
-    pub total_bytes: u64,
+/// The CUDA model of artifact `a` on device `target`, behind the backends' contract.
+#[cfg(feature = "cuda")]
+pub fn load_scorer(
+    a: &crate::artifact::Artifact,
+    target: Target,
+    precision: crate::backend::Precision,
+    progress: &mut dyn FnMut(usize, usize),
+) -> anyhow::Result<Box<dyn crate::backend::Scorer>> {
+    Ok(Box::new(CudaModel::load(a, target, precision, progress)?))
 }
 
-/// Stand-in when the backend is not built: never constructed (Device::select refuses CUDA).
+/// Without the backend there is no CUDA model (`Device::select` refuses CUDA first).
 #[cfg(not(feature = "cuda"))]
-pub struct CudaModel {
-    _never: std::convert::Infallible,
-}
-
-#[cfg(not(feature = "cuda"))]
-impl CudaModel {
-    pub fn config(&self) -> &crate::model::config::ModelConfig {
-        match self._never {}
-    }
-
-    pub fn take_routing(&self) -> Option<Vec<u64>> {
-        match self._never {}
-    }
+pub fn load_scorer(
+    _: &crate::artifact::Artifact,
+    _: Target,
+    _: crate::backend::Precision,
+    _: &mut dyn FnMut(usize, usize),
+) -> anyhow::Result<Box<dyn crate::backend::Scorer>> {
+    anyhow::bail!("this build has no CUDA backend")
 }
 
 #[cfg(feature = "cuda")]

@@ -1,7 +1,7 @@
 //! Run-time compilation of the embedded kernels with NVRTC, straight to machine code
 //! (CUBIN) for the device's architecture, so ptxas runs inside NVRTC and a kernel that
 //! cannot be assembled fails here, not at launch. Needs only libnvrtc: no GPU or driver,
-//! which is how `tests/cuda_nvrtc.rs` checks every kernel on a CPU-only machine.
+//! which is how `tests/parity/nvrtc.rs` checks every kernel on a CPU-only machine.
 
 use super::kernels::Program;
 use cudarc::nvrtc::{result, sys};

@@ -242,8 +242,9 @@ pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
     let e = p.elem_bytes();
     let w = widths(c);
     let kv_bytes = kv.bytes_per_token_per_layer(c.num_kv_heads, c.head_dim);
-    4 * 6 // token, position, window index, scored-row index, target, last-layer row
+    4 * 7 // token, position, window, scored row, target, last-layer row, scored among those
         + 4 * d // residual stream x (f32)
+        + 4 * d // the last layer's rows of x, compacted (f32)
         + e * d // normed input of a GEMM
         + 4 * w.scratch // qkv, gate/up or Gated DeltaNet projection (f32, one buffer)
         + 4 * w.q // rotated queries, or the State's read-out (f32)
@@ -335,6 +336,8 @@ pub fn rope_bytes(c: &ModelConfig, longest: usize) -> usize {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BufferSizes {
     pub x: usize,
+    /// The last layer's rows of `x`, compacted (`model::pass::PassPlan::last_layer`).
+    pub x_last: usize,
     pub h: usize,
     pub scratch: usize,
     pub q: usize,
@@ -375,6 +378,7 @@ pub fn buffer_sizes(
     let (_, _, kv_bscale) = kv_arrays(Elem::Nvfp4, n, c.head_dim);
     BufferSizes {
         x: rows * d * 4,
+        x_last: rows * d * 4,
         h: rows * d * e,
         scratch: rows * w.scratch * 4,
         q: rows * w.q * 4,
@@ -401,6 +405,7 @@ pub fn buffer_sizes(
 impl BufferSizes {
     pub fn total(&self) -> usize {
         self.x
+            + self.x_last
             + self.h
             + self.scratch
             + self.q
@@ -628,7 +633,7 @@ mod tests {
 
     #[test]
     fn the_27b_hybrid_fits_an_h200_with_windows_of_4096() {
-        let c = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
+        let c = crate::model::presets::preset("qwen3_5-27b").unwrap();
         // bf16 matrices, f32 vectors and conv taps: about 53.8 GB.
         let wb = weight_bytes(&c, Precision::Bf16);
         assert!((53.0e9..54.5e9).contains(&(wb as f64)), "{wb}");
@@ -641,7 +646,7 @@ mod tests {
 
     #[test]
     fn delta_net_shapes_the_kernels_cannot_take_are_refused() {
-        let mut h = crate::backend::cuda::random::preset("qwen3_5-27b")
+        let mut h = crate::model::presets::preset("qwen3_5-27b")
             .unwrap()
             .hybrid
             .unwrap();
@@ -667,26 +672,26 @@ mod tests {
     /// most) and long windows.
     #[test]
     fn the_plan_covers_every_allocation() {
-        let mut small = crate::backend::cuda::random::preset("smollm2-135m").unwrap();
+        let mut small = crate::model::presets::preset("smollm2-135m").unwrap();
         small.num_layers = 2;
-        let mut wide = crate::backend::cuda::random::preset("qwen3-8b").unwrap();
+        let mut wide = crate::model::presets::preset("qwen3-8b").unwrap();
         wide.num_kv_heads = 32;
         wide.head_dim = 16;
         wide.num_heads = 32;
         // Many small KV heads and a narrow MLP: the scale arrays outweigh any slack.
-        let mut narrow = crate::backend::cuda::random::preset("qwen3-8b").unwrap();
+        let mut narrow = crate::model::presets::preset("qwen3-8b").unwrap();
         (narrow.hidden_size, narrow.intermediate_size) = (64, 8);
         (narrow.num_heads, narrow.num_kv_heads, narrow.head_dim) = (16, 16, 4);
         // The 27B hybrid: Gated DeltaNet buffers wider than attention's, a gated q.
-        let hybrid = crate::backend::cuda::random::preset("qwen3_5-27b").unwrap();
+        let hybrid = crate::model::presets::preset("qwen3_5-27b").unwrap();
         // The 35B-A3B sparse hybrid: the router and the rows grouped by expert, k · 2I =
         // 8 · 1024 wide per token, four times the model width.
-        let moe = crate::backend::cuda::random::preset("qwen3_5-35b-a3b").unwrap();
+        let moe = crate::model::presets::preset("qwen3_5-35b-a3b").unwrap();
         for c in [
             small,
             wide,
             narrow,
-            crate::backend::cuda::random::preset("llama3-8b").unwrap(),
+            crate::model::presets::preset("llama3-8b").unwrap(),
             hybrid.with_layers(4),
             hybrid,
             moe.with_layers(4),
@@ -702,7 +707,7 @@ mod tests {
                     };
                     planned += 1;
                     let z = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk);
-                    let ints = 4 * 6 * plan.max_rows;
+                    let ints = 4 * 7 * plan.max_rows;
                     let used = z.total() + ints + rope_bytes(&c, longest);
                     assert!(
                         used <= plan.planned_bytes,

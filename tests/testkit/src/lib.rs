@@ -37,7 +37,9 @@ pub enum Needs {
     Gxx,
     /// The NVRTC library (`NINFER_NVRTC_LIB_DIR`, from `bash ci/install-nvrtc.sh`).
     Nvrtc,
-    /// A CUDA GPU, and the prepared inputs.
+    /// A CUDA GPU. (Not the prepared inputs: a GPU machine may carry only what its checks
+    /// read, `ci/gpu-check.sh`; a test that needs a prepared file says so when it is
+    /// missing.)
     Gpu,
 }
 
@@ -192,11 +194,9 @@ fn missing(needs: Needs, p: &Probes) -> Option<String> {
         Needs::Nvrtc => NVRTC_WHY
             .get_or_init(|| (p.nvrtc)().err().map(|e| format!("needs NVRTC: {e}")))
             .clone(),
-        Needs::Gpu => prepared().or_else(|| {
-            GPU_WHY
-                .get_or_init(|| (p.gpu)().err().map(|e| format!("needs a CUDA GPU: {e}")))
-                .clone()
-        }),
+        Needs::Gpu => GPU_WHY
+            .get_or_init(|| (p.gpu)().err().map(|e| format!("needs a CUDA GPU: {e}")))
+            .clone(),
     }
 }
 

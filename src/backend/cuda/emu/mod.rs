@@ -164,6 +164,18 @@ pub fn translation_unit(fault: Option<&Fault>) -> Result<String> {
     Ok(t)
 }
 
+/// The planted fault `NINFER_EMU_FAULT` names, in a `fault-injection` build (none
+/// otherwise); an unknown name is an error.
+pub fn planted() -> Result<Option<&'static Fault>> {
+    if !cfg!(feature = "fault-injection") {
+        return Ok(None);
+    }
+    match std::env::var("NINFER_EMU_FAULT") {
+        Ok(n) => Ok(Some(fault(&n)?)),
+        Err(_) => Ok(None),
+    }
+}
+
 /// How the library is built.
 pub struct BuildOptions {
     pub sanitize_address: bool,
@@ -171,14 +183,13 @@ pub struct BuildOptions {
 }
 
 impl BuildOptions {
-    /// `NINFER_EMU_SANITIZE=address`, `NINFER_EMU_FAULT=<name>`.
+    /// `NINFER_EMU_SANITIZE=address`, and `NINFER_EMU_FAULT=<name>` in a `fault-injection`
+    /// build (a planted fault changes scores on purpose: never in an ordinary build, and a
+    /// run records it in its report, `settings.test_fault`).
     pub fn from_env() -> Result<BuildOptions> {
         Ok(BuildOptions {
             sanitize_address: std::env::var("NINFER_EMU_SANITIZE").is_ok_and(|v| v == "address"),
-            fault: match std::env::var("NINFER_EMU_FAULT") {
-                Ok(n) => Some(fault(&n)?),
-                Err(_) => None,
-            },
+            fault: planted()?,
         })
     }
 

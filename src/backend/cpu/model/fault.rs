@@ -1,10 +1,10 @@
 //! Deliberate perturbations of the CPU forward pass, for tests that prove the regression
-//! harness catches drift (`tests/harness_gate.rs`) and for measuring how sensitive a KV
-//! format's score is to harmless numerical changes (`eval/kv-effect.sh`).
+//! harness catches drift (`tests/harness/gate.rs`) and for measuring how sensitive a KV
+//! format's score is to harmless numerical changes (`eval/results/kv-effect.sh`).
 //!
 //! Only builds with the cargo feature `fault-injection` read the switch, the environment
 //! variable `NINFER_TEST_FAULT`: `cargo test` enables the feature through the crate's
-//! dev-dependency on itself, `eval/kv-effect.sh` builds with it, and ordinary builds
+//! dev-dependency on itself, `eval/results/kv-effect.sh` builds with it, and ordinary builds
 //! (`cargo build`, `cargo install`, use as a library) compile every perturbation out, so no
 //! environment can change a user's numbers. When a fault is active the run says so on stderr
 //! and records it in `report.json` (`settings.test_fault`).
@@ -34,7 +34,7 @@ pub enum Fault {
 }
 
 /// Mistakes in the hybrid model's math that each move a tiny model's log-probabilities far
-/// beyond the reference bound (`eval/reference/make_hybrid_fixtures.py --pitfalls` measures
+/// beyond the reference bound (`eval/generators/make_hybrid_fixtures.py --pitfalls` measures
 /// them in transformers' terms).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pitfall {

@@ -16,11 +16,11 @@
 use crate::backend::cpu::delta_rule::{chunked, DeltaShape};
 use crate::backend::cpu::exp;
 use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::model::fault::{Faults, Pitfall};
+use crate::backend::cpu::model::weights::DeltaNet;
 use crate::backend::cpu::norm::rms_norm_row;
 use crate::model::config::{HybridConfig, OutputGate};
 use crate::model::error::{check_finite, ForwardError, Part};
-use crate::model::fault::{Faults, Pitfall};
-use crate::model::weights::DeltaNet;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
@@ -54,7 +54,7 @@ pub(crate) struct Mix<'a> {
     pub layer: usize,
     /// The gated output norm's epsilon.
     pub eps: f64,
-    /// Test-only pitfalls ([`crate::model::fault`]).
+    /// Test-only pitfalls ([`crate::backend::cpu::model::fault`]).
     pub faults: Faults,
 }
 

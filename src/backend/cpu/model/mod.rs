@@ -1,33 +1,51 @@
-//! The CPU reference forward pass, fused with the scoring head.
+//! The CPU reference forward pass, fused with the scoring head: the numerical specification.
+//! CUDA twin: `backend/cuda/model/mod.rs`, which runs the same steps over several windows
+//! packed into one pass.
 //!
 //! One call processes one window: tokens `x[0..T)` at positions `0..T` with an empty KV
 //! cache, and returns `log p(x[i] | x[0..i))` for the requested targets. Keys (after RoPE)
 //! and values pass through the selected Main KV representation before attention reads
-//! them ([`super::kv_store`]). Only the rows that predict a target go through the final norm
-//! and output head, and the head never holds more than one vocabulary chunk of logits per
-//! row block.
+//! them ([`kv_store`]). Only the rows that predict a target go through the final norm and
+//! output head ([`head`]), and the head never holds more than one vocabulary chunk of logits
+//! per row block.
 //!
-//! A window may be split between two threads for its remaining layers (`super::split`);
-//! the result has the same bits.
+//! The files of this folder and of `backend/cuda/model/` are twins, file for file: the
+//! embedding and the layer loop here, a layer in [`layer`], the mixers in [`attention`] and
+//! [`delta_net`], the sparse MLP in [`moe`], the head in [`head`], the weights in
+//! [`weights`], and how windows are scheduled in [`schedule`]. The CPU's own helpers: how a
+//! window is split between threads ([`split`]), where keys and values are stored
+//! ([`kv_store`]), the phase timer ([`profile`]) and the test-only perturbations ([`fault`]).
+//! A window split between two threads for its remaining layers gives the same bits.
 
-use crate::backend::cpu::attention::{causal_attention, AttnShape};
-use crate::backend::cpu::head::{self, RowScore};
-use crate::backend::cpu::head_pair::{self, PairScore, Side};
-use crate::backend::cpu::matmul::matmul_wt;
-use crate::backend::cpu::norm::{rms_norm, rms_norm_inplace, rms_norm_row, swiglu};
+pub mod attention;
+pub mod delta_net;
+pub mod fault;
+pub mod head;
+pub mod kv_store;
+pub mod layer;
+pub mod moe;
+pub mod profile;
+pub mod schedule;
+pub(crate) mod split;
+pub mod weights;
+
+#[cfg(test)]
+pub(crate) mod synthetic;
+
+use crate::backend::cpu::norm::rms_norm_row;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
+use crate::backend::{PairScore, RowScore};
 use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
-use crate::model::delta_net;
-use crate::model::error::{check_finite, ForwardError, Part};
-use crate::model::fault::{Faults, Pitfall};
-use crate::model::kv_store::{self, Stored};
-use crate::model::layout::{Ffn, Mixer};
-use crate::model::moe::{self, RoutingCounts};
-use crate::model::profile::{self, Laps, Phase};
-use crate::model::split::{Link, Split, Stop};
-use crate::model::weights::{Attention, Weights};
+use crate::model::error::ForwardError;
+use crate::model::layout::Mixer;
+use fault::{Faults, Pitfall};
+use layer::{Bufs, Pass};
+use moe::RoutingCounts;
+use profile::{Laps, Phase};
 use rayon::prelude::*;
+use split::{Link, Split, Stop};
+use weights::Weights;
 
 pub struct CpuModel {
     pub config: ModelConfig,
@@ -202,54 +220,17 @@ impl CpuModel {
         split: Split,
         reference: Option<(&CpuModel, KvDtype)>,
     ) -> Result<(Vec<RowScore>, Option<Vec<PairScore>>), ForwardError> {
-        let c = &self.config;
-        let d = c.hidden_size;
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
         let (hn, cut) = self.hidden(tokens, first_target, kv, split, &mut laps)?;
-        let rows = t_len - first_target;
-        let targets = &tokens[first_target..];
-        let logit_error = |pos: usize, token: usize| ForwardError::NonFiniteLogit {
-            pos: first_target - 1 + pos,
-            token,
-        };
-        let mut out = vec![RowScore::default(); rows];
-        let pairs = match reference {
-            None => {
-                head::score_rows(&hn, d, self.weights.head(), c.vocab_size, targets, &mut out)
-                    .map_err(|e| logit_error(e.row, e.token))?;
-                None
-            }
-            Some((m, ref_kv)) => {
-                let mut ref_laps = Laps::new(false);
-                let (hr, _) = m
-                    .hidden(tokens, first_target, ref_kv, Split::Never, &mut ref_laps)
-                    .map_err(|e| ForwardError::InReference(Box::new(e)))?;
-                let mut pairs = vec![PairScore::default(); rows];
-                let dr = m.config.hidden_size;
-                head_pair::score_pairs(
-                    (&hn, d, self.weights.head()),
-                    (&hr, dr, m.weights.head()),
-                    c.vocab_size,
-                    targets,
-                    &mut out,
-                    &mut pairs,
-                )
-                .map_err(|(side, e)| match side {
-                    Side::Run => logit_error(e.row, e.token),
-                    Side::Reference => {
-                        ForwardError::InReference(Box::new(logit_error(e.row, e.token)))
-                    }
-                })?;
-                Some(pairs)
-            }
-        };
+        let out = self.head(&hn, tokens, first_target, reference)?;
         laps.lap(Phase::Head);
         let after_split = if cut { " (after the split)" } else { "" };
         laps.report(&format!(
-            "window {t_len} tokens, {rows} scored{after_split}"
+            "window {t_len} tokens, {} scored{after_split}",
+            t_len - first_target
         ));
-        Ok((out, pairs))
+        Ok(out)
     }
 
     /// The final-normed hidden states of the rows that predict a target (`[rows, d]`, row `r`
@@ -336,207 +317,6 @@ impl CpuModel {
         });
         Ok((hn, cut.is_some()))
     }
-
-    /// One decoder layer for rows `rows` of a window (`x` holds exactly those rows of the
-    /// residual stream). After the last layer only the rows that predict a target are read,
-    /// so there the mixer's output projection and the MLP run for rows `first_target - 1..`
-    /// only (every row still contributes its key and value, or its State update); the same
-    /// bits as for all rows.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn layer(
-        &self,
-        li: usize,
-        rows: std::ops::Range<usize>,
-        x: &mut [f32],
-        b: &mut Bufs,
-        pass: &Pass,
-        link: &Link,
-        laps: &mut Laps,
-    ) -> Result<(), Stop> {
-        let c = &self.config;
-        let l = &self.weights.layers[li];
-        let (d, f) = (c.hidden_size, c.intermediate_size);
-        let eps = c.rms_norm_eps;
-        let (lo, hi) = (rows.start, rows.end);
-        let m = hi - lo;
-        let r0 = if li + 1 == self.weights.layers.len() {
-            (pass.first_target - 1).max(lo)
-        } else {
-            lo
-        };
-
-        laps.lap(Phase::QkvPrep);
-        rms_norm(x, &l.norm, eps, &mut b.h[..m * d]);
-        laps.lap(Phase::Norms);
-        match &l.mixer {
-            Mixer::Attention(a) => {
-                self.attention(li, a, rows, r0, x, b, pass, link, laps)?;
-            }
-            Mixer::DeltaNet(g) => {
-                // Windows of hybrid models are never split: the whole window is here.
-                debug_assert!(lo == 0 && matches!(link, Link::Alone));
-                let hc = c.hybrid.as_ref().expect("a Gated DeltaNet layer is hybrid");
-                let xr = &mut x[(r0 - lo) * d..];
-                let mix = delta_net::Mix {
-                    hc,
-                    w: g,
-                    d,
-                    layer: li,
-                    eps,
-                    faults: self.faults,
-                };
-                mix.run(&b.h[..m * d], r0 - lo, xr, &mut b.delta_net)?;
-                laps.lap(Phase::Attention);
-            }
-        }
-        if r0 >= hi {
-            return Ok(());
-        }
-        let n = hi - r0;
-        let x = &mut x[(r0 - lo) * d..];
-
-        // MLP block.
-        match &l.ffn {
-            Ffn::Dense(mlp) => {
-                let (h, gu, act) = (
-                    &mut b.h[..n * d],
-                    &mut b.gu[..n * 2 * f],
-                    &mut b.act[..n * f],
-                );
-                rms_norm(x, &l.ffn_norm, eps, h);
-                laps.lap(Phase::Norms);
-                matmul_wt(h, n, d, &mlp.gate_up, 2 * f, gu, false);
-                laps.lap(Phase::GateUp);
-                swiglu(gu, f, act);
-                laps.lap(Phase::Swiglu);
-                matmul_wt(act, n, f, &mlp.down, d, x, true);
-                laps.lap(Phase::Down);
-            }
-            Ffn::Moe(moe) => {
-                let h = &mut b.h[..n * d];
-                rms_norm(x, &l.ffn_norm, eps, h);
-                laps.lap(Phase::Norms);
-                moe::moe_block(
-                    moe,
-                    h,
-                    n,
-                    d,
-                    &mut x[..n * d],
-                    self.faults,
-                    self.routing.as_ref(),
-                );
-                laps.lap(Phase::Down);
-            }
-        }
-        Ok(())
-    }
-
-    /// The attention block of rows `lo..hi` from their normed rows in `b.h`: adds
-    /// `o-proj(attention)` (gated: `· sigmoid(gate)`) to rows `r0..hi` of `x`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        li: usize,
-        l: &Attention,
-        rows: std::ops::Range<usize>,
-        r0: usize,
-        x: &mut [f32],
-        b: &mut Bufs,
-        pass: &Pass,
-        link: &Link,
-        laps: &mut Laps,
-    ) -> Result<(), Stop> {
-        let c = &self.config;
-        let (d, hd, hq, hkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        let gate_w = if l.gated { qd } else { 0 };
-        let qkv_w = qd + 2 * kvd + gate_w;
-        let eps = c.rms_norm_eps;
-        let (lo, hi) = (rows.start, rows.end);
-        let m = hi - lo;
-        let qkv = &mut b.qkv[..m * qkv_w];
-        matmul_wt(&b.h[..m * d], m, d, &l.qkv, qkv_w, qkv, false);
-        laps.lap(Phase::Qkv);
-        if let Some(bias) = &l.qkv_bias {
-            qkv.par_chunks_mut(qkv_w)
-                .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
-        }
-        // Split qkv[m, q+2kv(+q)] into rows lo..hi of q[hi, Hq, D], k[hi, Hkv, D],
-        // v[hi, Hkv, D] (the gate, if any, stays in qkv).
-        let (q, k, v) = (
-            &mut b.q[lo * qd..hi * qd],
-            &mut b.k[lo * kvd..hi * kvd],
-            &mut b.v[lo * kvd..hi * kvd],
-        );
-        for (t, r) in qkv.chunks(qkv_w).enumerate() {
-            q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
-            k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
-            v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..qd + 2 * kvd]);
-        }
-        let norm_after_rope = self.faults.pitfall(Pitfall::QkNormAfterRope);
-        let qk_norm = |q: &mut [f32], k: &mut [f32]| {
-            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
-                rms_norm_inplace(q, qn, eps);
-                rms_norm_inplace(k, kn, eps);
-            }
-        };
-        if !norm_after_rope {
-            qk_norm(q, k);
-        }
-        pass.rope.apply_from(q, hq, lo);
-        match pass.shifted_rope {
-            Some(shifted) if li == 0 => shifted.apply_from(k, hkv, lo),
-            _ => pass.rope.apply_from(k, hkv, lo),
-        }
-        if norm_after_rope {
-            qk_norm(q, k);
-        }
-        check_finite(q, hq, hd, Part::Query, li, lo)?;
-        kv_store::store(k, hkv, hd, pass.kv, Stored::Key, li, lo)?;
-        kv_store::store(v, hkv, hd, pass.kv, Stored::Value, li, lo)?;
-        match link {
-            Link::Alone => {}
-            Link::Give(to) => to.give(li, &b.k, &b.v),
-            Link::Take(from) => from.take(li, &mut b.k[..lo * kvd], &mut b.v[..lo * kvd])?,
-        }
-        laps.lap(Phase::QkvPrep);
-        if r0 >= hi {
-            return Ok(());
-        }
-        let n = hi - r0;
-        let shape = AttnShape {
-            tokens: hi,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: hd,
-        };
-        causal_attention(&b.q, &b.k, &b.v, &shape, r0, &mut b.attn);
-        check_finite(
-            &b.attn[r0 * qd..hi * qd],
-            hq,
-            hd,
-            Part::AttentionOutput,
-            li,
-            r0,
-        )?;
-        if l.gated {
-            let silu = self.faults.pitfall(Pitfall::GateSilu);
-            let attn = &mut b.attn[r0 * qd..hi * qd];
-            attn.par_chunks_mut(qd)
-                .zip(qkv[(r0 - lo) * qkv_w..].par_chunks(qkv_w))
-                .for_each(|(a, r)| {
-                    for (o, &gv) in a.iter_mut().zip(&r[qd + 2 * kvd..]) {
-                        let sig = 1.0 / (1.0 + crate::backend::cpu::exp::exp(-gv));
-                        *o *= if silu { gv * sig } else { sig };
-                    }
-                });
-        }
-        laps.lap(Phase::Attention);
-        let x = &mut x[(r0 - lo) * d..];
-        matmul_wt(&b.attn[r0 * qd..], n, qd, &l.o_proj, d, x, true);
-        laps.lap(Phase::OProj);
-        Ok(())
-    }
 }
 
 /// The `rope-shift` fault's table: position `t` rotated as `t + 1`.
@@ -550,59 +330,13 @@ fn rope_one_ahead(inv_freq: &[f64], t_len: usize, head_dim: usize) -> RopeTable 
     }
 }
 
-/// What one layer needs besides its rows.
-pub(crate) struct Pass<'a> {
-    pub(crate) first_target: usize,
-    pub(crate) kv: KvDtype,
-    pub(crate) rope: &'a RopeTable,
-    /// The test-only `rope-shift` fault's table for layer 0's keys.
-    pub(crate) shifted_rope: Option<&'a RopeTable>,
-}
-
-/// Work buffers for rows `lo..hi` of a window.
-pub(crate) struct Bufs {
-    /// h[hi-lo, d]: normed rows.
-    h: Vec<f32>,
-    /// qkv[hi-lo, Hq·D + 2·Hkv·D (+ Hq·D of output gate)]
-    qkv: Vec<f32>,
-    /// q[hi, Hq, D]: rows lo.. are this part's (the rest are never read).
-    q: Vec<f32>,
-    /// k[hi, Hkv, D], v[hi, Hkv, D]: rows ..lo come from the first part of a split window.
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// attn[hi, Hq, D]: attention output, rows lo.. written.
-    attn: Vec<f32>,
-    /// gu[hi-lo, 2F], act[hi-lo, F]
-    gu: Vec<f32>,
-    act: Vec<f32>,
-    /// The Gated DeltaNet layers' buffers (allocated at the first such layer).
-    delta_net: delta_net::Scratch,
-}
-
-impl Bufs {
-    pub(crate) fn new(c: &ModelConfig, lo: usize, hi: usize) -> Bufs {
-        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let gate = if c.attention_output_gate() { qd } else { 0 };
-        let m = hi - lo;
-        Bufs {
-            h: vec![0.0; m * d],
-            qkv: vec![0.0; m * (qd + 2 * kvd + gate)],
-            q: vec![0.0; hi * qd],
-            k: vec![0.0; hi * kvd],
-            v: vec![0.0; hi * kvd],
-            attn: vec![0.0; hi * qd],
-            gu: vec![0.0; m * 2 * f],
-            act: vec![0.0; m * f],
-            delta_net: Default::default(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::fault::Fault;
-    use crate::model::synthetic::synthetic_model;
+    use crate::backend::cpu::model::fault::Fault;
+    use crate::backend::cpu::model::synthetic::synthetic_model;
+    use crate::model::error::Part;
+    use weights::Attention;
 
     #[test]
     fn scoring_fewer_targets_gives_the_same_bits_for_the_ones_scored() {
@@ -688,7 +422,7 @@ mod tests {
     fn a_hybrid_model_scores_fewer_targets_with_the_same_bits() {
         // Gated DeltaNet layers run the whole window; the skipped rows of the last layer
         // and the head are the same as for attention models.
-        let m = crate::model::synthetic::synthetic_hybrid_model();
+        let m = crate::backend::cpu::model::synthetic::synthetic_hybrid_model();
         let tokens: Vec<u32> = (0..200).map(|i| ((i * 7919) % 300) as u32).collect();
         let all = m.window_logprobs(&tokens, 1, KvDtype::Bf16).unwrap();
         assert!(all.iter().all(|x| x.is_finite() && *x <= 0.0));
@@ -712,7 +446,7 @@ mod tests {
 
     #[test]
     fn a_non_finite_gated_delta_net_value_fails_the_window() {
-        let mut m = crate::model::synthetic::synthetic_hybrid_model();
+        let mut m = crate::backend::cpu::model::synthetic::synthetic_hybrid_model();
         if let Mixer::DeltaNet(g) = &mut m.weights.layers[2].mixer {
             g.dt_bias[4] = f32::NAN;
         }

@@ -12,9 +12,9 @@
 //! them, and the sum joins the residual stream.
 
 use crate::backend::cpu::matmul::matmul_wt;
+use crate::backend::cpu::model::fault::{Faults, Pitfall};
+use crate::backend::cpu::model::weights::Moe;
 use crate::backend::cpu::norm::swiglu;
-use crate::model::fault::{Faults, Pitfall};
-use crate::model::weights::Moe;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Token-to-expert assignments counted per expert (summed over layers), for the report's

@@ -1,27 +1,25 @@
 //! The one scoring engine the CLI and the regression harness share.
 //!
 //! `Engine::load` opens and validates an artifact, builds its tokenizer and loads the
-//! weights for the selected device; `Engine::score_windows` runs the window protocol over
-//! one token stream with one Main KV representation. Nothing here knows about corpora,
-//! reports or command-line flags. How the CPU backend schedules windows over its threads is
-//! `cpu`'s job.
-
-mod cpu;
+//! weights onto the selected device's backend, a [`Scorer`]; `Engine::score_windows` runs
+//! the window protocol over one token stream with one Main KV representation and accounts
+//! every window the backend hands over (NLL sums, calibration, a reference pass's
+//! comparison, non-finite checks) the same way for every backend. Nothing here knows about
+//! corpora, reports or command-line flags, nor which backend it drives.
 
 use crate::artifact::Artifact;
-use crate::backend::cpu::head::RowScore;
-use crate::backend::cpu::head_pair::PairScore;
-use crate::backend::cuda::{CudaModel, Target};
-use crate::backend::{Device, DeviceRequest, Precision};
+use crate::backend::cpu::model::fault::Faults;
+use crate::backend::cpu::model::schedule::CpuScorer;
+use crate::backend::cpu::model::CpuModel;
+use crate::backend::{
+    cuda, Device, DeviceRequest, HeadRows, MemoryReport, Precision, ScoreError, Scorer,
+};
 use crate::kv::KvDtype;
-use crate::model::fault::Faults;
-use crate::model::forward::CpuModel;
 use crate::score::{
     windows, Calibration, NllSum, Protocol, ReferenceAcc, StreamScore, Window, WindowScore,
 };
 use crate::tokenizer::Tokenizer;
 use anyhow::{anyhow, Context, Result};
-use cpu::{cpu_windows_in_flight, score_cpu, CpuSchedule};
 use std::path::Path;
 
 pub struct LoadOptions {
@@ -55,25 +53,10 @@ pub struct Engine {
     pub precision: Precision,
     /// The test-only perturbation in effect (none outside `fault-injection` builds).
     pub faults: Faults,
-    model: Model,
-    pool: rayon::ThreadPool,
-    /// A second pass every window is compared with ([`Engine::set_reference`]).
-    reference: Option<Reference>,
-}
-
-/// The reference pass: its KV format and, unless it is this engine's own model, another
-/// artifact's engine.
-struct Reference {
-    kv: KvDtype,
-    other: Option<Box<Engine>>,
-}
-
-/// The loaded model on its backend.
-enum Model {
-    Cpu(Box<CpuModel>),
-    // Only constructed when the CUDA backend is built and a device was selected.
-    #[allow(dead_code)]
-    Cuda(Box<CudaModel>),
+    scorer: Box<dyn Scorer>,
+    /// The reference pass's KV format and, unless it is this engine's own model, the other
+    /// artifact ([`Engine::set_reference`]).
+    reference: Option<(KvDtype, Option<Artifact>)>,
 }
 
 /// Progress of a stream being scored: targets scored so far and tokens processed.
@@ -113,25 +96,21 @@ impl Engine {
         };
         let (device, device_note) = Device::select(opts.device, threads)?;
         let precision = device.precision(opts.precision)?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| anyhow!("cannot start {threads} worker threads: {e}"))?;
-        let model = match &device {
+        let scorer: Box<dyn Scorer> = match &device {
             Device::Cpu { .. } => {
-                let weights = crate::model::weights::load(&artifact, progress)?;
+                let weights = crate::backend::cpu::model::weights::load(&artifact, progress)?;
                 let m = CpuModel::new(artifact.config.clone(), weights).with_faults(faults);
-                Model::Cpu(Box::new(m))
+                Box::new(CpuScorer::new(m, threads)?)
             }
             Device::Cuda { .. } | Device::Emu { .. } => {
                 if faults.active().is_some() {
                     anyhow::bail!("NINFER_TEST_FAULT applies to the CPU backend only");
                 }
                 let target = match device {
-                    Device::Cuda { ordinal, .. } => Target::Cuda(ordinal),
-                    _ => Target::Emulated,
+                    Device::Cuda { ordinal, .. } => cuda::Target::Cuda(ordinal),
+                    _ => cuda::Target::Emulated,
                 };
-                load_cuda(&artifact, target, precision, progress)?
+                cuda::load_scorer(&artifact, target, precision, progress)?
             }
         };
         Ok(Engine {
@@ -141,8 +120,7 @@ impl Engine {
             device_note,
             precision,
             faults,
-            model,
-            pool,
+            scorer,
             reference: None,
         })
     }
@@ -150,12 +128,26 @@ impl Engine {
     /// Runs the CPU model with `faults` from now on (tests of the `fault-injection` build).
     #[cfg(feature = "fault-injection")]
     pub fn set_faults(&mut self, faults: Faults) -> Result<()> {
-        match &mut self.model {
-            Model::Cpu(m) => m.set_faults(faults),
-            Model::Cuda(_) => anyhow::bail!("test faults apply to the CPU backend only"),
-        }
+        self.scorer.set_faults(faults)?;
         self.faults = faults;
         Ok(())
+    }
+
+    /// The test-only perturbation this engine scores under, for reports: a CPU fault
+    /// (`NINFER_TEST_FAULT`), or a kernel fault planted in the emulated device
+    /// (`NINFER_EMU_FAULT`); `None` outside `fault-injection` builds.
+    pub fn test_fault(&self) -> Option<String> {
+        if let Some(f) = self.faults.active() {
+            return Some(f.describe());
+        }
+        match self.device {
+            #[cfg(feature = "cuda")]
+            Device::Emu { .. } => cuda::emu::planted()
+                .ok()
+                .flatten()
+                .map(|f| format!("emulated kernel fault {}: {}", f.name, f.what)),
+            _ => None,
+        }
     }
 
     /// The class results are compared within (baselines are kept per class): the device
@@ -170,18 +162,12 @@ impl Engine {
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.scorer.threads()
     }
 
     /// Device memory of a CUDA engine (peak allocated and used bytes), for reports.
-    pub fn cuda_memory(&self) -> Option<crate::backend::cuda::MemoryReport> {
-        match &self.model {
-            Model::Cpu(_) => None,
-            #[cfg(feature = "cuda")]
-            Model::Cuda(m) => Some(m.memory_report()),
-            #[cfg(not(feature = "cuda"))]
-            Model::Cuda(_) => None,
-        }
+    pub fn cuda_memory(&self) -> Option<MemoryReport> {
+        self.scorer.memory()
     }
 
     /// Compares every window scored from now on with a reference pass over the same tokens:
@@ -189,52 +175,53 @@ impl Engine {
     /// with it. Both must run on the CPU (the CUDA head has no reference mode yet), and
     /// another artifact must have the same tokenizer and vocabulary.
     pub fn set_reference(&mut self, kv: KvDtype, other: Option<Engine>) -> Result<()> {
-        if !matches!(self.model, Model::Cpu(_)) {
+        let Some(model) = self.scorer.cpu_model() else {
             anyhow::bail!("a reference pass (--reference-kv, --reference-artifact) runs on the CPU backend only, for now: add --device cpu");
-        }
-        if let Some(o) = &other {
-            if !matches!(o.model, Model::Cpu(_)) {
-                anyhow::bail!(
-                    "{}: the reference model must run on the CPU",
-                    o.artifact.path().display()
-                );
+        };
+        let (reference, artifact) = match other {
+            None => {
+                kv.check_head_dim(self.artifact.config.head_dim)?;
+                (model.clone(), None)
             }
-            let (a, b) = (&self.artifact, &o.artifact);
-            if self.tokenizer.sha256() != o.tokenizer.sha256()
-                || a.config.vocab_size != b.config.vocab_size
-            {
-                anyhow::bail!(
-                    "{}: its tokenizer (sha256 {}, vocabulary {}) differs from {}'s (sha256 {}, vocabulary {}); a reference must score the same tokens (artifacts {} and {})",
-                    b.path().display(),
-                    o.tokenizer.sha256(),
-                    b.config.vocab_size,
-                    a.path().display(),
-                    self.tokenizer.sha256(),
-                    a.config.vocab_size,
-                    b.digest,
-                    a.digest
-                );
+            Some(o) => {
+                let Some(m) = o.scorer.cpu_model() else {
+                    anyhow::bail!(
+                        "{}: the reference model must run on the CPU",
+                        o.artifact.path().display()
+                    );
+                };
+                let (a, b) = (&self.artifact, &o.artifact);
+                if self.tokenizer.sha256() != o.tokenizer.sha256()
+                    || a.config.vocab_size != b.config.vocab_size
+                {
+                    anyhow::bail!(
+                        "{}: its tokenizer (sha256 {}, vocabulary {}) differs from {}'s (sha256 {}, vocabulary {}); a reference must score the same tokens (artifacts {} and {})",
+                        b.path().display(),
+                        o.tokenizer.sha256(),
+                        b.config.vocab_size,
+                        a.path().display(),
+                        self.tokenizer.sha256(),
+                        a.config.vocab_size,
+                        b.digest,
+                        a.digest
+                    );
+                }
+                kv.check_head_dim(b.config.head_dim)?;
+                (m, Some(o.artifact))
             }
-            kv.check_head_dim(b.config.head_dim)?;
-        } else {
-            kv.check_head_dim(self.artifact.config.head_dim)?;
-        }
-        self.reference = Some(Reference {
-            kv,
-            other: other.map(Box::new),
-        });
+        };
+        drop(model);
+        self.scorer.set_reference(reference, kv)?;
+        self.reference = Some((kv, artifact));
         Ok(())
     }
 
     /// The reference pass's KV format and artifact (this engine's own when it is not
     /// another one), if [`Engine::set_reference`] set one.
     pub fn reference(&self) -> Option<(KvDtype, &Artifact)> {
-        self.reference.as_ref().map(|r| {
-            (
-                r.kv,
-                r.other.as_ref().map_or(&self.artifact, |e| &e.artifact),
-            )
-        })
+        self.reference
+            .as_ref()
+            .map(|(kv, other)| (*kv, other.as_ref().unwrap_or(&self.artifact)))
     }
 
     /// Scores one stream with the windows of `protocol` ([`Engine::score_windows`]).
@@ -366,51 +353,14 @@ impl Engine {
                 w.first_target
             )
         };
-        self.take_routing(); // counts start at zero for this stream
-        match &self.model {
-            Model::Cpu(model) => {
-                let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
-                let window_bytes = model.window_bytes(longest);
-                let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
-                // The reference pass's model: this one, or the other engine's (a CPU model:
-                // `set_reference` refuses anything else).
-                let reference = match &self.reference {
-                    None => None,
-                    Some(r) => match r.other.as_deref().map(|e| &e.model) {
-                        None => Some((&**model, r.kv)),
-                        Some(Model::Cpu(m)) => Some((&**m, r.kv)),
-                        Some(Model::Cuda(_)) => {
-                            anyhow::bail!("the reference model must run on the CPU")
-                        }
-                    },
-                };
-                let compute = |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| {
-                    match reference {
-                        None => model
-                            .window_rows_with(t, first, kv, may_split)
-                            .map(HeadRows::Scored),
-                        Some(r) => model
-                            .window_pairs_with(t, first, kv, r, may_split)
-                            .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
-                    }
-                };
-                score_cpu(
-                    &compute,
-                    &self.pool,
-                    CpuSchedule {
-                        in_flight,
-                        window_bytes,
-                    },
-                    tokens,
-                    ws,
-                    &mut finish,
-                    &window_error,
-                )?
-            }
-            Model::Cuda(model) => score_cuda(model, tokens, ws, kv, &mut finish, &window_error)?,
+        self.scorer.take_routing(); // counts start at zero for this stream
+        match self.scorer.score_windows(tokens, ws, kv, &mut finish) {
+            Ok(()) => {}
+            Err(ScoreError::Window { index, error }) => return Err(window_error(index, &error)),
+            Err(ScoreError::Finish(e)) => return Err(e),
+            Err(ScoreError::Device(e)) => return Err(e),
         }
-        // A reference pass of the same model would count every token twice: no balance then.
-        let routing = self.take_routing().filter(|_| self.reference.is_none());
+        let routing = self.scorer.take_routing();
         Ok(StreamScore {
             routing,
             tokens: tokens.len(),
@@ -421,100 +371,4 @@ impl Engine {
             reference,
         })
     }
-}
-
-impl Engine {
-    /// Routed tokens per expert since the last call (MoE models), zeroing the counts.
-    fn take_routing(&self) -> Option<Vec<u64>> {
-        match &self.model {
-            Model::Cpu(m) => m.take_routing(),
-            Model::Cuda(m) => m.take_routing(),
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn load_cuda(
-    a: &Artifact,
-    target: Target,
-    precision: Precision,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Model> {
-    Ok(Model::Cuda(Box::new(CudaModel::load(
-        a, target, precision, progress,
-    )?)))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn load_cuda(
-    _: &Artifact,
-    _: Target,
-    _: Precision,
-    _: &mut dyn FnMut(usize, usize),
-) -> Result<Model> {
-    anyhow::bail!("this build has no CUDA backend")
-}
-
-/// What a backend's head gives for a window's targets.
-pub(crate) enum HeadRows {
-    /// Log-probabilities only (the CUDA head, for now).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Logprobs(Vec<f32>),
-    /// Log-probabilities with each row's entropy and top-1 token (the CPU head).
-    Scored(Vec<RowScore>),
-    /// The same, with the reference pass's comparison at each row.
-    Paired(Vec<RowScore>, Vec<PairScore>),
-}
-
-impl HeadRows {
-    pub(crate) fn logprobs(&self) -> Vec<f32> {
-        match self {
-            HeadRows::Logprobs(v) => v.clone(),
-            HeadRows::Scored(r) | HeadRows::Paired(r, _) => r.iter().map(|r| r.logprob).collect(),
-        }
-    }
-}
-
-/// Accounts one finished window (index, head rows), in window order.
-type FinishWindow<'a> = dyn FnMut(usize, HeadRows) -> Result<()> + 'a;
-/// Names a window in an error that happened while computing it.
-type WindowError<'a> = dyn Fn(usize, &dyn std::fmt::Display) -> anyhow::Error + 'a;
-
-/// Scores the windows on the GPU in batches and hands each finished window to `finish`.
-#[cfg(feature = "cuda")]
-fn score_cuda(
-    model: &CudaModel,
-    tokens: &[u32],
-    ws: &[Window],
-    kv: KvDtype,
-    finish: &mut FinishWindow,
-    window_error: &WindowError,
-) -> Result<()> {
-    use crate::backend::cuda::model::ScoreError;
-    let r = model.score_windows(tokens, ws, kv, &mut |first, batch| {
-        for (j, lps) in batch.into_iter().enumerate() {
-            finish(first + j, HeadRows::Logprobs(lps))?;
-        }
-        Ok(())
-    });
-    match r {
-        Ok(()) => Ok(()),
-        Err(ScoreError::Window { index, error }) => Err(window_error(index, &error)),
-        Err(ScoreError::Device(e)) => {
-            Err(e.context(format!("CUDA scoring ({} windows)", ws.len())))
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn score_cuda(
-    model: &CudaModel,
-    _: &[u32],
-    _: &[Window],
-    _: KvDtype,
-    _: &mut FinishWindow,
-    _: &WindowError,
-) -> Result<()> {
-    let _ = model.config();
-    unreachable!("no CUDA model exists without the CUDA backend")
 }

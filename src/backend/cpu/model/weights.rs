@@ -1,5 +1,5 @@
 //! The CPU model's weights: the layout tree ([`crate::model::layout`]) with every part read
-//! from the artifact and widened to f32. CUDA twin: `backend/cuda/weights.rs`, which loads
+//! from the artifact and widened to f32. CUDA twin: `backend/cuda/model/weights.rs`, which loads
 //! the same tree into device buffers.
 //!
 //! One leaf loader, [`read`], walks a part's tensors by its [`Kind`]: stacked matrices and
@@ -41,7 +41,7 @@ pub fn read(t: &Tensor, tensor: &mut dyn FnMut(&str) -> Result<Vec<f32>>) -> Res
     let mut next = || tensor(names.next().expect("a part has its tensors"));
     Ok(match t.kind {
         Kind::Matrix | Kind::Vector => {
-            let mut m = Vec::with_capacity(t.len());
+            let mut m = Vec::with_capacity(t.elements());
             for _ in 0..t.parts.len() {
                 m.extend(next()?);
             }

@@ -2,8 +2,8 @@
 //! and the engine's scheduler: llama-shaped ([`synthetic_model`]) and hybrid qwen3_5-shaped
 //! ([`synthetic_hybrid_model`]).
 
+use crate::backend::cpu::model::CpuModel;
 use crate::model::config::{Family, HybridConfig, LayerKind, ModelConfig, OutputGate};
-use crate::model::forward::CpuModel;
 use crate::model::layout::{Attention, DeltaNet, Ffn, Layer, Mixer, Model, SwiGlu};
 
 pub(crate) fn synthetic_model() -> CpuModel {

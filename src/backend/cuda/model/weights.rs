@@ -1,11 +1,11 @@
 //! The CUDA model's weights: the layout tree ([`crate::model::layout`]) with every part in a
-//! device buffer. CPU twin: `model/weights.rs`, which reads the same tree into f32 and whose
+//! device buffer. CPU twin: `backend/cpu/model/weights.rs`, which reads the same tree into f32 and whose
 //! leaf reader this one reuses for everything but the matrices.
 
-use super::device::{DevBuf, Gpu};
-use super::launch::{self, Any, Ptr};
-use super::plan::{self, Precision};
 use crate::artifact::Artifact;
+use crate::backend::cuda::device::{DevBuf, Gpu};
+use crate::backend::cuda::launch::{self, Any, Ptr};
+use crate::backend::cuda::plan::{self, Precision};
 use crate::model::config::ModelConfig;
 use crate::model::layout::{self, Kind, Model, Tensor};
 use crate::quant::fp8::Fp8Scale;
@@ -70,7 +70,7 @@ impl Source<'_> {
                     .get(name)
                     .cloned()
                     .ok_or_else(|| anyhow!("random weights: no tensor {name}"))?;
-                let (dtype, bytes) = super::random::tensor_bytes(name, &shape, *seed);
+                let (dtype, bytes) = crate::artifact::random::tensor_bytes(name, &shape, *seed);
                 Ok(match dtype {
                     "F32" => bytes
                         .chunks_exact(4)
@@ -90,7 +90,6 @@ impl Source<'_> {
 /// compute precision, vectors and norms in f32).
 pub type Leaf = DevBuf;
 pub(super) type DevWeights = Model<Leaf>;
-pub(super) type DeltaNet = layout::DeltaNet<Leaf>;
 pub(super) type Moe = layout::Moe<Leaf>;
 
 /// Uploads every tensor, one part at a time (host memory holds at most one widened
@@ -118,11 +117,12 @@ pub(super) fn upload(
 /// dequantized there; everything else is widened on the host (the CPU loader's values,
 /// `model::weights::read`) and converted to the buffer's element type.
 fn upload_part(a: &Source, gpu: &Gpu, precision: Precision, t: &Tensor) -> Result<DevBuf> {
-    let widened = |t: &Tensor| crate::model::weights::read(t, &mut |n| a.tensor_f32(n));
+    let widened =
+        |t: &Tensor| crate::backend::cpu::model::weights::read(t, &mut |n| a.tensor_f32(n));
     match t.kind {
         Kind::Matrix => {
             let e = precision.elem_bytes();
-            let buf = gpu.alloc(t.len() * e)?;
+            let buf = gpu.alloc(t.elements() * e)?;
             let mut off = 0;
             for n in t.names() {
                 off += match a.quantized(n) {
@@ -140,7 +140,7 @@ fn upload_part(a: &Source, gpu: &Gpu, precision: Precision, t: &Tensor) -> Resul
         // q_proj interleaves each head's query and gate rows: widened on the host and
         // reordered (k and v with it, the same values a quantized k or v dequantizes to).
         Kind::GatedQkv { .. } => {
-            let buf = gpu.alloc(t.len() * precision.elem_bytes())?;
+            let buf = gpu.alloc(t.elements() * precision.elem_bytes())?;
             gpu.write(&buf, 0, &to_device_elems(&widened(t)?, precision))?;
             Ok(buf)
         }

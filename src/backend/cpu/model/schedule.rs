@@ -1,12 +1,16 @@
-//! How the CPU backend spreads a stream's windows over its worker threads.
+//! How the CPU backend schedules a stream's windows: its [`Scorer`], which spreads windows
+//! over its worker threads ([`score_cpu`]). CUDA twin: `backend/cuda/model/schedule.rs`,
+//! which packs windows into forward passes.
 //!
 //! Results never depend on it: a window's log-probabilities depend only on its tokens (see
-//! [`score_cpu`] for why, and the tests below and in tests/determinism.rs).
+//! [`score_cpu`] for why, and the tests below and `tests/it/determinism.rs`).
 
-use super::{FinishWindow, HeadRows, WindowError};
+use super::CpuModel;
+use crate::backend::{FinishWindow, HeadRows, ScoreError, Scorer};
+use crate::kv::KvDtype;
 use crate::model::ForwardError;
 use crate::score::Window;
-use anyhow::Result;
+use std::sync::Arc;
 
 /// Working memory the CPU backend may spend on windows in flight at once (the weights
 /// are not counted). SmolLM2 at context 4096 needs about 150 MB per window.
@@ -19,6 +23,105 @@ pub(super) fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows
     threads.min(by_memory).min(windows).max(1)
 }
 
+/// The CPU backend as the engine sees it: the model, its worker threads and, for a
+/// reference pass (`--reference-kv`, `--reference-artifact`), the model and KV format every
+/// window is compared with.
+pub struct CpuScorer {
+    model: Arc<CpuModel>,
+    pool: rayon::ThreadPool,
+    /// The reference pass's KV format, and its model unless it is `model` itself.
+    reference: Option<(Option<Arc<CpuModel>>, KvDtype)>,
+}
+
+impl CpuScorer {
+    /// `threads` worker threads (at least 1).
+    /// Refuses a bad `NINFER_CPU_GEMM` (a typo would time the wrong GEMM).
+    pub fn new(model: CpuModel, threads: usize) -> anyhow::Result<CpuScorer> {
+        crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| anyhow::anyhow!("cannot start {threads} worker threads: {e}"))?;
+        Ok(CpuScorer {
+            model: Arc::new(model),
+            pool,
+            reference: None,
+        })
+    }
+}
+
+impl Scorer for CpuScorer {
+    fn score_windows(
+        &self,
+        tokens: &[u32],
+        ws: &[Window],
+        kv: KvDtype,
+        finish: &mut FinishWindow,
+    ) -> Result<(), ScoreError> {
+        let model = &*self.model;
+        let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
+        let window_bytes = model.window_bytes(longest);
+        let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
+        let reference = self
+            .reference
+            .as_ref()
+            .map(|(m, k)| (m.as_deref().unwrap_or(model), *k));
+        let compute =
+            |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match reference {
+                None => model
+                    .window_rows_with(t, first, kv, may_split)
+                    .map(HeadRows::Scored),
+                Some(r) => model
+                    .window_pairs_with(t, first, kv, r, may_split)
+                    .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
+            };
+        score_cpu(
+            &compute,
+            &self.pool,
+            CpuSchedule {
+                in_flight,
+                window_bytes,
+            },
+            tokens,
+            ws,
+            finish,
+        )
+    }
+
+    fn take_routing(&self) -> Option<Vec<u64>> {
+        // A reference pass of the same model would count every token twice: no balance then.
+        let counts = self.model.take_routing();
+        counts.filter(|_| self.reference.is_none())
+    }
+
+    fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn cpu_model(&self) -> Option<Arc<CpuModel>> {
+        Some(self.model.clone())
+    }
+
+    /// `reference`: this scorer's own model, or another with the same vocabulary.
+    fn set_reference(&mut self, reference: Arc<CpuModel>, kv: KvDtype) -> anyhow::Result<()> {
+        // Its own model is held once, so that test faults still reach both passes.
+        let other = (!Arc::ptr_eq(&reference, &self.model)).then_some(reference);
+        self.reference = Some((other, kv));
+        Ok(())
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn set_faults(&mut self, faults: super::fault::Faults) -> anyhow::Result<()> {
+        match Arc::get_mut(&mut self.model) {
+            Some(m) => {
+                m.set_faults(faults);
+                Ok(())
+            }
+            None => anyhow::bail!("test faults are set before a reference pass shares the model"),
+        }
+    }
+}
+
 /// How [`score_cpu`] may use the pool.
 pub(super) struct CpuSchedule {
     /// Windows computing at once ([`cpu_windows_in_flight`]).
@@ -26,6 +129,11 @@ pub(super) struct CpuSchedule {
     /// Working memory of the longest window (`CpuModel::window_bytes`).
     pub(super) window_bytes: usize,
 }
+
+/// One window's computation: its tokens, the first target's index in them, and the split
+/// question (`CpuModel::window_rows_with`).
+pub(super) type Compute<'a> =
+    dyn Fn(&[u32], usize, &(dyn Fn() -> bool + Sync)) -> Result<HeadRows, ForwardError> + Sync + 'a;
 
 /// Scores CPU windows with up to `in_flight` of them computing at once and hands each to
 /// `finish` in window order, on the calling thread.
@@ -51,12 +159,6 @@ pub(super) struct CpuSchedule {
 /// Errors: windows start in order, so when the next window in order failed every earlier
 /// one succeeded; that first error is returned, no new window starts and the ones already
 /// running finish and are dropped.
-#[allow(clippy::too_many_arguments)]
-/// One window's computation: its tokens, the first target's index in them, and the split
-/// question (`CpuModel::window_rows_with`).
-pub(super) type Compute<'a> =
-    dyn Fn(&[u32], usize, &(dyn Fn() -> bool + Sync)) -> Result<HeadRows, ForwardError> + Sync + 'a;
-
 pub(super) fn score_cpu(
     compute: &Compute,
     pool: &rayon::ThreadPool,
@@ -64,8 +166,7 @@ pub(super) fn score_cpu(
     tokens: &[u32],
     ws: &[Window],
     finish: &mut FinishWindow,
-    window_error: &WindowError,
-) -> Result<()> {
+) -> Result<(), ScoreError> {
     use std::collections::BTreeMap;
     use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -86,8 +187,8 @@ pub(super) fn score_cpu(
                     let (t, first) = (&tokens[w.begin..w.end], w.first_target - w.begin);
                     compute(t, first, &may_split)
                 })
-                .map_err(|e| window_error(wi, &e))?;
-            finish(wi, lps)?;
+                .map_err(|error| ScoreError::Window { index: wi, error })?;
+            finish(wi, lps).map_err(ScoreError::Finish)?;
         }
         return Ok(());
     }
@@ -168,10 +269,10 @@ pub(super) fn score_cpu(
             ready.insert(wi, outcome);
             while let Some(outcome) = ready.remove(&next) {
                 let lps = match outcome {
-                    Ok(r) => r.map_err(|e| window_error(next, &e))?,
+                    Ok(r) => r.map_err(|error| ScoreError::Window { index: next, error })?,
                     Err(panic) => resume_unwind(panic),
                 };
-                finish(next, lps)?;
+                finish(next, lps).map_err(ScoreError::Finish)?;
                 next += 1;
             }
         }
@@ -182,11 +283,10 @@ pub(super) fn score_cpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::model::synthetic::synthetic_model;
+    use crate::backend::cpu::model::CpuModel;
     use crate::kv::KvDtype;
-    use crate::model::forward::CpuModel;
-    use crate::model::synthetic::synthetic_model;
     use crate::score::{windows, Protocol};
-    use anyhow::anyhow;
 
     /// What `score_cpu` handed to `finish` (window index and log-probability bits, in the
     /// order received) and its error, if any.
@@ -219,7 +319,6 @@ mod tests {
                 got.push((wi, rows.logprobs().iter().map(|x| x.to_bits()).collect()));
                 Ok(())
             },
-            &|wi, e| anyhow!("window {wi}: {e}"),
         );
         (got, r.err().map(|e| e.to_string()))
     }

@@ -1,4 +1,5 @@
-//! The sparse mixture-of-experts MLP on the CUDA path, the twin of `model::moe::moe_block`.
+//! The sparse mixture-of-experts MLP on CUDA. CPU twin: `backend/cpu/model/moe.rs`
+//! (`moe_block`).
 //!
 //! The router is a GEMM and `moe_route` (softmax, top-k with ties to the lower expert,
 //! renormalisation). The choices come back to the host, which groups the tokens by expert
@@ -13,12 +14,13 @@
 //! loop): their rows are contiguous, so the loop is the only thing a fused grouped kernel
 //! would change, not the numbers.
 
-use super::device::{DevBuf, Gpu};
-use super::gemm::{Blas, Mat};
-use super::launch::{self, Any, Ptr};
-use super::plan::{self, Precision};
+use super::layer::swiglu;
 use super::weights::Moe;
-use crate::model::config::MoeConfig;
+use super::CudaModel;
+use crate::backend::cuda::device::DevBuf;
+use crate::backend::cuda::gemm::Mat;
+use crate::backend::cuda::launch::{self, Any, Ptr};
+use crate::backend::cuda::plan::{self, Precision};
 use anyhow::{bail, Result};
 
 /// Tokens grouped by expert, from the router's choices `idx[rows, k]`.
@@ -106,11 +108,8 @@ pub(super) struct MoeBufs {
 
 /// The buffers a block reads and overwrites besides its own.
 pub(super) struct Io<'a> {
-    /// The residual stream `[rows, d]` f32 (the block adds to it).
+    /// The residual rows `[rows, d]` f32 (the block adds to them).
     pub x: &'a DevBuf,
-    /// When the block runs on a subset of the residual rows: row r of `h` is row
-    /// `rows[r]` of `x` (the host list and its device copy).
-    pub rows: Option<(&'a [i32], Ptr<i32>)>,
     /// The block's normed input `[rows, d]` in the precision.
     pub h: &'a DevBuf,
     /// The block's RMSNorm weight (re-applied to gather the rows by expert).
@@ -121,193 +120,175 @@ pub(super) struct Io<'a> {
     pub act: &'a DevBuf,
 }
 
-/// Adds the MoE block's output for the `m` rows of `io.h` to `io.x`; adds each expert's
-/// routed rows to `counts`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn moe_block(
-    g: &Gpu,
-    blas: &Blas,
-    precision: Precision,
-    cfg: &MoeConfig,
-    d: usize,
-    eps: f64,
-    w: &Moe,
-    b: &MoeBufs,
-    io: &Io,
-    m: usize,
-    counts: &mut [u64],
-) -> Result<()> {
-    let (ne, k, fi) = (
-        cfg.num_experts,
-        cfg.num_experts_per_tok,
-        cfg.moe_intermediate_size,
-    );
-    let e = precision.elem_bytes();
-    let bf16_out = (precision == Precision::Bf16) as i32;
-    let routed = m * k;
-    // The router buffer's regions: logits [m, E], gate [m], idx [m, k], wts [m, k].
-    let (o_gate, o_idx, o_wts) = (4 * m * ne, 4 * m * (ne + 1), 4 * m * (ne + 1 + k));
-    blas.gemm(
-        g,
-        m,
-        ne,
-        d,
-        Mat::of(io.h, 0, d),
-        Mat::of(&w.router, 0, d),
-        Mat::of(&b.router, 0, ne),
-        false,
-    )?;
-    g.launch(
-        "moe_route",
-        (plan::blocks_for(m, 128), 1, 1),
-        128,
-        0,
-        &launch::MoeRoute {
-            logits: Ptr::new(b.router.ptr),
-            rows: m as i64,
-            experts: ne as i32,
-            k: k as i32,
-            renorm: cfg.norm_topk_prob as i32,
-            idx: Ptr::new(b.router.at(o_idx)),
-            wts: Ptr::new(b.router.at(o_wts)),
-        },
-    )?;
-    let idx: Vec<i32> = g.read(&b.router, o_idx, routed)?;
-    let grouping = Grouping::build(&idx, m, k, ne)?;
-    for (c, n) in counts.iter_mut().zip(grouping.counts()) {
-        *c += n as u64;
-    }
-    // The gathered rows are read from the residual stream, at its own row numbers.
-    let src: Vec<i32> = match io.rows {
-        Some((rows, _)) => grouping.src.iter().map(|&r| rows[r as usize]).collect(),
-        None => grouping.src.clone(),
-    };
-    let ints = g.upload(&[&src[..], &grouping.slot, &grouping.pick].concat())?;
-    let (o_src, o_slot, o_pick) = (0, 4 * routed, 8 * routed);
-    // The input rows grouped by expert: the block's norm again, over a row list.
-    g.launch(
-        "rms_norm",
-        (routed as u32, 1, 1),
-        256,
-        0,
-        &launch::RmsNorm {
-            x: Ptr::new(io.x.ptr),
-            rows: Ptr::new(ints.at(o_src)),
-            w: Ptr::new(io.norm.ptr),
-            out: Ptr::<Any>::new(b.input.ptr),
-            out_bf16: bf16_out,
-            d: d as i32,
-            eps,
-        },
-    )?;
-    let experts_with_rows = || {
-        grouping
-            .offsets
-            .windows(2)
-            .enumerate()
-            .filter(|(_, r)| r[1] > r[0])
-            .map(|(x, r)| (x, r[0], r[1] - r[0]))
-    };
-    for (x, r0, n) in experts_with_rows() {
+impl CudaModel {
+    /// Adds the MoE block's output for the `m` rows of `io.h` to `io.x`; adds each expert's
+    /// routed rows to `counts`.
+    pub(super) fn moe(
+        &self,
+        w: &Moe,
+        b: &MoeBufs,
+        io: &Io,
+        m: usize,
+        counts: &mut [u64],
+    ) -> Result<()> {
+        let (g, blas, precision) = (&self.gpu, &self.blas, self.precision);
+        let cfg = self
+            .config
+            .moe
+            .as_ref()
+            .expect("a MoE layer has a MoE config");
+        let (d, eps) = (self.config.hidden_size, self.config.rms_norm_eps);
+        let (ne, k, fi) = (
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+        );
+        let e = precision.elem_bytes();
+        let bf16_out = (precision == Precision::Bf16) as i32;
+        let routed = m * k;
+        // The router buffer's regions: logits [m, E], gate [m], idx [m, k], wts [m, k].
+        let (o_gate, o_idx, o_wts) = (4 * m * ne, 4 * m * (ne + 1), 4 * m * (ne + 1 + k));
         blas.gemm(
             g,
-            n,
-            2 * fi,
+            m,
+            ne,
             d,
-            Mat::of(&b.input, r0 * d * e, d),
-            Mat::of(&w.experts.gate_up, x * 2 * fi * d * e, d),
-            Mat::of(io.scratch, r0 * 2 * fi * 4, 2 * fi),
+            Mat::of(io.h, 0, d),
+            Mat::of(&w.router, 0, d),
+            Mat::of(&b.router, 0, ne),
             false,
         )?;
-    }
-    swiglu(g, io.scratch, io.act, bf16_out, routed, fi)?;
-    for (x, r0, n) in experts_with_rows() {
-        blas.gemm(
-            g,
-            n,
-            d,
-            fi,
-            Mat::of(io.act, r0 * fi * e, fi),
-            Mat::of(&w.experts.down, x * d * fi * e, fi),
-            Mat::of(&b.out, r0 * d * 4, d),
-            false,
+        g.launch(
+            "moe_route",
+            (plan::blocks_for(m, 128), 1, 1),
+            128,
+            0,
+            &launch::MoeRoute {
+                logits: Ptr::new(b.router.ptr),
+                rows: m as i64,
+                experts: ne as i32,
+                k: k as i32,
+                renorm: cfg.norm_topk_prob as i32,
+                idx: Ptr::new(b.router.at(o_idx)),
+                wts: Ptr::new(b.router.at(o_wts)),
+            },
         )?;
-    }
-    let (shared, gate) = match &w.shared {
-        Some(sh) => {
-            let (sw, gw) = (&sh.mlp, &sh.gate);
-            let fs = cfg.shared_expert_intermediate_size;
-            let s_off = routed * d * 4;
-            blas.gemm(
-                g,
-                m,
-                2 * fs,
-                d,
-                Mat::of(io.h, 0, d),
-                Mat::of(&sw.gate_up, 0, d),
-                Mat::of(io.scratch, 0, 2 * fs),
-                false,
-            )?;
-            swiglu(g, io.scratch, io.act, bf16_out, m, fs)?;
-            blas.gemm(
-                g,
-                m,
-                d,
-                fs,
-                Mat::of(io.act, 0, fs),
-                Mat::of(&sw.down, 0, fs),
-                Mat::of(&b.out, s_off, d),
-                false,
-            )?;
-            blas.gemm(
-                g,
-                m,
-                1,
-                d,
-                Mat::of(io.h, 0, d),
-                Mat::of(gw, 0, d),
-                Mat::of(&b.router, o_gate, 1),
-                false,
-            )?;
-            (Ptr::new(b.out.at(s_off)), Ptr::new(b.router.at(o_gate)))
+        let idx: Vec<i32> = g.read(&b.router, o_idx, routed)?;
+        let grouping = Grouping::build(&idx, m, k, ne)?;
+        for (c, n) in counts.iter_mut().zip(grouping.counts()) {
+            *c += n as u64;
         }
-        None => (Ptr::NULL, Ptr::NULL),
-    };
-    g.launch(
-        "moe_combine",
-        (plan::blocks_for(m * d, 256), 1, 1),
-        256,
-        0,
-        &launch::MoeCombine {
-            y: Ptr::new(b.out.ptr),
-            slot: Ptr::new(ints.at(o_slot)),
-            pick: Ptr::new(ints.at(o_pick)),
-            wts: Ptr::new(b.router.at(o_wts)),
-            k: k as i32,
-            shared,
-            gate,
-            x: Ptr::new(io.x.ptr),
-            xrows: io.rows.map_or(Ptr::NULL, |(_, p)| p),
-            rows: m as i64,
-            d: d as i32,
-        },
-    )
-}
-
-fn swiglu(g: &Gpu, gu: &DevBuf, act: &DevBuf, bf16_out: i32, rows: usize, f: usize) -> Result<()> {
-    g.launch(
-        "swiglu",
-        (plan::blocks_for(rows * f, 256), 1, 1),
-        256,
-        0,
-        &launch::Swiglu {
-            gu: Ptr::new(gu.ptr),
-            act: Ptr::new(act.ptr),
-            out_bf16: bf16_out,
-            rows: rows as i64,
-            f: f as i32,
-        },
-    )
+        let ints = g.upload(&[&grouping.src[..], &grouping.slot, &grouping.pick].concat())?;
+        let (o_src, o_slot, o_pick) = (0, 4 * routed, 8 * routed);
+        // The input rows grouped by expert: the block's norm again, over a row list.
+        g.launch(
+            "rms_norm",
+            (routed as u32, 1, 1),
+            256,
+            0,
+            &launch::RmsNorm {
+                x: Ptr::new(io.x.ptr),
+                rows: Ptr::new(ints.at(o_src)),
+                w: Ptr::new(io.norm.ptr),
+                out: Ptr::<Any>::new(b.input.ptr),
+                out_bf16: bf16_out,
+                d: d as i32,
+                eps,
+            },
+        )?;
+        let experts_with_rows = || {
+            grouping
+                .offsets
+                .windows(2)
+                .enumerate()
+                .filter(|(_, r)| r[1] > r[0])
+                .map(|(x, r)| (x, r[0], r[1] - r[0]))
+        };
+        for (x, r0, n) in experts_with_rows() {
+            blas.gemm(
+                g,
+                n,
+                2 * fi,
+                d,
+                Mat::of(&b.input, r0 * d * e, d),
+                Mat::of(&w.experts.gate_up, x * 2 * fi * d * e, d),
+                Mat::of(io.scratch, r0 * 2 * fi * 4, 2 * fi),
+                false,
+            )?;
+        }
+        swiglu(g, io.scratch, io.act, bf16_out, routed, fi)?;
+        for (x, r0, n) in experts_with_rows() {
+            blas.gemm(
+                g,
+                n,
+                d,
+                fi,
+                Mat::of(io.act, r0 * fi * e, fi),
+                Mat::of(&w.experts.down, x * d * fi * e, fi),
+                Mat::of(&b.out, r0 * d * 4, d),
+                false,
+            )?;
+        }
+        let (shared, gate) = match &w.shared {
+            Some(sh) => {
+                let (sw, gw) = (&sh.mlp, &sh.gate);
+                let fs = cfg.shared_expert_intermediate_size;
+                let s_off = routed * d * 4;
+                blas.gemm(
+                    g,
+                    m,
+                    2 * fs,
+                    d,
+                    Mat::of(io.h, 0, d),
+                    Mat::of(&sw.gate_up, 0, d),
+                    Mat::of(io.scratch, 0, 2 * fs),
+                    false,
+                )?;
+                swiglu(g, io.scratch, io.act, bf16_out, m, fs)?;
+                blas.gemm(
+                    g,
+                    m,
+                    d,
+                    fs,
+                    Mat::of(io.act, 0, fs),
+                    Mat::of(&sw.down, 0, fs),
+                    Mat::of(&b.out, s_off, d),
+                    false,
+                )?;
+                blas.gemm(
+                    g,
+                    m,
+                    1,
+                    d,
+                    Mat::of(io.h, 0, d),
+                    Mat::of(gw, 0, d),
+                    Mat::of(&b.router, o_gate, 1),
+                    false,
+                )?;
+                (Ptr::new(b.out.at(s_off)), Ptr::new(b.router.at(o_gate)))
+            }
+            None => (Ptr::NULL, Ptr::NULL),
+        };
+        g.launch(
+            "moe_combine",
+            (plan::blocks_for(m * d, 256), 1, 1),
+            256,
+            0,
+            &launch::MoeCombine {
+                y: Ptr::new(b.out.ptr),
+                slot: Ptr::new(ints.at(o_slot)),
+                pick: Ptr::new(ints.at(o_pick)),
+                wts: Ptr::new(b.router.at(o_wts)),
+                k: k as i32,
+                shared,
+                gate,
+                x: Ptr::new(io.x.ptr),
+                xrows: Ptr::NULL,
+                rows: m as i64,
+                d: d as i32,
+            },
+        )
+    }
 }
 
 #[cfg(test)]

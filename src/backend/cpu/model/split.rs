@@ -14,9 +14,9 @@
 //! tests/determinism.rs).
 
 use crate::backend::cpu::attention::Q_BLOCK;
+use crate::backend::cpu::model::profile::Laps;
+use crate::backend::cpu::model::{Bufs, CpuModel, Pass};
 use crate::model::error::ForwardError;
-use crate::model::forward::{Bufs, CpuModel, Pass};
-use crate::model::profile::Laps;
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 
@@ -255,9 +255,9 @@ impl Drop for CloseOnDrop<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::model::synthetic::synthetic_model;
     use crate::kv::KvDtype;
     use crate::model::error::Part;
-    use crate::model::synthetic::synthetic_model;
 
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
