@@ -47,27 +47,33 @@ mode="${1:-build}"
 carry="$root/eval/.cache/gpu-carry"
 stash="$root/eval/.cache/gpu-stash"
 gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-tests=(cuda_nvrtc cuda_kv cuda_parity cuda_bench)
+# The device checks are the `parity` test binary (its `::cuda` cases and `nvrtc::`) and the
+# `cuda` bench.
+bins=(parity cuda)
 
 say() { echo "gpu-check: $*" >&2; }
 
-test_binary() { # the newest built test executable for a test target
+test_binary() { # the newest built executable of a test or bench target
   ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n 1
+}
+build_checks() { # the parity test binary and the cuda bench, not run
+  cargo test --release --quiet --no-run --test parity >/dev/null 2>&1 &&
+    cargo bench --quiet --no-run --bench cuda >/dev/null 2>&1
 }
 
 case "$mode" in
 bundle)
   set -e
   cargo build --release --quiet --bins
-  for t in "${tests[@]}"; do cargo test --release --quiet --no-run --test "$t" >/dev/null 2>&1; done
+  build_checks
   work="$(mktemp -d)"
   mkdir -p "$work/bin" "$work/cubin" "$work/streams" "$carry" "$stash"
   cp target/release/ninfer-perplexity target/release/ninfer-pack "$work/bin/"
-  for t in "${tests[@]}"; do cp "$(test_binary "$t")" "$work/bin/$t"; done
+  for t in "${bins[@]}"; do cp "$(test_binary "$t")" "$work/bin/$t"; done
   strip "$work/bin/"*
   # Fill the CUBIN cache for sm_90 with the exact programs the binaries embed.
   export NINFER_NVRTC_LIB_DIR="${NINFER_NVRTC_LIB_DIR:-$(bash ci/install-nvrtc.sh)}"
-  NINFER_CUDA_CACHE_DIR="$work/cubin" "$work/bin/cuda_nvrtc" --quiet >/dev/null
+  NINFER_CUDA_CACHE_DIR="$work/cubin" "$work/bin/parity" nvrtc:: --quiet >/dev/null
   cp eval/corpora/perplexity-1m/streams/*.txt "$work/streams/"
   cp models/cache/qwen3-tokenizer.json "$work/" 2>/dev/null || say "bundle: no qwen3 tokenizer (tiny-qwen3 parity will fail)"
   tar -C "$work" -cJf "$carry/bundle.tar.xz" .
@@ -319,10 +325,7 @@ if [ "$mode" = run ]; then
 else
   export NINFER_CUDA_CACHE_DIR="$root/eval/.cache/cubin"
   cargo build --release --quiet --bins || { echo "setup FAILED: cargo build" >>"$steps"; exit 1; }
-  for t in "${tests[@]}"; do
-    cargo test --release --quiet --no-run --test "$t" >/dev/null 2>&1 ||
-      { echo "setup FAILED: cargo test --no-run --test $t" >>"$steps"; exit 1; }
-  done
+  build_checks || { echo "setup FAILED: cargo test --no-run --test parity, cargo bench --no-run --bench cuda" >>"$steps"; exit 1; }
   NP="$root/target/release/ninfer-perplexity"; PACK="$root/target/release/ninfer-pack"
   tb() { test_binary "$1"; }
   [ -f models/smollm2-135m-bf16.ninfer ] || bash eval/prepare/prepare-smollm2.sh >&2 || true
@@ -361,13 +364,13 @@ step() { # name, timeout seconds, command...
 }
 
 # 1. Kernels compile for this device (fills the CUBIN cache when building here).
-[ "$mode" = build ] && step nvrtc 240 "$(tb cuda_nvrtc)" --nocapture
-# 2. Device codecs store the CPU's bits.
-step kv-codecs 120 "$(tb cuda_kv)" --ignored --nocapture --test-threads 1
+[ "$mode" = build ] && step nvrtc 240 "$(tb parity)" nvrtc:: --nocapture
+# 2. Device codecs store the CPU's bits (the `::cuda` half of each parity case).
+step kv-codecs 120 "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
 # 3. Parity with the CPU reference.
 skip=()
 [ -f models/smollm2-135m-bf16.ninfer ] || { skip=(--skip smollm2); say "no SmolLM2 artifact: its parity is skipped"; }
-step parity 300 "$(tb cuda_parity)" --ignored --nocapture --test-threads 1 "${skip[@]}"
+step parity 300 "$(tb parity)" ::cuda --skip kv:: --nocapture --test-threads 1 "${skip[@]}"
 # 4. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
 if [ -f models/smollm2-135m-bf16.ninfer ]; then
   for kv in f32 bf16 int8 fp8 nvfp4 k8v4; do
@@ -378,17 +381,17 @@ if [ -f models/smollm2-135m-bf16.ninfer ]; then
 fi
 # 5. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
 NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
-  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda_bench)" --ignored --nocapture
+  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda)"
 # 6. The Qwen3.5 27B hybrid's shape (its first GPU_CHECK_HYBRID_LAYERS layers, the 3:1
 #    DeltaNet/attention pattern kept), random weights, same protocol.
 NINFER_BENCH_OUT="$work/bench-hybrid.json" NINFER_BENCH_PRESET=qwen3_5-27b \
   NINFER_BENCH_LAYERS="${GPU_CHECK_HYBRID_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_HYBRID_WINDOWS:-8}" \
-  step bench-hybrid 150 "$(tb cuda_bench)" --ignored --nocapture
+  step bench-hybrid 150 "$(tb cuda)"
 # 7. The Qwen3.5-35B-A3B mixture of experts' shape (256 experts, 8 chosen, a shared expert;
 #    its first GPU_CHECK_MOE_LAYERS layers), random weights, same protocol.
 NINFER_BENCH_OUT="$work/bench-moe.json" NINFER_BENCH_PRESET=qwen3_5-35b-a3b \
   NINFER_BENCH_LAYERS="${GPU_CHECK_MOE_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_MOE_WINDOWS:-8}" \
-  step bench-moe 150 "$(tb cuda_bench)" --ignored --nocapture
+  step bench-moe 150 "$(tb cuda)"
 
 say "finished in $(elapsed_s)s"
 exit $status # the EXIT trap prints the table and packs $work into $OUT

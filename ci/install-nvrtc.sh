@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs NVRTC for the CPU-only kernel compile check (tests/cuda_nvrtc.rs) and prints the
+# Installs NVRTC for the CPU-only kernel compile check (tests/parity/nvrtc.rs) and prints the
 # directory holding libnvrtc.so.13, for NINFER_NVRTC_LIB_DIR:
 #
 #   export NINFER_NVRTC_LIB_DIR="$(bash ci/install-nvrtc.sh)"
