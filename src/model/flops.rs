@@ -8,10 +8,12 @@
 //!   computes when asked for logits). It does not depend on how many positions are scored, so
 //!   two engines scoring the same windows are credited with the same work, and one that
 //!   skips logits nobody reads shows it as a higher rate. The CPU speed target is stated in it.
-//! * [`Work::HeadOnScoredRows`]: every layer for every token, the head for scored rows only:
-//!   the work the CUDA backend does.
-//! * [`Work::CpuScoring`]: [`Work::HeadOnScoredRows`] less what the CPU backend also skips:
-//!   after the last layer only the rows that predict a target are read, so there attention
+//! * [`Work::HeadOnScoredRows`]: every layer for every token, the head for scored rows only.
+//! * [`Work::CudaScoring`]: [`Work::HeadOnScoredRows`] less the last layer's MLP for the rows
+//!   before the first that predicts a target (`model::pass::PassPlan::last_layer`): the work
+//!   the CUDA backend does.
+//! * [`Work::CpuScoring`]: [`Work::HeadOnScoredRows`] less what the CPU backend skips: after
+//!   the last layer only the rows that predict a target are read, so there attention
 //!   (queries from row `len - scored - 1` on), the o-projection and the MLP run for those rows
 //!   only, while the q/k/v projection still runs for every token.
 
@@ -22,6 +24,7 @@ use crate::model::config::{LayerKind, ModelConfig};
 pub enum Work {
     ForwardPass,
     HeadOnScoredRows,
+    CudaScoring,
     CpuScoring,
 }
 
@@ -71,6 +74,13 @@ pub fn window_flops(c: &ModelConfig, work: Work, len: usize, scored: usize) -> f
     match work {
         Work::ForwardPass => body + head(len),
         Work::HeadOnScoredRows => body + head(scored),
+        Work::CudaScoring => {
+            let skipped_rows = len.saturating_sub(scored + 1) as f64;
+            match c.num_layers {
+                0 => body + head(scored),
+                n => body + head(scored) - skipped_rows * mlp_of(n - 1),
+            }
+        }
         Work::CpuScoring => {
             let full = body + head(scored);
             if c.num_layers == 0 || scored == 0 {
@@ -180,5 +190,33 @@ mod tests {
         );
         // A window that scores every row after the first skips nothing.
         assert_eq!(window_flops(&c, Work::CpuScoring, 5, 4), scored(4));
+        // CUDA skips the last layer's MLP (2 * 96 FLOPs a row) for those rows only.
+        assert_eq!(
+            window_flops(&c, Work::CudaScoring, 5, 2),
+            scored(2) - 2.0 * 192.0
+        );
+        assert_eq!(window_flops(&c, Work::CudaScoring, 5, 4), scored(4));
+    }
+
+    /// What the CUDA backend's last-layer trimming saves, at the CLI's default protocol
+    /// (4096 / 2048: every window after the first skips 2047 rows of the last MLP) and at
+    /// the emulated parity tests' (96 / 48: 47 rows), for SmolLM2 and the Qwen3.5 27B.
+    #[test]
+    fn the_cuda_trimming_saves_the_last_mlp_of_the_unscored_rows() {
+        let mut smollm2 = ModelConfig::for_test(Family::Llama, 30, 576, 9, 3, 64, 1536, 49_152);
+        smollm2.tie_word_embeddings = true;
+        let hybrid = crate::model::presets::preset("qwen3_5-27b").unwrap();
+        for (name, c) in [("smollm2", &smollm2), ("qwen3_5-27b", &hybrid)] {
+            for (len, scored) in [(4096, 2048), (96, 48)] {
+                let all = window_flops(c, Work::HeadOnScoredRows, len, scored);
+                let cuda = window_flops(c, Work::CudaScoring, len, scored);
+                let saved = 1.0 - cuda / all;
+                eprintln!(
+                    "{name} {len}/{scored}: the CUDA trimming saves {:.2}% of a window's FLOPs",
+                    100.0 * saved
+                );
+                assert!(saved > 0.0 && saved < 1.0 / c.num_layers as f64);
+            }
+        }
     }
 }
