@@ -8,7 +8,6 @@ use super::buffers::Buffers;
 use super::layer::{Ints, Pass};
 use super::weights::Leaf;
 use super::CudaModel;
-use crate::backend::cuda::gemm::Mat;
 use crate::backend::cuda::launch::{self, Ptr};
 use crate::backend::cuda::plan::{self, AttnKernel};
 use crate::model::layout::Attention;
@@ -38,16 +37,7 @@ impl CudaModel {
         // Attention block: [q | k | v (| gate)] rows, the gate left in scratch.
         let gate_w = if at.gated { qd } else { 0 };
         let qkv_w = qd + 2 * kvd + gate_w;
-        self.blas.gemm(
-            &self.gpu,
-            m,
-            qkv_w,
-            d,
-            Mat::of(&b.h, 0, d),
-            Mat::of(&at.qkv, 0, d),
-            Mat::of(&b.scratch, 0, qkv_w),
-            false,
-        )?;
+        self.matmul_wt(&b.h, m, d, &at.qkv, qkv_w, &b.scratch, false)?;
         g.launch(
             &plan::qkv_entry(p.kv, hd)?,
             (plan::blocks_for(m * (hq + 2 * hkv), plan::QKV_WARPS), 1, 1),
@@ -95,16 +85,7 @@ impl CudaModel {
                 },
             )?;
         }
-        self.blas.gemm(
-            &self.gpu,
-            m,
-            d,
-            qd,
-            Mat::of(&b.attn, 0, qd),
-            Mat::of(&at.o_proj, 0, qd),
-            Mat::of(&b.x, 0, d),
-            true,
-        )?;
+        self.matmul_wt(&b.attn, m, qd, &at.o_proj, d, &b.x, true)?;
         Ok(())
     }
 

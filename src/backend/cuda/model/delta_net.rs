@@ -8,7 +8,6 @@ use super::layer::{Ints, Pass};
 use super::nonfinite::StatePart;
 use super::weights::Leaf;
 use super::CudaModel;
-use crate::backend::cuda::gemm::Mat;
 use crate::backend::cuda::launch::{self, Ptr};
 use crate::backend::cuda::plan;
 use crate::model::config::OutputGate;
@@ -61,16 +60,7 @@ impl CudaModel {
             )
         };
         // proj[m, width] = [q|k|v, z, b, a]
-        self.blas.gemm(
-            g,
-            m,
-            width,
-            d,
-            Mat::of(&b.h, 0, d),
-            Mat::of(&dn.in_proj, 0, d),
-            Mat::of(&b.scratch, 0, width),
-            false,
-        )?;
+        self.matmul_wt(&b.h, m, d, &dn.in_proj, width, &b.scratch, false)?;
         scan(b.scratch.ptr, width, StatePart::Input)?;
         // c[m, conv_dim] = silu(conv(q|k|v)), then q and k normalised in place; gates.
         g.launch(
@@ -157,16 +147,7 @@ impl CudaModel {
                 out_bf16: self.bf16_out(),
             },
         )?;
-        self.blas.gemm(
-            g,
-            m,
-            d,
-            vdim,
-            Mat::of(&b.attn, 0, vdim),
-            Mat::of(&dn.out_proj, 0, vdim),
-            Mat::of(&b.x, 0, d),
-            true,
-        )?;
+        self.matmul_wt(&b.attn, m, vdim, &dn.out_proj, d, &b.x, true)?;
         Ok(())
     }
 }

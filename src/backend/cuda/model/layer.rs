@@ -141,6 +141,32 @@ impl CudaModel {
         )
     }
 
+    /// `out[m, n] (+)= x[m, k] · w[n, k]ᵀ`, row-major, each operand at its buffer's start
+    /// (the CPU twin: `backend::cpu::matmul::matmul_wt`, with the same arguments); inputs in
+    /// the precision, `out` f32, accumulated into when `accumulate`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_wt(
+        &self,
+        x: &DevBuf,
+        m: usize,
+        k: usize,
+        w: &DevBuf,
+        n: usize,
+        out: &DevBuf,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.blas.gemm(
+            &self.gpu,
+            m,
+            n,
+            k,
+            Mat::of(x, 0, k),
+            Mat::of(w, 0, k),
+            Mat::of(out, 0, n),
+            accumulate,
+        )
+    }
+
     /// 1 when activations are stored in bf16 (the precision), else 0.
     pub(super) fn bf16_out(&self) -> i32 {
         (self.precision == Precision::Bf16) as i32
@@ -218,27 +244,9 @@ impl CudaModel {
     fn mlp(&self, mlp: &SwiGlu<Leaf>, b: &Buffers, x: &DevBuf, n: usize) -> Result<()> {
         let (d, f) = (self.config.hidden_size, mlp.width);
         let g = &self.gpu;
-        self.blas.gemm(
-            g,
-            n,
-            2 * f,
-            d,
-            Mat::of(&b.h, 0, d),
-            Mat::of(&mlp.gate_up, 0, d),
-            Mat::of(&b.scratch, 0, 2 * f),
-            false,
-        )?;
+        self.matmul_wt(&b.h, n, d, &mlp.gate_up, 2 * f, &b.scratch, false)?;
         swiglu(g, &b.scratch, &b.act, self.bf16_out(), n, f)?;
-        self.blas.gemm(
-            g,
-            n,
-            d,
-            f,
-            Mat::of(&b.act, 0, f),
-            Mat::of(&mlp.down, 0, f),
-            Mat::of(x, 0, d),
-            true,
-        )
+        self.matmul_wt(&b.act, n, f, &mlp.down, d, x, true)
     }
 
     /// The attention kernel this model runs.

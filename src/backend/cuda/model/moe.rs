@@ -148,16 +148,7 @@ impl CudaModel {
         let routed = m * k;
         // The router buffer's regions: logits [m, E], gate [m], idx [m, k], wts [m, k].
         let (o_gate, o_idx, o_wts) = (4 * m * ne, 4 * m * (ne + 1), 4 * m * (ne + 1 + k));
-        blas.gemm(
-            g,
-            m,
-            ne,
-            d,
-            Mat::of(io.h, 0, d),
-            Mat::of(&w.router, 0, d),
-            Mat::of(&b.router, 0, ne),
-            false,
-        )?;
+        self.matmul_wt(io.h, m, d, &w.router, ne, &b.router, false)?;
         g.launch(
             "moe_route",
             (plan::blocks_for(m, 128), 1, 1),
@@ -234,16 +225,7 @@ impl CudaModel {
                 let (sw, gw) = (&sh.mlp, &sh.gate);
                 let fs = cfg.shared_expert_intermediate_size;
                 let s_off = routed * d * 4;
-                blas.gemm(
-                    g,
-                    m,
-                    2 * fs,
-                    d,
-                    Mat::of(io.h, 0, d),
-                    Mat::of(&sw.gate_up, 0, d),
-                    Mat::of(io.scratch, 0, 2 * fs),
-                    false,
-                )?;
+                self.matmul_wt(io.h, m, d, &sw.gate_up, 2 * fs, io.scratch, false)?;
                 swiglu(g, io.scratch, io.act, bf16_out, m, fs)?;
                 blas.gemm(
                     g,
