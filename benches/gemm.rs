@@ -7,6 +7,7 @@
 //! `cargo bench --bench gemm [-- --rows 4096 --rounds 6 --threads 2]`
 
 use ninfer_perplexity::backend::cpu::matmul::{matmul_wt_with, Gemm};
+use ninfer_perplexity::backend::cpu::operand::WeightRows;
 use std::time::Instant;
 
 mod common;
@@ -54,7 +55,16 @@ fn main() {
                 for (gi, &g) in gemms.iter().enumerate() {
                     out.fill(0.25);
                     let t = Instant::now();
-                    matmul_wt_with(g, &x, rows, k, &w, n, &mut out, accumulate);
+                    matmul_wt_with(
+                        g,
+                        &x,
+                        rows,
+                        k,
+                        WeightRows::f32(&w, k),
+                        n,
+                        &mut out,
+                        accumulate,
+                    );
                     best_s[gi] = best_s[gi].min(t.elapsed().as_secs_f64());
                     check[gi] = Some(out.iter().map(|v| v.to_bits()).collect());
                 }

@@ -23,6 +23,7 @@ pub mod quantized;
 pub mod random;
 pub mod reader;
 pub mod source;
+pub mod stored;
 pub mod writer;
 
 pub use reader::{Artifact, FormatUse};

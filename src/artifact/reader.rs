@@ -17,6 +17,7 @@ use safetensors::tensor::{Dtype, SafeTensorError};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 struct TensorEntry {
@@ -29,7 +30,7 @@ struct TensorEntry {
 
 pub struct Artifact {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     meta: BTreeMap<String, String>,
     tensors: BTreeMap<String, TensorEntry>,
     /// Matrices stored quantized, with their logical `[rows, cols]`.
@@ -224,7 +225,7 @@ impl Artifact {
         }
         Ok(Artifact {
             path: path.to_path_buf(),
-            mmap,
+            mmap: Arc::new(mmap),
             meta,
             tensors,
             layouts,
@@ -276,6 +277,76 @@ impl Artifact {
                 .map(|()| q)
                 .with_context(|| format!("{}: tensor `{name}`", self.path.display())),
         )
+    }
+
+    /// Matrix `name` as the file stores it, read in place (`[rows, cols]`; a vector is one
+    /// column). Checked as [`Artifact::tensor_f32`] checks it (its parts, and no NaN or
+    /// infinity in its values, read a row at a time), with the same errors; its rows decode
+    /// to the same values.
+    pub fn matrix(&self, name: &str) -> Result<super::stored::StoredMatrix> {
+        use super::stored::StoredMatrix;
+        let t = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("{}: tensor `{name}` is missing", self.path.display()))?;
+        let range = |n: &str| {
+            let e = &self.tensors[n];
+            e.start..e.end
+        };
+        let f32_of = |n: &str| -> Vec<f32> {
+            self.mmap[range(n)]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        };
+        let map = self.mmap.clone();
+        let m = match self.layouts.get(name) {
+            Some((layout @ Layout::Nvfp4 { divide }, o, i)) => {
+                let [scales, global] = <[String; 2]>::try_from(layout.companions(name))
+                    .expect("nvfp4 has two companions");
+                let g = f32_of(&global)[0];
+                let global = if *divide {
+                    crate::quant::nvfp4::Global::Divide(g)
+                } else {
+                    crate::quant::nvfp4::Global::Multiply(g)
+                };
+                StoredMatrix::nvfp4(map, *o, *i, range(name), range(&scales), global)
+            }
+            Some((layout @ Layout::Fp8, o, i)) => {
+                let scale_name = &layout.companions(name)[0];
+                let v = f32_of(scale_name);
+                let scale = match self.tensors[scale_name].shape.len() {
+                    0 => crate::quant::fp8::Fp8Scale::Tensor(v[0]),
+                    1 => crate::quant::fp8::Fp8Scale::Channel(v),
+                    _ => crate::quant::fp8::Fp8Scale::Block(v),
+                };
+                StoredMatrix::fp8(map, *o, *i, range(name), scale)
+            }
+            None => {
+                let (rows, cols) = match t.shape[..] {
+                    [r, c] => (r, c),
+                    [n] => (n, 1),
+                    _ => (t.shape.iter().product(), 1),
+                };
+                match t.dtype {
+                    Dtype::F32 => StoredMatrix::f32(map, rows, cols, range(name)),
+                    Dtype::BF16 => StoredMatrix::bf16(map, rows, cols, range(name)),
+                    other => bail!(
+                        "{}: tensor `{name}` has unsupported dtype {other:?}",
+                        self.path.display()
+                    ),
+                }
+            }
+        };
+        m.validate()
+            .with_context(|| format!("{}: tensor `{name}`", self.path.display()))?;
+        if let Some((i, v)) = m.find_non_finite() {
+            bail!(
+                "{}: tensor `{name}` holds a non-finite value ({v}) at flat index {i}",
+                self.path.display()
+            );
+        }
+        Ok(m)
     }
 
     /// One tensor widened to f32 (row-major). A NaN or infinity in it is an error naming the

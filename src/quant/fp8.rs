@@ -44,49 +44,71 @@ pub struct Fp8Tensor {
 impl Fp8Tensor {
     /// Checks the parts' sizes and values.
     pub fn validate(&self) -> Result<()> {
-        let (r, c) = (self.rows, self.cols);
-        if self.codes.len() != r * c {
-            bail!("{} fp8 codes do not fit [{r}, {c}]", self.codes.len());
-        }
-        let want = match self.scale {
-            Fp8Scale::Tensor(_) => 1,
-            Fp8Scale::Channel(_) => r,
-            Fp8Scale::Block(_) => r.div_ceil(BLOCK) * c.div_ceil(BLOCK),
-        };
-        if self.scale.values().len() != want {
-            bail!(
-                "{} fp8 scales for [{r}, {c}], want {want}",
-                self.scale.values().len()
-            );
-        }
-        if let Some(s) = self.scale.values().iter().find(|s| !s.is_finite()) {
-            bail!("an fp8 scale is {s}; scales must be finite");
-        }
-        if let Some(i) = self.codes.iter().position(|&b| b & 0x7F == 0x7F) {
-            bail!("fp8 code {i} is an e4m3 NaN code (0x{:02X})", self.codes[i]);
-        }
-        Ok(())
+        validate(self.rows, self.cols, &self.codes, &self.scale)
     }
 
     /// The exact-product f32 values, row-major (one rounding of `e4m3 · s`).
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         self.validate()?;
-        let cols = self.cols;
-        let bcols = cols.div_ceil(BLOCK);
-        Ok(self
-            .codes
-            .iter()
-            .enumerate()
-            .map(|(i, &q)| {
-                let (r, c) = (i / cols, i % cols);
-                let s = match &self.scale {
-                    Fp8Scale::Tensor(s) => *s,
-                    Fp8Scale::Channel(v) => v[r],
-                    Fp8Scale::Block(v) => v[(r / BLOCK) * bcols + c / BLOCK],
-                };
-                e4m3_to_f32(q) * s
-            })
-            .collect())
+        let mut out = vec![0.0; self.rows * self.cols];
+        for (r, row) in out.chunks_mut(self.cols.max(1)).enumerate() {
+            decode_row(&self.codes, &self.scale, self.cols, r, row);
+        }
+        Ok(out)
+    }
+}
+
+/// Checks an fp8 matrix `[rows, cols]` given as its codes and scale: sizes, finite scales, no
+/// NaN code.
+pub fn validate(rows: usize, cols: usize, codes: &[u8], scale: &Fp8Scale) -> Result<()> {
+    let (r, c) = (rows, cols);
+    if codes.len() != r * c {
+        bail!("{} fp8 codes do not fit [{r}, {c}]", codes.len());
+    }
+    let want = match scale {
+        Fp8Scale::Tensor(_) => 1,
+        Fp8Scale::Channel(_) => r,
+        Fp8Scale::Block(_) => r.div_ceil(BLOCK) * c.div_ceil(BLOCK),
+    };
+    if scale.values().len() != want {
+        bail!(
+            "{} fp8 scales for [{r}, {c}], want {want}",
+            scale.values().len()
+        );
+    }
+    if let Some(s) = scale.values().iter().find(|s| !s.is_finite()) {
+        bail!("an fp8 scale is {s}; scales must be finite");
+    }
+    if let Some(i) = codes.iter().position(|&b| b & 0x7F == 0x7F) {
+        bail!("fp8 code {i} is an e4m3 NaN code (0x{:02X})", codes[i]);
+    }
+    Ok(())
+}
+
+/// Row `r` of a validated fp8 matrix with `cols` columns (`codes` all its e4m3 bytes), decoded
+/// into `out` (`cols` values): `e4m3(q) · s` with the scale that covers each element, one
+/// rounding. The values [`Fp8Tensor::dequantize`] gives, a row at a time (what the CPU's GEMM
+/// packs its panels from).
+pub fn decode_row(codes: &[u8], scale: &Fp8Scale, cols: usize, r: usize, out: &mut [f32]) {
+    let row = &codes[r * cols..(r + 1) * cols];
+    match scale {
+        Fp8Scale::Tensor(s) => {
+            for (o, &q) in out.iter_mut().zip(row) {
+                *o = e4m3_to_f32(q) * s;
+            }
+        }
+        Fp8Scale::Channel(v) => {
+            let s = v[r];
+            for (o, &q) in out.iter_mut().zip(row) {
+                *o = e4m3_to_f32(q) * s;
+            }
+        }
+        Fp8Scale::Block(v) => {
+            let scales = &v[(r / BLOCK) * cols.div_ceil(BLOCK)..];
+            for (c, (o, &q)) in out.iter_mut().zip(row).enumerate() {
+                *o = e4m3_to_f32(q) * scales[c / BLOCK];
+            }
+        }
     }
 }
 

@@ -53,48 +53,91 @@ pub struct Nvfp4Tensor {
 impl Nvfp4Tensor {
     /// Checks the parts' sizes and the scales' values; errors say what is wrong.
     pub fn validate(&self) -> Result<()> {
-        let (r, c) = (self.rows, self.cols);
-        if !c.is_multiple_of(BLOCK) {
-            bail!("nvfp4 needs the input dimension ({c}) to be a multiple of {BLOCK}");
-        }
-        if self.packed.len() != r * c / 2 || self.block_scales.len() != r * c / BLOCK {
-            bail!(
-                "nvfp4 parts do not fit [{r}, {c}]: {} packed bytes (want {}), {} block scales (want {})",
-                self.packed.len(),
-                r * c / 2,
-                self.block_scales.len(),
-                r * c / BLOCK
-            );
-        }
-        if let Some(i) = self.block_scales.iter().position(|&b| b & 0x7F == 0x7F) {
-            bail!(
-                "block scale {i} is an e4m3 NaN code (0x{:02X})",
-                self.block_scales[i]
-            );
-        }
-        let g = self.global.value();
-        if !(g.is_finite() && g > 0.0) {
-            bail!("the global scale is {g}; it must be a positive finite number");
-        }
-        Ok(())
+        validate(
+            self.rows,
+            self.cols,
+            &self.packed,
+            &self.block_scales,
+            self.global,
+        )
     }
 
     /// The exact f32 values, row-major.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         self.validate()?;
-        let mut out = Vec::with_capacity(self.rows * self.cols);
-        for (i, &byte) in self.packed.iter().enumerate() {
-            // Byte i holds columns 2i and 2i + 1 of the flattened matrix (cols is even).
-            let s = e4m3_to_f32(self.block_scales[2 * i / BLOCK]);
-            for code in [byte & 0xF, byte >> 4] {
-                let v = e2m1_to_f32(code) * s; // exact
-                out.push(match self.global {
-                    Global::Multiply(g) => v * g,
-                    Global::Divide(g) => v / g,
-                });
-            }
+        let mut out = vec![0.0; self.rows * self.cols];
+        for (r, row) in out.chunks_mut(self.cols.max(1)).enumerate() {
+            decode_row(
+                &self.packed,
+                &self.block_scales,
+                self.global,
+                self.cols,
+                r,
+                row,
+            );
         }
         Ok(out)
+    }
+}
+
+/// Checks an nvfp4 matrix `[rows, cols]` given as its parts: sizes, no NaN block scale, a
+/// positive finite global scale.
+pub fn validate(
+    rows: usize,
+    cols: usize,
+    packed: &[u8],
+    block_scales: &[u8],
+    global: Global,
+) -> Result<()> {
+    let (r, c) = (rows, cols);
+    if !c.is_multiple_of(BLOCK) {
+        bail!("nvfp4 needs the input dimension ({c}) to be a multiple of {BLOCK}");
+    }
+    if packed.len() != r * c / 2 || block_scales.len() != r * c / BLOCK {
+        bail!(
+            "nvfp4 parts do not fit [{r}, {c}]: {} packed bytes (want {}), {} block scales (want {})",
+            packed.len(),
+            r * c / 2,
+            block_scales.len(),
+            r * c / BLOCK
+        );
+    }
+    if let Some(i) = block_scales.iter().position(|&b| b & 0x7F == 0x7F) {
+        bail!(
+            "block scale {i} is an e4m3 NaN code (0x{:02X})",
+            block_scales[i]
+        );
+    }
+    let g = global.value();
+    if !(g.is_finite() && g > 0.0) {
+        bail!("the global scale is {g}; it must be a positive finite number");
+    }
+    Ok(())
+}
+
+/// Row `r` of a validated nvfp4 matrix with `cols` columns, decoded into `out` (`cols`
+/// values): `e2m1 · e4m3(block scale)` (exact), times or divided by the global scale (one
+/// rounding). The values [`Nvfp4Tensor::dequantize`] gives, a row at a time.
+pub fn decode_row(
+    packed: &[u8],
+    block_scales: &[u8],
+    global: Global,
+    cols: usize,
+    r: usize,
+    out: &mut [f32],
+) {
+    let codes = &packed[r * cols / 2..(r + 1) * cols / 2];
+    let scales = &block_scales[r * cols / BLOCK..(r + 1) * cols / BLOCK];
+    for (i, (&byte, pair)) in codes.iter().zip(out.chunks_exact_mut(2)).enumerate() {
+        // Byte i holds columns 2i and 2i + 1 (cols is even).
+        let s = e4m3_to_f32(scales[2 * i / BLOCK]);
+        for (o, code) in pair.iter_mut().zip([byte & 0xF, byte >> 4]) {
+            let v = e2m1_to_f32(code) * s; // exact
+            *o = match global {
+                Global::Multiply(g) => v * g,
+                Global::Divide(g) => v / g,
+            };
+        }
     }
 }
 

@@ -556,3 +556,41 @@ fn broken_quantized_artifacts_fail_at_open() {
         &["is quantized, but the metadata has no `quantization` key"],
     );
 }
+
+/// A matrix read in place (`Artifact::matrix`, what the CPU model holds) decodes row by row
+/// to exactly the values of the matrix widened whole (`Artifact::tensor_f32`), for every
+/// storage format: bf16, fp8 with 128 × 128 block scales, nvfp4 with its two scale levels.
+#[test(prepared)]
+fn stored_matrices_decode_to_the_widened_values() {
+    use ninfer_perplexity::artifact::Artifact;
+    let mut formats = std::collections::BTreeSet::new();
+    for name in [
+        "smollm2-135m-bf16",
+        "smollm2-135m-fp8",
+        "smollm2-135m-nvfp4",
+    ] {
+        let a = Artifact::open(&common::artifact(&format!("{name}.ninfer"))).unwrap();
+        for t in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.29.mlp.down_proj.weight",
+        ] {
+            let m = a.matrix(t).unwrap();
+            formats.insert(m.format());
+            let want = a.tensor_f32(t).unwrap();
+            let mut row = vec![0f32; m.cols];
+            for r in 0..m.rows {
+                m.decode_row(r, &mut row);
+                let w = &want[r * m.cols..(r + 1) * m.cols];
+                assert!(
+                    row.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{name} {t} row {r}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        formats.into_iter().collect::<Vec<_>>(),
+        ["bf16", "fp8", "nvfp4"]
+    );
+}

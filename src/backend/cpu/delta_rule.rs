@@ -20,6 +20,7 @@
 
 use super::exp;
 use super::matmul::{sgemm_block, Gemm};
+use super::operand::WeightRows;
 use super::SendPtr;
 use multiversion::multiversion;
 use rayon::prelude::*;
@@ -338,7 +339,7 @@ fn mm(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, out: &mut [f32], accum
             k,
             n,
             x.as_ptr(),
-            w.as_ptr(),
+            WeightRows::f32_shape(&w[..n * k], n, k),
             out.as_mut_ptr(),
             n,
             accumulate,

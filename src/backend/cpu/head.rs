@@ -15,6 +15,7 @@
 
 use super::exp;
 use super::matmul::{sgemm_block, Gemm};
+use super::operand::{Operand, WeightRows};
 use crate::kv::find_non_finite;
 use rayon::prelude::*;
 
@@ -72,15 +73,15 @@ pub struct NonFiniteLogit {
 /// One task per vocabulary chunk walks all rows in blocks of `ROWS`, so each chunk of the
 /// head matrix (4.5 MiB for SmolLM2) comes from memory once per call and from cache for the
 /// later row blocks, instead of the whole 113 MiB head streaming once per row block.
-pub fn logprobs(
+pub fn logprobs<W: Operand + ?Sized>(
     h: &[f32],
     d: usize,
-    w: &[f32],
+    w: &W,
     vocab: usize,
     targets: &[u32],
     out: &mut [f32],
 ) -> Result<(), NonFiniteLogit> {
-    let parts = partials::<false>(h, d, w, vocab, targets)?;
+    let parts = partials::<false>(h, d, w.rows(d), vocab, targets)?;
     for (i, o) in out.iter_mut().enumerate() {
         *o = combine(&parts, i).0;
     }
@@ -89,16 +90,16 @@ pub fn logprobs(
 
 /// [`logprobs`] with the entropy and the top-1 token of every row (`out[rows]`); the
 /// log-probabilities have the same bits as [`logprobs`]'s.
-pub fn score_rows(
+pub fn score_rows<W: Operand + ?Sized>(
     h: &[f32],
     d: usize,
-    w: &[f32],
+    w: &W,
     vocab: usize,
     targets: &[u32],
     out: &mut [RowScore],
 ) -> Result<(), NonFiniteLogit> {
     assert_eq!(out.len(), targets.len());
-    let parts = partials::<true>(h, d, w, vocab, targets)?;
+    let parts = partials::<true>(h, d, w.rows(d), vocab, targets)?;
     for (i, o) in out.iter_mut().enumerate() {
         let (logprob, sum, wsum, top1) = combine(&parts, i);
         // H = ln S − T/S, with S = Σ exp(l − M) and T = Σ exp(l − M)(l − M); the top-1
@@ -147,7 +148,7 @@ pub(super) fn combine(partials: &[Vec<Partial>], i: usize) -> (f32, f64, f64, u3
 pub(super) fn logits_block(
     h: &[f32],
     d: usize,
-    w: &[f32],
+    w: WeightRows,
     v0: usize,
     vc: usize,
     r0: usize,
@@ -156,8 +157,8 @@ pub(super) fn logits_block(
 ) -> Result<(), NonFiniteLogit> {
     let hb = &h[r0 * d..(r0 + r) * d];
     assert_eq!(lg.len(), r * vc);
-    assert!(w.len() >= (v0 + vc) * d);
-    // SAFETY: `hb` is dense [r, d]; rows v0..v0+vc of `w` are dense [vc, d] (checked above);
+    assert!(w.n() >= v0 + vc && w.k() == d);
+    // SAFETY: `hb` is dense [r, d]; rows v0..v0+vc of `w` are [vc, d] (checked above);
     // `lg` is dense [r, vc] and owned by the caller. All in bounds.
     unsafe {
         sgemm_block(
@@ -166,7 +167,7 @@ pub(super) fn logits_block(
             d,
             vc,
             hb.as_ptr(),
-            w.as_ptr().add(v0 * d),
+            w.slice(v0, vc),
             lg.as_mut_ptr(),
             vc,
             false,
@@ -221,13 +222,13 @@ pub(super) fn row_partial<const CALIB: bool>(
 fn partials<const CALIB: bool>(
     h: &[f32],
     d: usize,
-    w: &[f32],
+    w: WeightRows,
     vocab: usize,
     targets: &[u32],
 ) -> Result<Vec<Vec<Partial>>, NonFiniteLogit> {
     let rows = targets.len();
     assert_eq!(h.len(), rows * d);
-    assert_eq!(w.len(), vocab * d);
+    assert_eq!((w.n(), w.k()), (vocab, d));
     let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
     // partials[chunk][row], or the chunk's first non-finite logit.
     let partials: Vec<Result<Vec<Partial>, NonFiniteLogit>> = chunks

@@ -10,6 +10,7 @@
 
 use super::head::{combine, logits_block, row_partial, NonFiniteLogit, Partial, RowScore};
 use super::head::{ROWS, VOCAB_CHUNK};
+use super::operand::WeightRows;
 use rayon::prelude::*;
 
 pub use crate::backend::PairScore;
@@ -55,8 +56,8 @@ struct Both {
 /// the same bits as [`super::head::score_rows`]) and `pairs[rows]`.
 #[allow(clippy::too_many_arguments)]
 pub fn score_pairs(
-    (h, d, w): (&[f32], usize, &[f32]),
-    (h_ref, d_ref, w_ref): (&[f32], usize, &[f32]),
+    (h, d, w): (&[f32], usize, WeightRows),
+    (h_ref, d_ref, w_ref): (&[f32], usize, WeightRows),
     vocab: usize,
     targets: &[u32],
     out: &mut [RowScore],
@@ -65,8 +66,8 @@ pub fn score_pairs(
     let rows = targets.len();
     assert_eq!(h.len(), rows * d);
     assert_eq!(h_ref.len(), rows * d_ref);
-    assert_eq!(w.len(), vocab * d);
-    assert_eq!(w_ref.len(), vocab * d_ref);
+    assert_eq!((w.n(), w.k()), (vocab, d));
+    assert_eq!((w_ref.n(), w_ref.k()), (vocab, d_ref));
     assert_eq!((out.len(), pairs.len()), (rows, rows));
     let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
     let parts: Vec<Result<Vec<Both>, (Side, NonFiniteLogit)>> = chunks
@@ -158,8 +159,8 @@ mod tests {
         let mut out = vec![RowScore::default(); rows];
         let mut pairs = vec![PairScore::default(); rows];
         score_pairs(
-            (&h, d, &w),
-            (&h_ref, d + 1, &w_ref),
+            (&h, d, WeightRows::f32(&w, d)),
+            (&h_ref, d + 1, WeightRows::f32(&w_ref, d + 1)),
             vocab,
             &targets,
             &mut out,
@@ -207,8 +208,8 @@ mod tests {
         let mut out = vec![RowScore::default(); rows];
         let mut pairs = vec![PairScore::default(); rows];
         score_pairs(
-            (&h, d, &w),
-            (&h, d, &w),
+            (&h, d, WeightRows::f32(&w, d)),
+            (&h, d, WeightRows::f32(&w, d)),
             vocab,
             &targets,
             &mut out,
@@ -232,8 +233,8 @@ mod tests {
         let mut out = vec![RowScore::default(); rows];
         let mut pairs = vec![PairScore::default(); rows];
         let e = score_pairs(
-            (&h, d, &w),
-            (&h, d, &w_bad),
+            (&h, d, WeightRows::f32(&w, d)),
+            (&h, d, WeightRows::f32(&w_bad, d)),
             vocab,
             &targets,
             &mut out,

@@ -21,6 +21,7 @@
 //! mostly runs the faster one. The choice can change run to run; the results cannot.
 
 use super::isa::Isa;
+use super::operand::{Operand, WeightRows};
 use super::sgemm16;
 use super::SendPtr;
 use rayon::prelude::*;
@@ -122,7 +123,7 @@ pub fn matrixmultiply_agrees() -> bool {
                         k,
                         n,
                         x.as_ptr(),
-                        w.as_ptr(),
+                        WeightRows::f32(&w, k),
                         c.as_mut_ptr(),
                         n,
                         accumulate,
@@ -137,16 +138,16 @@ pub fn matrixmultiply_agrees() -> bool {
 }
 
 /// `out[m, n] = (accumulate ? out : 0) + x[m, k] · w[n, k]ᵀ`.
-pub fn matmul_wt(
+pub fn matmul_wt<W: Operand + ?Sized>(
     x: &[f32],
     m: usize,
     k: usize,
-    w: &[f32],
+    w: &W,
     n: usize,
     out: &mut [f32],
     accumulate: bool,
 ) {
-    matmul_wt_with(Gemm::configured(), x, m, k, w, n, out, accumulate)
+    matmul_wt_with(Gemm::configured(), x, m, k, w.rows(k), n, out, accumulate)
 }
 
 /// [`matmul_wt`] on a given GEMM.
@@ -156,13 +157,13 @@ pub fn matmul_wt_with(
     x: &[f32],
     m: usize,
     k: usize,
-    w: &[f32],
+    w: WeightRows,
     n: usize,
     out: &mut [f32],
     accumulate: bool,
 ) {
     assert_eq!(x.len(), m * k, "x shape");
-    assert_eq!(w.len(), n * k, "w shape");
+    assert_eq!((w.n(), w.k()), (n, k), "w shape");
     assert_eq!(out.len(), m * n, "out shape");
     if m == 0 || n == 0 {
         return;
@@ -176,7 +177,7 @@ pub fn matmul_wt_with(
         .collect();
     let o = SendPtr(out.as_mut_ptr());
     blocks.par_iter().for_each(|&(j0, j1)| {
-        // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are dense [j1-j0, k]; the output
+        // SAFETY: `x` is dense [m, k]; rows j0..j1 of `w` are [j1-j0, k]; the output
         // view starts at column j0 with row stride n and covers columns j0..j1 only, which no
         // other task touches. All indices are in bounds by the asserts.
         unsafe {
@@ -186,7 +187,7 @@ pub fn matmul_wt_with(
                 k,
                 j1 - j0,
                 x.as_ptr(),
-                w.as_ptr().add(j0 * k),
+                w.slice(j0, j1 - j0),
                 o.get().add(j0),
                 n,
                 accumulate,
@@ -198,9 +199,12 @@ pub fn matmul_wt_with(
 /// One single-threaded block `c[m, n] (+)= x[m, k] · w[n, k]ᵀ` on `gemm`, `c` at row
 /// stride `ldc` (the head calls it per vocabulary chunk).
 ///
+/// `matrixmultiply` reads f32 weights only: stored ones (bf16, fp8, nvfp4) always take
+/// `sgemm16`, which widens them while it packs (the same bits either way).
+///
 /// # Safety
-/// `x` is readable for `m · k` floats, `w` for `n · k`; `c` is writable for `m` rows of `n`
-/// at stride `ldc ≥ n` and nothing else accesses them during the call.
+/// `x` is readable for `m · k` floats, `w` holds `n` rows of `k`; `c` is writable for `m` rows
+/// of `n` at stride `ldc ≥ n` and nothing else accesses them during the call.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm_block(
     gemm: Gemm,
@@ -208,12 +212,13 @@ pub unsafe fn sgemm_block(
     k: usize,
     n: usize,
     x: *const f32,
-    w: *const f32,
+    w: WeightRows,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) {
     match gemm {
+        _ if w.as_f32().is_none() => run_block(Gemm::Tile16, m, k, n, x, w, c, ldc, accumulate),
         Gemm::Auto if !matrixmultiply_agrees() => {
             run_block(Gemm::Tile16, m, k, n, x, w, c, ldc, accumulate)
         }
@@ -241,13 +246,13 @@ unsafe fn run_block(
     k: usize,
     n: usize,
     x: *const f32,
-    w: *const f32,
+    w: WeightRows,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) {
-    match gemm {
-        Gemm::Matrixmultiply => matrixmultiply::sgemm(
+    match (gemm, w.as_f32()) {
+        (Gemm::Matrixmultiply, Some(wf)) => matrixmultiply::sgemm(
             m,
             k,
             n,
@@ -255,7 +260,7 @@ unsafe fn run_block(
             x,
             k as isize,
             1,
-            w,
+            wf.as_ptr(),
             1,
             k as isize,
             if accumulate { 1.0 } else { 0.0 },
@@ -421,7 +426,7 @@ mod tests {
         }
         for g in gemms {
             let mut out = vec![0.0f32; m * n];
-            matmul_wt_with(g, &x, m, k, &w, n, &mut out, false);
+            matmul_wt_with(g, &x, m, k, WeightRows::f32(&w, k), n, &mut out, false);
             let mut differ = 0;
             for i in 0..m {
                 for j in 0..n {

@@ -11,6 +11,7 @@ pub mod isa;
 pub mod matmul;
 pub mod model;
 pub mod norm;
+pub mod operand;
 pub mod rope;
 pub mod sgemm16;
 

@@ -16,11 +16,13 @@
 //! speed without touching results.
 //!
 //! Layout: `x` is `[m, k]` row-major at row stride `k`; `w` is `[n, k]` row-major (one output
-//! column per row, the Hugging Face layout); `c` is `[m, n]` at row stride `ldc`. The weights
-//! are packed per call into panels of [`NR`] columns (one 64-byte line per depth step), the
-//! activations are read in place.
+//! column per row, the Hugging Face layout), f32 in memory or stored rows widened while they
+//! are packed ([`super::operand`]); `c` is `[m, n]` at row stride `ldc`. The weights are
+//! packed per call, one column block at a time, into panels of [`NR`] columns (one 64-byte
+//! line per depth step); the activations are read in place.
 
 use super::isa::Isa;
+use super::operand::WeightRows;
 use std::cell::RefCell;
 
 /// Output columns per panel (two AVX2 vectors).
@@ -68,10 +70,10 @@ fn tile_shape(isa: Isa) -> (usize, usize) {
 /// `c[m, n] = (accumulate ? c : 0) + x[m, k] · w[n, k]ᵀ` (numerics: the module comment).
 ///
 /// # Safety
-/// `x` is readable for `m` rows of `k` floats at stride `k`; `w` for `n` rows of `k` floats at
-/// stride `k`; `c` is writable for `m` rows of `n` floats at stride `ldc ≥ n`, and nothing
-/// else accesses those floats during the call. `tile` is a level this CPU runs (one of
-/// [`Isa::all`]; [`Isa::detect`] is the fastest).
+/// `x` is readable for `m` rows of `k` floats at stride `k`; `w` holds `n` rows of `k`; `c` is
+/// writable for `m` rows of `n` floats at stride `ldc ≥ n`, and nothing else accesses those
+/// floats during the call. `tile` is a level this CPU runs (one of [`Isa::all`];
+/// [`Isa::detect`] is the fastest).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn sgemm_wt(
     tile: Isa,
@@ -79,11 +81,17 @@ pub unsafe fn sgemm_wt(
     k: usize,
     n: usize,
     x: *const f32,
-    w: *const f32,
+    w: WeightRows,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) {
+    assert!(
+        w.n() == n && w.k() == k,
+        "weights [{}, {}] for [{n}, {k}]",
+        w.n(),
+        w.k()
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -95,35 +103,46 @@ pub unsafe fn sgemm_wt(
         }
         return;
     }
-    let panels = n.div_ceil(NR);
     PACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
-        if buf.len() < panels * k {
-            buf.resize(panels * k, Line([0.0; NR]));
-        }
-        let packed = &mut buf[..panels * k];
-        // packed[p * k + t].0[j] = w[(p·NR + j) · k + t]; columns past n are zero.
-        for p in 0..panels {
-            let panel = &mut packed[p * k..(p + 1) * k];
-            let cols = NR.min(n - p * NR);
-            for j in 0..cols {
-                let row = std::slice::from_raw_parts(w.add((p * NR + j) * k), k);
-                for (line, &v) in panel.iter_mut().zip(row) {
-                    line.0[j] = v;
-                }
-            }
-            for line in panel.iter_mut() {
-                line.0[cols..].fill(0.0);
-            }
-        }
-        blocks(tile, m, k, n, x, packed, c, ldc, accumulate);
+        blocks(tile, m, k, n, x, w, &mut buf, c, ldc, accumulate);
     });
 }
 
-/// The cache blocking over packed weights.
+/// Packs panels `p0..p1` of `w` into `packed` (`(p1 - p0) · k` lines): line `(p - p0) · k + t`
+/// holds `w[(p·NR + j) · k + t]` at `j`, zero past the last row. Stored rows are widened one
+/// row at a time into `row`.
+fn pack(w: &WeightRows, k: usize, p0: usize, p1: usize, packed: &mut [Line], row: &mut Vec<f32>) {
+    let n = w.n();
+    let f32_rows = w.as_f32();
+    for p in p0..p1 {
+        let panel = &mut packed[(p - p0) * k..(p - p0 + 1) * k];
+        let cols = NR.min(n - p * NR);
+        for j in 0..cols {
+            let r = p * NR + j;
+            let src: &[f32] = match f32_rows {
+                Some(all) => &all[r * k..(r + 1) * k],
+                None => {
+                    row.resize(k, 0.0);
+                    w.decode_row(r, row);
+                    row
+                }
+            };
+            for (line, &v) in panel.iter_mut().zip(src) {
+                line.0[j] = v;
+            }
+        }
+        for line in panel.iter_mut() {
+            line.0[cols..].fill(0.0);
+        }
+    }
+}
+
+/// The cache blocking, packing one column block of weights at a time (at most `NC` columns ×
+/// `k` floats: the packing buffer never holds a whole matrix).
 ///
 /// # Safety
-/// As for [`sgemm_wt`]; `packed` holds `n.div_ceil(NR) · k` lines.
+/// As for [`sgemm_wt`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn blocks(
     tile: Isa,
@@ -131,7 +150,8 @@ unsafe fn blocks(
     k: usize,
     n: usize,
     x: *const f32,
-    packed: &[Line],
+    w: WeightRows,
+    buf: &mut Vec<Line>,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
@@ -139,8 +159,15 @@ unsafe fn blocks(
     let panels = n.div_ceil(NR);
     let (mr, pw) = tile_shape(tile);
     let mut edge = [0.0f32; MAX_TILE];
+    let block_panels = (NC / NR).min(panels);
+    if buf.len() < block_panels * k {
+        buf.resize(block_panels * k, Line([0.0; NR]));
+    }
+    let mut row = Vec::new();
     for p0 in (0..panels).step_by(NC / NR) {
         let p1 = (p0 + NC / NR).min(panels);
+        let packed = &mut buf[..(p1 - p0) * k];
+        pack(&w, k, p0, p1, packed, &mut row);
         for i0 in (0..m).step_by(MC) {
             let i1 = (i0 + MC).min(m);
             for t0 in (0..k).step_by(KC) {
@@ -148,7 +175,7 @@ unsafe fn blocks(
                 let store = t0 == 0 && !accumulate;
                 for p in (p0..p1).step_by(pw) {
                     let np = pw.min(p1 - p);
-                    let b = packed[p * k + t0..].as_ptr().cast::<f32>();
+                    let b = packed[(p - p0) * k + t0..].as_ptr().cast::<f32>();
                     let cols = (np * NR).min(n - p * NR);
                     for i in (i0..i1).step_by(mr) {
                         let rows = mr.min(i1 - i);
@@ -411,7 +438,7 @@ mod tests {
                             k,
                             n,
                             x.as_ptr(),
-                            w.as_ptr(),
+                            WeightRows::f32(&w, k),
                             got.as_mut_ptr(),
                             n,
                             accumulate,
@@ -443,7 +470,7 @@ mod tests {
                 k,
                 n,
                 x.as_ptr(),
-                w.as_ptr(),
+                WeightRows::f32(&w, k),
                 got.as_mut_ptr(),
                 n,
                 false,
@@ -472,7 +499,7 @@ mod tests {
                     0,
                     3,
                     [].as_ptr(),
-                    [].as_ptr(),
+                    WeightRows::f32_shape(&[], 3, 0),
                     out.as_mut_ptr(),
                     3,
                     accumulate,

@@ -45,7 +45,7 @@ impl CpuModel {
         laps.lap(Phase::Qkv);
         if let Some(bias) = &l.qkv_bias {
             qkv.par_chunks_mut(qkv_w)
-                .for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+                .for_each(|r| r.iter_mut().zip(bias.iter()).for_each(|(a, b)| *a += b));
         }
         // Split qkv[m, q+2kv(+q)] into rows lo..hi of q[hi, Hq, D], k[hi, Hkv, D],
         // v[hi, Hkv, D] (the gate, if any, stays in qkv).

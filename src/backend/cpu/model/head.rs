@@ -8,6 +8,7 @@ use super::split::Split;
 use super::CpuModel;
 use crate::backend::cpu::head;
 use crate::backend::cpu::head_pair::{self, Side};
+use crate::backend::cpu::operand::Operand;
 use crate::backend::{PairScore, RowScore};
 use crate::kv::KvDtype;
 use crate::model::error::ForwardError;
@@ -47,8 +48,8 @@ impl CpuModel {
                 let mut pairs = vec![PairScore::default(); rows];
                 let dr = m.config.hidden_size;
                 head_pair::score_pairs(
-                    (hn, d, self.weights.head()),
-                    (&hr, dr, m.weights.head()),
+                    (hn, d, self.weights.head().rows(d)),
+                    (&hr, dr, m.weights.head().rows(dr)),
                     c.vocab_size,
                     targets,
                     &mut out,

@@ -33,6 +33,7 @@ pub mod weights;
 pub(crate) mod synthetic;
 
 use crate::backend::cpu::norm::rms_norm_row;
+use crate::backend::cpu::operand::Operand;
 use crate::backend::cpu::rope::{inv_freq, RopeTable};
 use crate::backend::{PairScore, RowScore};
 use crate::kv::KvDtype;
@@ -102,7 +103,7 @@ impl CpuModel {
         };
         if delta != 0.0 {
             let w = &mut self.weights;
-            let mut norms: Vec<&mut Vec<f32>> = vec![&mut w.final_norm];
+            let mut norms: Vec<&mut weights::Leaf> = vec![&mut w.final_norm];
             for l in &mut w.layers {
                 norms.push(&mut l.norm);
                 norms.push(&mut l.ffn_norm);
@@ -263,7 +264,7 @@ impl CpuModel {
                     vocab: c.vocab_size,
                 });
             }
-            row.copy_from_slice(&w.embed[id_us * d..(id_us + 1) * d]);
+            w.embed.rows(d).decode_row(id_us, row);
         }
         if let Some(e) = self.faults.embed_scale() {
             x.iter_mut().for_each(|v| *v *= 1.0 + e);

@@ -15,6 +15,7 @@ use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::model::fault::{Faults, Pitfall};
 use crate::backend::cpu::model::weights::Moe;
 use crate::backend::cpu::norm::swiglu;
+use crate::backend::cpu::operand::{Operand, WeightRows};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Token-to-expert assignments counted per expert (summed over layers), for the report's
@@ -115,8 +116,8 @@ pub fn add_shared(acc: &mut [f32], s: &[f32], g: &[f32], d: usize, silu: bool) {
 /// `out[n, d] = down(silu(gate(x)) · up(x))` for `x[n, d]`, with `gate_up [2f, d]` and
 /// `down [d, f]`.
 fn run_swiglu(
-    gate_up: &[f32],
-    down: &[f32],
+    gate_up: WeightRows,
+    down: WeightRows,
     f: usize,
     x: &[f32],
     n: usize,
@@ -125,9 +126,9 @@ fn run_swiglu(
 ) {
     let mut gu = vec![0f32; n * 2 * f];
     let mut act = vec![0f32; n * f];
-    matmul_wt(x, n, d, gate_up, 2 * f, &mut gu, false);
+    matmul_wt(x, n, d, &gate_up, 2 * f, &mut gu, false);
     swiglu(&gu, f, &mut act);
-    matmul_wt(&act, n, f, down, d, out, false);
+    matmul_wt(&act, n, f, &down, d, out, false);
 }
 
 /// Adds the MoE block's output for the normed rows `h[n, d]` to the residual rows `x[n, d]`.
@@ -174,15 +175,24 @@ pub fn moe_block(
             gathered.extend_from_slice(&h[r * d..(r + 1) * d]);
         }
         y.resize(m * d, 0.0);
-        let gate_up = &w.experts.gate_up[e * 2 * f * d..(e + 1) * 2 * f * d];
-        let down = &w.experts.down[e * d * f..(e + 1) * d * f];
+        // Expert e's rows of the stacked matrices.
+        let gate_up = w.experts.gate_up.rows(d).slice(e * 2 * f, 2 * f);
+        let down = w.experts.down.rows(f).slice(e * d, d);
         run_swiglu(gate_up, down, f, &gathered, m, d, &mut y);
         add_expert(&mut acc, tokens, &y, d);
     }
     if let Some(shared) = &w.shared {
         let mut s = vec![0f32; n * d];
         let m = &shared.mlp;
-        run_swiglu(&m.gate_up, &m.down, m.width, h, n, d, &mut s);
+        run_swiglu(
+            m.gate_up.rows(d),
+            m.down.rows(m.width),
+            m.width,
+            h,
+            n,
+            d,
+            &mut s,
+        );
         let mut g = vec![0f32; n];
         matmul_wt(h, n, d, &shared.gate, 1, &mut g, false);
         add_shared(&mut acc, &s, &g, d, faults.pitfall(Pitfall::SharedGateSilu));
@@ -240,17 +250,17 @@ mod tests {
         }
         let shared = Shared {
             mlp: SwiGlu {
-                gate_up: gen(2 * 6 * d),
-                down: gen(d * 6),
+                gate_up: gen(2 * 6 * d).into(),
+                down: gen(d * 6).into(),
                 width: 6,
             },
-            gate: gen(d),
+            gate: gen(d).into(),
         };
         let w = Moe {
-            router,
+            router: router.into(),
             experts: Experts {
-                gate_up,
-                down,
+                gate_up: gate_up.into(),
+                down: down.into(),
                 count: 5,
                 width: 6,
             },

@@ -19,24 +19,24 @@ pub(crate) fn synthetic_model() -> CpuModel {
     let layer = |gen: &mut dyn FnMut(usize, f32) -> Vec<f32>| Layer {
         norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
         mixer: Mixer::Attention(Attention {
-            qkv: gen((hq * hd + 2 * hkv * hd) * d, 0.3),
+            qkv: gen((hq * hd + 2 * hkv * hd) * d, 0.3).into(),
             qkv_bias: None,
             q_norm: None,
             k_norm: None,
-            o_proj: gen(d * hq * hd, 0.3),
+            o_proj: gen(d * hq * hd, 0.3).into(),
             gated: false,
         }),
         ffn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
         ffn: Ffn::Dense(SwiGlu {
-            gate_up: gen(2 * f * d, 0.3),
-            down: gen(d * f, 0.3),
+            gate_up: gen(2 * f * d, 0.3).into(),
+            down: gen(d * f, 0.3).into(),
             width: f,
         }),
     };
     let weights = Model {
-        embed: gen(vocab * d, 1.0),
+        embed: gen(vocab * d, 1.0).into(),
         layers: (0..layers).map(|_| layer(&mut gen)).collect(),
-        final_norm: vec![1.0; d],
+        final_norm: vec![1.0; d].into(),
         lm_head: None,
     };
     let config = ModelConfig {
@@ -75,20 +75,20 @@ pub(crate) fn synthetic_hybrid_model() -> CpuModel {
     for kind in &hc.layer_types {
         let mixer = match kind {
             LayerKind::FullAttention => Mixer::Attention(Attention {
-                qkv: gen((2 * hq * hd + 2 * hkv * hd) * d, 0.3),
+                qkv: gen((2 * hq * hd + 2 * hkv * hd) * d, 0.3).into(),
                 qkv_bias: None,
                 q_norm: Some(gen(hd, 0.3).iter().map(|x| 1.0 + x).collect()),
                 k_norm: Some(gen(hd, 0.3).iter().map(|x| 1.0 + x).collect()),
-                o_proj: gen(d * hq * hd, 0.3),
+                o_proj: gen(d * hq * hd, 0.3).into(),
                 gated: true,
             }),
             LayerKind::LinearAttention => Mixer::DeltaNet(DeltaNet {
-                in_proj: gen((hc.conv_dim() + hc.value_dim() + 12) * d, 0.3),
-                conv: gen(4 * hc.conv_dim(), 0.5), // [K, conv_dim]
-                dt_bias: gen(6, 1.0),
-                a_log: gen(6, 1.0),
+                in_proj: gen((hc.conv_dim() + hc.value_dim() + 12) * d, 0.3).into(),
+                conv: gen(4 * hc.conv_dim(), 0.5).into(), // [K, conv_dim]
+                dt_bias: gen(6, 1.0).into(),
+                a_log: gen(6, 1.0).into(),
                 norm: gen(4, 0.3).iter().map(|x| 1.0 + x).collect(),
-                out_proj: gen(d * hc.value_dim(), 0.3),
+                out_proj: gen(d * hc.value_dim(), 0.3).into(),
             }),
         };
         layers.push(Layer {
@@ -96,16 +96,16 @@ pub(crate) fn synthetic_hybrid_model() -> CpuModel {
             mixer,
             ffn_norm: gen(d, 0.5).iter().map(|x| 1.0 + x).collect(),
             ffn: Ffn::Dense(SwiGlu {
-                gate_up: gen(2 * f * d, 0.3),
-                down: gen(d * f, 0.3),
+                gate_up: gen(2 * f * d, 0.3).into(),
+                down: gen(d * f, 0.3).into(),
                 width: f,
             }),
         });
     }
     let weights = Model {
-        embed: gen(vocab * d, 1.0),
+        embed: gen(vocab * d, 1.0).into(),
         layers,
-        final_norm: vec![1.0; d],
+        final_norm: vec![1.0; d].into(),
         lm_head: None,
     };
     let config = ModelConfig {
