@@ -77,6 +77,11 @@ pub struct Args {
     #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = count)]
     pub threads: usize,
 
+    /// Memory the CPU run may fill, e.g. 20G (default: the cgroup's limit or the available
+    /// memory). A run that does not fit is refused before the weights are read.
+    #[arg(long, value_name = "SIZE", value_parser = memory_size)]
+    pub max_memory: Option<u64>,
+
     /// Recompute the artifact's digest and refuse it if the contents changed.
     #[arg(long)]
     pub verify_artifact: bool,
@@ -162,6 +167,11 @@ pub struct MergeArgs {
     pub log_level: LogLevel,
 }
 
+/// `--max-memory`: a byte count with an optional K, M, G or T.
+fn memory_size(s: &str) -> Result<u64, String> {
+    crate::host::parse_bytes(s)
+}
+
 /// Most CPU worker threads `--threads` takes.
 pub const MAX_THREADS: usize = 1024;
 
@@ -196,6 +206,8 @@ pub struct RunConfig {
     /// `None`: the device's default.
     pub precision: Option<Precision>,
     pub threads: usize,
+    /// `--max-memory`, bytes.
+    pub max_memory: Option<u64>,
     pub verify_artifact: bool,
     pub show_calibration: bool,
     pub plot: bool,
@@ -288,6 +300,7 @@ impl Args {
             device,
             precision,
             threads: self.threads,
+            max_memory: self.max_memory,
             verify_artifact: self.verify_artifact,
             show_calibration: self.show_calibration,
             plot: self.plot,

@@ -9,6 +9,7 @@
 
 use crate::artifact::Artifact;
 use crate::backend::cpu::model::fault::Faults;
+use crate::backend::cpu::model::memory::MemoryPlan;
 use crate::backend::cpu::model::schedule::CpuScorer;
 use crate::backend::cpu::model::CpuModel;
 use crate::backend::{
@@ -30,6 +31,11 @@ pub struct LoadOptions {
     pub verify_digest: bool,
     /// Compute precision; `None` takes the device's default (CPU f32, CUDA bf16).
     pub precision: Option<Precision>,
+    /// The longest window the run will score (the CPU plans its memory for it before loading
+    /// anything); `None`: the CLI's default context, 4096.
+    pub window_tokens: Option<usize>,
+    /// Memory the CPU may fill, instead of what the machine reports (`--max-memory`).
+    pub max_memory: Option<u64>,
 }
 
 impl Default for LoadOptions {
@@ -39,6 +45,8 @@ impl Default for LoadOptions {
             threads: 0,
             verify_digest: false,
             precision: None,
+            window_tokens: None,
+            max_memory: None,
         }
     }
 }
@@ -53,6 +61,8 @@ pub struct Engine {
     pub precision: Precision,
     /// The test-only perturbation in effect (none outside `fault-injection` builds).
     pub faults: Faults,
+    /// The CPU run's memory plan (CPU engines).
+    pub memory_plan: Option<MemoryPlan>,
     scorer: Box<dyn Scorer>,
     /// The reference pass's KV format and, unless it is this engine's own model, the other
     /// artifact ([`Engine::set_reference`]).
@@ -96,11 +106,30 @@ impl Engine {
         };
         let (device, device_note) = Device::select(opts.device, threads)?;
         let precision = device.precision(opts.precision)?;
+        let mut memory_plan = None;
         let scorer: Box<dyn Scorer> = match &device {
             Device::Cpu { .. } => {
+                // Planned before the weights are read: a run that cannot fit stops here.
+                let memory = match opts.max_memory {
+                    Some(bytes) => Some(crate::host::Limit {
+                        bytes,
+                        source: "--max-memory".into(),
+                    }),
+                    None => crate::host::memory_available(),
+                };
+                let plan = MemoryPlan::new(
+                    &artifact.config,
+                    artifact.file_bytes,
+                    opts.window_tokens.unwrap_or(4096),
+                    threads,
+                    memory,
+                    crate::host::address_space_available(),
+                )
+                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
                 let weights = crate::backend::cpu::model::weights::load(&artifact, progress)?;
                 let m = CpuModel::new(artifact.config.clone(), weights).with_faults(faults);
-                Box::new(CpuScorer::new(m, threads)?)
+                memory_plan = Some(plan.clone());
+                Box::new(CpuScorer::new(m, threads, plan)?)
             }
             Device::Cuda { .. } | Device::Emu { .. } => {
                 if faults.active().is_some() {
@@ -120,6 +149,7 @@ impl Engine {
             device_note,
             precision,
             faults,
+            memory_plan,
             scorer,
             reference: None,
         })

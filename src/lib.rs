@@ -29,6 +29,7 @@ pub mod compare;
 pub mod corpus;
 pub mod engine;
 pub mod gate;
+pub mod host;
 pub mod kv;
 pub mod merge;
 pub mod model;

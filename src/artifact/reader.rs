@@ -85,7 +85,18 @@ impl Artifact {
         // SAFETY: the file is opened read-only; the engine assumes nobody rewrites an
         // artifact in place while it is being scored (the writer always renames a new file
         // into place, which leaves this mapping intact).
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| anyhow!("cannot map artifact: {e}"))?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| {
+            let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+            let limit = match crate::host::address_space_available() {
+                Some(l) => format!(
+                    " (the {:.2} GiB file does not fit {})",
+                    size as f64 / (1u64 << 30) as f64,
+                    l.source
+                ),
+                None => String::new(),
+            };
+            anyhow!("cannot map artifact: {e}{limit}")
+        })?;
         let (n, md) = SafeTensors::read_metadata(&mmap).map_err(explain)?;
         let data_start = 8 + n;
         let meta: BTreeMap<String, String> = md

@@ -37,6 +37,11 @@ pub struct Report {
     /// Device memory of a CUDA run (planned and peak), absent on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_memory: Option<crate::backend::MemoryReport>,
+    /// A CPU run's memory plan: the artifact read in place, vectors, working memory per
+    /// window and thread, the windows in flight, and what the machine allowed (compare with
+    /// `peak_rss_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_memory: Option<crate::backend::cpu::model::memory::MemoryPlan>,
     /// A `--shard I/N` run: its place in the whole run (its own rows cover its windows only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<crate::shard::ShardInfo>,

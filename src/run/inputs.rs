@@ -66,6 +66,13 @@ pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
         threads: cfg.threads,
         verify_digest: cfg.verify_artifact,
         precision: cfg.precision,
+        // The longest window the protocol makes; the CPU plans its memory for it.
+        window_tokens: Some(
+            cfg.protocol
+                .context
+                .min(cfg.max_tokens.unwrap_or(usize::MAX)),
+        ),
+        max_memory: cfg.max_memory,
     };
     let mut load_bar = ProgressLine::new("loading weights", 1, "tensors");
     let mut engine = Engine::load(artifact_path, &opts, &mut |done, total| {

@@ -123,6 +123,7 @@ pub fn build(
         peak_rss_bytes: report::peak_rss_bytes(),
         warnings,
         cuda_memory: engine.cuda_memory(),
+        cpu_memory: engine.memory_plan.clone(),
         shard: None,
         merged_from: None,
     }

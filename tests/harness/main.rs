@@ -273,6 +273,7 @@ fn engine_for(root: &Path, spec: &Spec) -> Result<Arc<Engine>, String> {
             threads: engine_threads(),
             verify_digest: false,
             precision: spec.precision,
+            ..LoadOptions::default()
         };
         let e = Engine::load(&path, &opts, &mut |_, _| {}).map_err(|e| format!("{e:#}"))?;
         if let Some(pinned) = &spec.artifact.digest {

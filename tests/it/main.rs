@@ -25,6 +25,8 @@ mod mutation;
 mod compare;
 // `--shard I/N` and `merge`: shards merge into the unsharded run bit for bit.
 mod shard;
+// The CPU memory plan: refusals with both figures, caps planned for.
+mod memory;
 
 // --- The numbers against independent references.
 // transformers float32 log-probabilities of every family.

@@ -201,6 +201,7 @@ fn run_case(run: &Run, case: &str, artifact: &Path, streams: &[(String, Vec<u32>
             threads: 0,
             verify_digest: false,
             precision: None,
+            ..LoadOptions::default()
         },
         &mut |_, _| {},
     )
@@ -592,6 +593,7 @@ fn engine(art: &Path, device: DeviceRequest, precision: Option<Precision>) -> En
             threads: 0,
             verify_digest: false,
             precision,
+            ..LoadOptions::default()
         },
         &mut |_, _| {},
     )

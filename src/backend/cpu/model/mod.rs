@@ -23,6 +23,7 @@ pub mod fault;
 pub mod head;
 pub mod kv_store;
 pub mod layer;
+pub mod memory;
 pub mod moe;
 pub mod profile;
 pub mod schedule;
@@ -119,28 +120,10 @@ impl CpuModel {
         self.faults = faults;
     }
 
-    /// Bytes of working memory one call of [`CpuModel::window_logprobs`] holds at its peak
-    /// for a window of `tokens` tokens (activation buffers, the attention's packed keys and
-    /// values, the RoPE table, the head's input rows), not counting the weights. The engine
-    /// uses it to decide how many windows may be in flight at once.
+    /// Bytes of working memory one window of `tokens` tokens holds at its peak, not counting
+    /// the weights ([`memory::window_bytes`]).
     pub fn window_bytes(&self, tokens: usize) -> usize {
-        let c = &self.config;
-        let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let qkv_w = qd + 2 * kvd;
-        // x, h, final-norm rows: 3d; qkv; q and attn: 2qd; k, v and their packed copies:
-        // 4kvd; gu and act: 3f; cos and sin: head_dim.
-        let mut per_token = 3 * d + qkv_w + 2 * qd + 4 * kvd + 3 * f + c.head_dim;
-        if let Some(h) = &c.hybrid {
-            // Gated DeltaNet: projections, conv output, gates, State read-out and its norm
-            // (the State itself is per head and task, not per token).
-            let hv = h.linear_num_value_heads;
-            per_token += (h.conv_dim() + h.value_dim() + 2 * hv)
-                + h.conv_dim()
-                + 2 * hv
-                + 2 * h.value_dim()
-                + if c.attention_output_gate() { qd } else { 0 };
-        }
-        tokens * per_token * std::mem::size_of::<f32>()
+        memory::window_bytes(&self.config, tokens)
     }
 
     /// Log-probabilities of `tokens[first_target..]`, each given all earlier tokens of the

@@ -5,6 +5,7 @@
 //! Results never depend on it: a window's log-probabilities depend only on its tokens (see
 //! [`score_cpu`] for why, and the tests below and `tests/it/determinism.rs`).
 
+use super::memory::MemoryPlan;
 use super::CpuModel;
 use crate::backend::{FinishWindow, HeadRows, ScoreError, Scorer};
 use crate::kv::KvDtype;
@@ -12,15 +13,10 @@ use crate::model::ForwardError;
 use crate::score::Window;
 use std::sync::Arc;
 
-/// Working memory the CPU backend may spend on windows in flight at once (the weights
-/// are not counted). SmolLM2 at context 4096 needs about 150 MB per window.
-pub(super) const CPU_WINDOW_MEMORY: usize = 1 << 30;
-
-/// How many windows the CPU backend scores at once: one per worker thread, as many as
-/// [`CPU_WINDOW_MEMORY`] allows, never more than there are windows, at least one.
-pub(super) fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows: usize) -> usize {
-    let by_memory = CPU_WINDOW_MEMORY / window_bytes.max(1);
-    threads.min(by_memory).min(windows).max(1)
+/// How many windows the CPU backend scores at once: one per worker thread, as many as the
+/// memory plan's allowance holds (`fit`), never more than there are windows, at least one.
+pub(super) fn cpu_windows_in_flight(threads: usize, fit: usize, windows: usize) -> usize {
+    threads.min(fit).min(windows).max(1)
 }
 
 /// The CPU backend as the engine sees it: the model, its worker threads and, for a
@@ -29,14 +25,17 @@ pub(super) fn cpu_windows_in_flight(threads: usize, window_bytes: usize, windows
 pub struct CpuScorer {
     model: Arc<CpuModel>,
     pool: rayon::ThreadPool,
+    /// The run's memory plan: how many windows fit at once.
+    plan: MemoryPlan,
     /// The reference pass's KV format, and its model unless it is `model` itself.
     reference: Option<(Option<Arc<CpuModel>>, KvDtype)>,
 }
 
 impl CpuScorer {
     /// `threads` worker threads (at least 1).
-    /// Refuses a bad `NINFER_CPU_GEMM` (a typo would time the wrong GEMM).
-    pub fn new(model: CpuModel, threads: usize) -> anyhow::Result<CpuScorer> {
+    /// Refuses a bad `NINFER_CPU_GEMM` (a typo would time the wrong GEMM). `plan` is the
+    /// run's memory plan ([`MemoryPlan::new`], for `threads` threads).
+    pub fn new(model: CpuModel, threads: usize, plan: MemoryPlan) -> anyhow::Result<CpuScorer> {
         crate::backend::cpu::matmul::Gemm::from_env().map_err(anyhow::Error::msg)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -45,6 +44,7 @@ impl CpuScorer {
         Ok(CpuScorer {
             model: Arc::new(model),
             pool,
+            plan,
             reference: None,
         })
     }
@@ -60,8 +60,18 @@ impl Scorer for CpuScorer {
     ) -> Result<(), ScoreError> {
         let model = &*self.model;
         let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
-        let window_bytes = model.window_bytes(longest);
-        let in_flight = cpu_windows_in_flight(self.threads(), window_bytes, ws.len());
+        // A reference pass holds a second window's buffers beside each window.
+        let per_window = if self.reference.is_some() { 2 } else { 1 };
+        let fit = self.plan.windows_that_fit(longest, &model.config) / per_window;
+        if fit == 0 {
+            return Err(ScoreError::Device(anyhow::anyhow!(
+                "windows of {longest} tokens do not fit the memory planned for windows of {} ({} available, {})",
+                self.plan.window_tokens,
+                self.plan.allowed_bytes.unwrap_or(0),
+                self.plan.allowed_by.as_deref().unwrap_or("")
+            )));
+        }
+        let in_flight = cpu_windows_in_flight(self.threads(), fit, ws.len());
         let reference = self
             .reference
             .as_ref()
@@ -78,10 +88,7 @@ impl Scorer for CpuScorer {
         score_cpu(
             &compute,
             &self.pool,
-            CpuSchedule {
-                in_flight,
-                window_bytes,
-            },
+            CpuSchedule { in_flight, fit },
             tokens,
             ws,
             finish,
@@ -126,8 +133,8 @@ impl Scorer for CpuScorer {
 pub(super) struct CpuSchedule {
     /// Windows computing at once ([`cpu_windows_in_flight`]).
     pub(super) in_flight: usize,
-    /// Working memory of the longest window (`CpuModel::window_bytes`).
-    pub(super) window_bytes: usize,
+    /// Windows (or halves of split ones) the memory plan holds at once.
+    pub(super) fit: usize,
 }
 
 /// One window's computation: its tokens, the first target's index in them, and the split
@@ -148,7 +155,7 @@ pub(super) type Compute<'a> =
 /// window), a running window splits its rows between its own thread and a free one at the
 /// next layer boundary (`CpuModel::window_logprobs_with`), which keeps the pair of threads
 /// working without a barrier per op; a split takes one more window's worth of working
-/// memory, so it happens only within [`CPU_WINDOW_MEMORY`]. Threads still idle after that
+/// memory, so it happens only where the memory plan holds it. Threads still idle after that
 /// steal the running windows' column blocks and attention tasks.
 ///
 /// Why the bits do not change: a window's result depends only on its tokens, never on which
@@ -173,11 +180,8 @@ pub(super) fn score_cpu(
     use std::sync::mpsc;
 
     let threads = pool.current_num_threads();
-    let CpuSchedule {
-        in_flight,
-        window_bytes,
-    } = schedule;
-    let memory_for = |parts: usize| parts.saturating_mul(window_bytes) <= CPU_WINDOW_MEMORY;
+    let CpuSchedule { in_flight, fit } = schedule;
+    let memory_for = |parts: usize| parts <= fit;
     if in_flight <= 1 {
         // One window at a time: the other threads are free whenever memory allows a split.
         let may_split = || threads > 1 && memory_for(2);
@@ -311,7 +315,7 @@ mod tests {
             &pool,
             CpuSchedule {
                 in_flight,
-                window_bytes: model.window_bytes(p.context),
+                fit: usize::MAX,
             },
             tokens,
             &ws,
