@@ -113,6 +113,7 @@ fn layer_seconds_per_token(root: &Path, kind: LayerKind, t: usize, threads: usiz
         config: c,
         seed: 5,
         tokenizer_json: None,
+        quantize: None,
     };
     write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
     let e = load(&p, threads);

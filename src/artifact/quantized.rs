@@ -36,6 +36,36 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+/// The tensors (name, dtype, shape) that store a `[o, i]` matrix `name` quantized with
+/// `scheme` by the packer: [`parts`]'s names and shapes, known before any value is (a
+/// streamed writer lays out its header first).
+pub fn part_shapes(
+    name: &str,
+    scheme: crate::quant::Scheme,
+    o: usize,
+    i: usize,
+) -> Vec<(String, Dtype, Vec<usize>)> {
+    match scheme {
+        crate::quant::Scheme::Nvfp4 => vec![
+            (name.to_string(), Dtype::U8, vec![o, i / 2]),
+            (
+                format!("{name}{SCALE}"),
+                Dtype::F8_E4M3,
+                vec![o, i / nvfp4::BLOCK],
+            ),
+            (format!("{name}{GLOBAL_MULTIPLY}"), Dtype::F32, vec![]),
+        ],
+        crate::quant::Scheme::Fp8Block => vec![
+            (name.to_string(), Dtype::F8_E4M3, vec![o, i]),
+            (
+                format!("{name}{SCALE}"),
+                Dtype::F32,
+                vec![o.div_ceil(fp8::BLOCK), i.div_ceil(fp8::BLOCK)],
+            ),
+        ],
+    }
+}
+
 /// The tensors that store `q` as the matrix `name`.
 pub fn parts(name: &str, q: &QuantTensor) -> Vec<Part> {
     let (o, i) = (q.rows(), q.cols());

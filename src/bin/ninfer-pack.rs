@@ -75,6 +75,12 @@ enum Cmd {
         /// tokenizer.json to embed (default: a 256-token byte-level tokenizer).
         #[arg(long)]
         tokenizer: Option<PathBuf>,
+        /// Weight format: bf16 (every matrix), or fp8 (128x128 block scales) or nvfp4
+        /// (ModelOpt's rules) for the decoder's linear layers, quantized from the bf16 values
+        /// as `ninfer-pack hf --weights` would, with the rest in bf16. Written tensor by
+        /// tensor: memory holds one scale group.
+        #[arg(long, default_value = "bf16")]
+        weights: String,
     },
     /// Print an artifact's description; with --verify, recompute its digest.
     Inspect {
@@ -181,12 +187,14 @@ fn run(args: Args) -> Result<()> {
             layers,
             seed,
             tokenizer,
+            weights,
         } => ninfer_perplexity::pack::random::run_cli(
             &output,
             &preset,
             layers,
             seed,
             tokenizer.as_deref(),
+            &weights,
         ),
         Cmd::Inspect { artifact, verify } => {
             let a = Artifact::open(&artifact)?;

@@ -224,6 +224,7 @@ fn tiny_ninfer(dir: &Path) -> Vec<u8> {
         config: c,
         seed: 3,
         tokenizer_json: None,
+        quantize: None,
     };
     write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
     std::fs::read(p).unwrap()

@@ -446,6 +446,7 @@ fn random_artifact(dir: &Path, name: impl AsRef<str>, config: ModelConfig, seed:
             config,
             seed,
             tokenizer_json: None,
+            quantize: None,
         },
         &art,
         &mut |_, _| {},
