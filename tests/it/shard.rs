@@ -36,6 +36,7 @@ fn numbers(mut r: Value) -> Value {
         "timings",
         "throughput",
         "peak_rss_bytes",
+        "cpu_memory", // one process's plan against its machine: a merge has no single one
         "merged_from",
     ] {
         o.remove(k);
