@@ -101,6 +101,10 @@ pub struct MemoryPlan {
     /// What the machine allows, and why (`None`: nothing could be read).
     pub allowed_bytes: Option<u64>,
     pub allowed_by: Option<String>,
+    /// What counts against `allowed_bytes` besides the windows: the artifact too for a
+    /// memory limit, not for the address-space limit (which is left after mapping it).
+    #[serde(skip)]
+    pub fixed_in_allowed: u64,
 }
 
 impl MemoryPlan {
@@ -146,6 +150,11 @@ impl MemoryPlan {
             needed_bytes: fixed_memory + window * in_flight.max(1) as u64,
             allowed_bytes: binding.as_ref().map(|l| l.bytes),
             allowed_by: binding.as_ref().map(|l| l.source.clone()),
+            fixed_in_allowed: if by_space < by_memory {
+                fixed_space
+            } else {
+                fixed_memory
+            },
         };
         if in_flight == 0 {
             let limit = binding.expect("a window can only fail to fit a limit");
@@ -183,8 +192,7 @@ impl MemoryPlan {
         let Some(allowed) = self.allowed_bytes else {
             return usize::MAX;
         };
-        let fixed = self.needed_bytes - self.window_bytes * self.windows_in_flight as u64;
-        (allowed.saturating_sub(fixed) / window.max(1)) as usize
+        (allowed.saturating_sub(self.fixed_in_allowed) / window.max(1)) as usize
     }
 }
 
@@ -224,6 +232,24 @@ mod tests {
         let space = vector_bytes(&c) as u64 + 2 * thread_bytes(&c) as u64 + SLACK_BYTES;
         assert!(MemoryPlan::new(&c, art, 4096, 2, None, limit(space + per_window)).is_ok());
         assert!(MemoryPlan::new(&c, art, 4096, 2, None, limit(space)).is_err());
+    }
+
+    /// The check at scoring time agrees with the plan made at load, whichever limit binds
+    /// (an address-space limit is what is left after the artifact was mapped: the artifact
+    /// must not be counted against it a second time).
+    #[test]
+    fn windows_that_fit_agrees_with_the_plan_under_either_limit() {
+        let c = preset("qwen3-8b").unwrap();
+        let art = 16_380_000_000u64;
+        let per_window = window_bytes(&c, 512) as u64;
+        let space = vector_bytes(&c) as u64 + 2 * thread_bytes(&c) as u64 + SLACK_BYTES;
+        let p = MemoryPlan::new(&c, art, 512, 2, None, limit(space + per_window + 1)).unwrap();
+        assert_eq!(p.windows_in_flight, 1);
+        assert_eq!(p.windows_that_fit(512, &c), 1);
+        let fixed = art + vector_bytes(&c) as u64 + 2 * thread_bytes(&c) as u64;
+        let p = MemoryPlan::new(&c, art, 512, 2, limit(fixed + 2 * per_window), None).unwrap();
+        assert_eq!(p.windows_that_fit(512, &c), 2);
+        assert_eq!(p.windows_that_fit(1100, &c), 0, "a longer window than two of 512 does not fit");
     }
 
     #[test]

@@ -65,10 +65,12 @@ impl Scorer for CpuScorer {
         let fit = self.plan.windows_that_fit(longest, &model.config) / per_window;
         if fit == 0 {
             return Err(ScoreError::Device(anyhow::anyhow!(
-                "windows of {longest} tokens do not fit the memory planned for windows of {} ({} available, {})",
-                self.plan.window_tokens,
+                "windows of {longest} tokens{} do not fit in the {} bytes allowed ({}) beside the {} the run holds anyway (planned for windows of {})",
+                if per_window == 2 { " with their reference pass" } else { "" },
                 self.plan.allowed_bytes.unwrap_or(0),
-                self.plan.allowed_by.as_deref().unwrap_or("")
+                self.plan.allowed_by.as_deref().unwrap_or(""),
+                self.plan.fixed_in_allowed,
+                self.plan.window_tokens
             )));
         }
         let in_flight = cpu_windows_in_flight(self.threads(), fit, ws.len());
