@@ -39,7 +39,14 @@ fn packed(preset_name: &str, weights: &str) -> PathBuf {
         eprintln!("real_size: packing {preset_name} ({weights}); this takes minutes, once");
         let t = Instant::now();
         let ok = Command::new(bin("ninfer-pack"))
-            .args(["random", "--preset", preset_name, "--weights", weights, "-o"])
+            .args([
+                "random",
+                "--preset",
+                preset_name,
+                "--weights",
+                weights,
+                "-o",
+            ])
             .arg(&out)
             .status()
             .unwrap()
@@ -75,9 +82,26 @@ fn score(name: &str, art: &Path, context: usize, n: usize, threads: usize) -> Ro
         .arg(art)
         .arg("--text")
         .arg(&text)
-        .args(["--device", "cpu", "--kv-dtype", "bf16", "--log-level", "warn"])
-        .args(["--context", &context.to_string(), "--stride", &stride.to_string()])
-        .args(["--max-tokens", &max_tokens.to_string(), "--threads", &threads.to_string()])
+        .args([
+            "--device",
+            "cpu",
+            "--kv-dtype",
+            "bf16",
+            "--log-level",
+            "warn",
+        ])
+        .args([
+            "--context",
+            &context.to_string(),
+            "--stride",
+            &stride.to_string(),
+        ])
+        .args([
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--threads",
+            &threads.to_string(),
+        ])
         .arg("--output")
         .arg(&out)
         .output()
@@ -110,9 +134,16 @@ fn score(name: &str, art: &Path, context: usize, n: usize, threads: usize) -> Ro
 
 /// GFLOP/s of the crate's f32 GEMM on `[m, k] x [n, k]ᵀ` (the fastest of three runs).
 fn gemm_rate(m: usize, k: usize, n: usize, threads: usize) -> f64 {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1013) as f32 / 1013.0 - 0.5).collect();
-    let w: Vec<f32> = (0..n * k).map(|i| ((i * 104729) % 997) as f32 / 997.0 - 0.5).collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| ((i * 7919) % 1013) as f32 / 1013.0 - 0.5)
+        .collect();
+    let w: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 104729) % 997) as f32 / 997.0 - 0.5)
+        .collect();
     let mut out = vec![0f32; m * n];
     (0..3)
         .map(|_| {
@@ -128,7 +159,10 @@ fn main() {
     let n: usize = arg("--windows", 1);
     let threads: usize = arg("--threads", 2);
     let skip_8b = std::env::args().any(|a| a == "--skip-8b");
-    assert!(bin("ninfer-perplexity").exists(), "cargo build --release first");
+    assert!(
+        bin("ninfer-perplexity").exists(),
+        "cargo build --release first"
+    );
     let mut rows = vec![score(
         "smollm2-135m (bf16)",
         &root().join("models/smollm2-135m-bf16.ninfer"),
@@ -144,10 +178,22 @@ fn main() {
     rows.push(score("qwen3_5-27b (nvfp4)", &a, context, n, threads));
     // The 27B's widest product: the gate/up projection of `context` rows.
     let c = preset("qwen3_5-27b").unwrap();
-    let rate = gemm_rate(context, c.hidden_size, 2 * c.intermediate_size.min(8192), threads);
+    let rate = gemm_rate(
+        context,
+        c.hidden_size,
+        2 * c.intermediate_size.min(8192),
+        threads,
+    );
     println!(
         "{:<22} {:>12} {:>12} {:>14} {:>8} {:>10} {:>9} {:>8}",
-        "model", "artifact GB", "peak RSS GB", "RSS - artifact", "tokens", "tokens/s", "GFLOP/s", "of GEMM"
+        "model",
+        "artifact GB",
+        "peak RSS GB",
+        "RSS - artifact",
+        "tokens",
+        "tokens/s",
+        "GFLOP/s",
+        "of GEMM"
     );
     for r in &rows {
         let gflops = r.gflop / r.score_s;

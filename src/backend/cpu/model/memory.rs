@@ -249,7 +249,11 @@ mod tests {
         let fixed = art + vector_bytes(&c) as u64 + 2 * thread_bytes(&c) as u64;
         let p = MemoryPlan::new(&c, art, 512, 2, limit(fixed + 2 * per_window), None).unwrap();
         assert_eq!(p.windows_that_fit(512, &c), 2);
-        assert_eq!(p.windows_that_fit(1100, &c), 0, "a longer window than two of 512 does not fit");
+        assert_eq!(
+            p.windows_that_fit(1100, &c),
+            0,
+            "a longer window than two of 512 does not fit"
+        );
     }
 
     #[test]
