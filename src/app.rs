@@ -44,6 +44,10 @@ pub fn exit(result: Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<GateFailed>().is_some() => {
+            eprintln!("{e}");
+            ExitCode::from(GATE_FAILED)
+        }
         Err(e) => {
             eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
             ExitCode::FAILURE
@@ -107,7 +111,43 @@ pub fn compare(args: CompareArgs) -> Result<()> {
         }
     }
     crate::ui::info(table::verdict(&c));
-    print(&rendered)
+    print(&rendered)?;
+    match args.fail_on {
+        Some(nats) => gate(&c.overall.paired, nats),
+        None => Ok(()),
+    }
+}
+
+/// A `compare --fail-on` gate that tripped: exit code [`GATE_FAILED`], not an error.
+#[derive(Debug)]
+pub struct GateFailed(pub String);
+
+impl std::fmt::Display for GateFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GateFailed {}
+
+/// Exit codes: 0 success, 2 a command line that does not parse (clap's), 3 a
+/// `compare --fail-on` gate that tripped, 1 any other error.
+pub const GATE_FAILED: u8 = 3;
+
+/// `--fail-on NATS`: trips when the delta's 95% lower bound (the point delta when there is
+/// no interval) exceeds `nats`.
+fn gate(p: &crate::score::paired::Paired, nats: f64) -> Result<()> {
+    let (bound, what) = match p.delta_nll_ci95 {
+        Some([lo, _]) => (lo, "the 95% interval's lower bound"),
+        None => (p.delta_nll, "the delta (one window, no interval)"),
+    };
+    if bound > nats {
+        return Err(GateFailed(format!(
+            "fail: new is worse by more than --fail-on {nats} nats/token: {what} is {bound:+.6}"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// `ninfer-perplexity merge SHARD...`: one report from a sharded run's reports.

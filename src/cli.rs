@@ -135,6 +135,12 @@ pub struct CompareArgs {
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
 
+    /// Gate: exit 3 when the new run is worse by more than NATS nats/token with 95%
+    /// confidence (the interval's lower bound of new - base exceeds NATS; with one window,
+    /// no interval, the point delta). `--fail-on 0`: any significant worsening.
+    #[arg(long, value_name = "NATS", value_parser = non_negative_nats)]
+    pub fail_on: Option<f64>,
+
     /// stderr verbosity.
     #[arg(long, value_enum, default_value = "info")]
     pub log_level: LogLevel,
@@ -435,5 +441,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--max-tokens must be at least 2"), "{e}");
+    }
+}
+
+/// `--fail-on`: a finite, non-negative number of nats per token.
+fn non_negative_nats(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!(
+            "`{v}` is not a finite number of nats per token >= 0"
+        )),
     }
 }

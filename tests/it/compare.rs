@@ -188,6 +188,55 @@ fn kv_formats_compare_window_by_window() {
     assert_eq!(all["windows"].as_u64().unwrap() as usize, wb.len());
     // One stream: its row is the overall row.
     assert_eq!(c["streams"][0]["delta_nll"], all["delta_nll"]);
+    // --fail-on NATS: exit 3 exactly when the lower bound exceeds NATS, the table printed
+    // either way; the other direction (an improvement) never trips it. The worse run is the
+    // base with every window's NLL raised by 0.3 to 0.3 + 0.01·i nats per token.
+    let mut doctored = rb.clone();
+    for (i, w) in doctored["streams"][0]["windows"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .enumerate()
+    {
+        let raise = (0.3 + 0.01 * i as f64) * w["scored"].as_f64().unwrap();
+        w["nll_sum"] = (w["nll_sum"].as_f64().unwrap() + raise).into();
+    }
+    let worse = r.dir.join("worse.json");
+    std::fs::write(&worse, serde_json::to_string(&doctored).unwrap()).unwrap();
+    let o = perplexity(&[
+        "compare",
+        s(&base),
+        s(&worse),
+        "--json",
+        s(&r.dir.join("w.json")),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lower = read(&r.dir.join("w.json"))["overall"]["delta_nll_ci95"][0]
+        .as_f64()
+        .unwrap();
+    assert!(lower > 0.29, "{lower}");
+    let (worse_base, worse_new) = (&base, &worse);
+    let gate = |b: &Path, n: &Path, nats: f64| {
+        let o = perplexity(&["compare", s(b), s(n), "--fail-on", &nats.to_string()]);
+        assert!(!o.stdout.is_empty(), "the table is printed");
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (code, err) = gate(worse_base, worse_new, 0.0);
+    assert_eq!(code, Some(3), "{err}");
+    assert!(
+        err.contains("fail: new is worse by more than --fail-on 0"),
+        "{err}"
+    );
+    assert_eq!(gate(worse_base, worse_new, lower * 0.99).0, Some(3));
+    assert_eq!(gate(worse_base, worse_new, lower * 1.01).0, Some(0));
+    assert_eq!(gate(worse_new, worse_base, 0.0).0, Some(0));
+    for bad in ["-1", "nan", "inf", "x"] {
+        let o = perplexity(&["compare", s(&base), s(&new), "--fail-on", bad]);
+        assert_eq!(o.status.code(), Some(2), "--fail-on {bad}: a usage error");
+    }
 }
 
 #[test(prepared)]
