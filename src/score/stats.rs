@@ -62,8 +62,10 @@ impl NllSum {
     }
 }
 
-/// One window's result.
+/// One window's result. In `report.json` it also carries its unrounded `mean_nll` and
+/// `ppl` (the spec asks for every window's), derived on writing and ignored on reading.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(into = "WindowOut")]
 pub struct WindowScore {
     pub begin: usize,
     /// The first scored target (`start` in report.json).
@@ -80,6 +82,42 @@ pub struct WindowScore {
     /// `merge` can add them up in window order exactly as an unsharded run does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<crate::score::Calibration>,
+}
+
+/// [`WindowScore`] as written: its fields, then `mean_nll` (nll_sum / scored) and `ppl`
+/// (its exp; `null` past f64's range, as for every row).
+#[derive(Serialize)]
+struct WindowOut {
+    begin: usize,
+    start: usize,
+    end: usize,
+    scored: u64,
+    nll_sum: f64,
+    nll_sq_sum: f64,
+    mean_nll: f64,
+    ppl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Vec<f32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration: Option<crate::score::Calibration>,
+}
+
+impl From<WindowScore> for WindowOut {
+    fn from(w: WindowScore) -> Self {
+        let mean_nll = w.nll_sum / w.scored as f64;
+        WindowOut {
+            begin: w.begin,
+            start: w.first_target,
+            end: w.end,
+            scored: w.scored,
+            nll_sum: w.nll_sum,
+            nll_sq_sum: w.nll_sq_sum,
+            mean_nll,
+            ppl: Some(mean_nll.exp()).filter(|p| p.is_finite()),
+            logprobs: w.logprobs,
+            calibration: w.calibration,
+        }
+    }
 }
 
 /// One stream's result.

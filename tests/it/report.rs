@@ -163,6 +163,20 @@ fn report_round_trips_exactly() {
     );
 }
 
+/// Every window in the JSON carries its unrounded mean NLL and PPL beside the sums.
+#[test]
+fn windows_carry_their_mean_nll_and_ppl() {
+    let r = fixed_report();
+    let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+    for (s, sv) in r.streams.iter().zip(v["streams"].as_array().unwrap()) {
+        let (w, wv) = (&s.windows[0], &sv["windows"][0]);
+        let mean = w.nll_sum / w.scored as f64;
+        assert_eq!(wv["mean_nll"].as_f64().unwrap().to_bits(), mean.to_bits());
+        assert_eq!(wv["ppl"].as_f64().unwrap().to_bits(), mean.exp().to_bits());
+        assert_eq!(wv["start"].as_u64(), Some(w.first_target as u64));
+    }
+}
+
 #[test]
 fn aggregates_are_token_weighted() {
     let r = fixed_report();
