@@ -4,7 +4,7 @@
 //!
 //! A quantized matrix is stored as its payload plus named scale tensors, exactly as the
 //! checkpoints people download hold them (so an imported checkpoint keeps its bytes), and is
-//! dequantized exactly to f32 when it is loaded: scoring is weight-only, activations stay in
+//! dequantized exactly to f32 where a kernel reads it: scoring is weight-only, activations stay in
 //! the compute precision. [`nvfp4`] and [`fp8`] hold the formats' definitions, the packer's
 //! quantizers (ModelOpt's rules for nvfp4, transformers' fine-grained FP8 for fp8 blocks) and
 //! the dequantizers. The element codecs are the Main KV ones ([`crate::kv::fp8`],
