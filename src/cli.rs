@@ -317,6 +317,16 @@ impl Args {
     }
 }
 
+/// `--fail-on`: a finite, non-negative number of nats per token.
+fn non_negative_nats(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!(
+            "`{v}` is not a finite number of nats per token >= 0"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,15 +451,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--max-tokens must be at least 2"), "{e}");
-    }
-}
-
-/// `--fail-on`: a finite, non-negative number of nats per token.
-fn non_negative_nats(v: &str) -> Result<f64, String> {
-    match v.parse::<f64>() {
-        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
-        _ => Err(format!(
-            "`{v}` is not a finite number of nats per token >= 0"
-        )),
     }
 }

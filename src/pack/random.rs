@@ -131,8 +131,7 @@ pub fn write_random_artifact(
         w.write_all(&(placeholder.len() as u64).to_le_bytes())?;
         w.write_all(&placeholder)?;
         let total = plan.stored.len();
-        for i in 0..total {
-            let (name, _, shape) = plan.stored[i].clone();
+        for (i, (name, _, shape)) in plan.stored.clone().into_iter().enumerate() {
             let bytes = plan.bytes(&name, &shape, spec.seed)?;
             if bytes.len() != entries[i].4 - entries[i].3 {
                 bail!(
