@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 /// Causal perplexity of a .ninfer artifact on a fixed corpus or a text file.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-perplexity", version, long_about = None)]
+#[command(name = "ninfer-perplexity", version = crate::build_info::LONG_VERSION, long_about = None)]
 #[command(
     after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE]   (see `ninfer-perplexity compare --help`)\nMerge a run's shards (--shard I/N) into its report:\n  ninfer-perplexity merge SHARD... [--output DIR]   (see `ninfer-perplexity merge --help`)"
 )]
@@ -119,7 +119,7 @@ pub struct Args {
 /// Compare two runs of the same corpus and protocol, window by window (paired ΔNLL with a
 /// 95% interval, PPL ratio, Δ bits per byte).
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-perplexity compare", bin_name = "ninfer-perplexity compare", version, long_about = None)]
+#[command(name = "ninfer-perplexity compare", bin_name = "ninfer-perplexity compare", version = crate::build_info::LONG_VERSION, long_about = None)]
 pub struct CompareArgs {
     /// The base run: its report.json or its run directory.
     pub base: PathBuf,
@@ -149,7 +149,7 @@ pub struct CompareArgs {
 /// Combine the reports of a run's shards (`--shard I/N`) into the report of the whole run:
 /// the same NLL sums, calibration and table as one unsharded run.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-perplexity merge", bin_name = "ninfer-perplexity merge", version, long_about = None)]
+#[command(name = "ninfer-perplexity merge", bin_name = "ninfer-perplexity merge", version = crate::build_info::LONG_VERSION, long_about = None)]
 pub struct MergeArgs {
     /// The shards' run directories or report.json files, in any order (all N of them).
     #[arg(required = true, value_name = "SHARD")]

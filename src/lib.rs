@@ -24,6 +24,7 @@
 pub mod app;
 pub mod artifact;
 pub mod backend;
+pub mod build_info;
 pub mod cli;
 pub mod compare;
 pub mod corpus;

@@ -21,7 +21,10 @@ use anyhow::{anyhow, bail, Result};
 fn identity(r: &Report, s: &ShardInfo) -> Vec<(&'static str, String)> {
     let st = &r.settings;
     vec![
-        ("tool version", r.tool.version.clone()),
+        (
+            "tool version and commit",
+            format!("{} (git {})", r.tool.version, r.tool.commit),
+        ),
         ("artifact digest", r.artifact.digest.clone()),
         ("tokenizer", r.tokenizer.sha256.clone()),
         (
@@ -365,6 +368,7 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         schema_version: rep0.schema_version,
         run_id: format!("{}-merged-{n}", rep0.run_id),
         tool: rep0.tool.clone(),
+        invocation: None,
         started_unix_s: reports
             .iter()
             .map(|r| r.started_unix_s)

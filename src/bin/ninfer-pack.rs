@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 /// Packs models (GGUF files, Hugging Face directories) into .ninfer artifacts and inspects them.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-pack", version)]
+#[command(name = "ninfer-pack", version = ninfer_perplexity::build_info::LONG_VERSION)]
 struct Args {
     #[command(subcommand)]
     cmd: Cmd,

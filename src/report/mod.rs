@@ -20,6 +20,10 @@ pub struct Report {
     pub schema_version: u32,
     pub run_id: String,
     pub tool: Tool,
+    /// The command line, host, CPU and OS of the run; absent from a merged report (its
+    /// shards' are in their own reports) and from reports older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation: Option<crate::build_info::Invocation>,
     pub started_unix_s: f64,
     pub settings: Settings,
     pub artifact: ArtifactInfo,
@@ -66,6 +70,14 @@ pub struct MergedShard {
 pub struct Tool {
     pub name: String,
     pub version: String,
+    /// The build ([`crate::build_info`]): git commit (`-dirty`, `unknown`), cargo profile,
+    /// features. Absent from reports older than these fields.
+    #[serde(default)]
+    pub commit: String,
+    #[serde(default)]
+    pub profile: String,
+    #[serde(default)]
+    pub features: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

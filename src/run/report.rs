@@ -38,8 +38,12 @@ pub fn build(
         run_id,
         tool: report::Tool {
             name: "ninfer-perplexity".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
+            version: crate::build_info::VERSION.into(),
+            commit: crate::build_info::GIT_COMMIT.into(),
+            profile: crate::build_info::PROFILE.into(),
+            features: crate::build_info::FEATURES.into(),
         },
+        invocation: Some(crate::build_info::Invocation::current()),
         started_unix_s: clock.started_unix_s,
         settings: report::Settings {
             mode: if inputs.corpus.is_some() {

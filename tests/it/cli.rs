@@ -110,6 +110,57 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     for k in ["bytes", "bits_per_byte", "mean_nll_std_err", "ppl_ci95"] {
         assert!(!st[k].is_null(), "stream lacks {k}");
     }
+    // The build and the invocation: what --version says, and the command line as given.
+    let v = perplexity(&["--version"]);
+    let version = String::from_utf8_lossy(&v.stdout).trim().to_string();
+    let t = &r["tool"];
+    assert_eq!(
+        version,
+        format!(
+            "ninfer-perplexity {} (git {}, {}, features: {})",
+            t["version"].as_str().unwrap(),
+            t["commit"].as_str().unwrap(),
+            t["profile"].as_str().unwrap(),
+            t["features"].as_str().unwrap()
+        )
+    );
+    let inv = &r["invocation"];
+    assert_eq!(inv["command_line"][1], s(&art));
+    assert_eq!(inv["command_line"].as_array().unwrap().len(), 10);
+    for k in ["host", "cpu_model", "os"] {
+        assert!(!inv[k].as_str().unwrap().is_empty(), "invocation lacks {k}");
+    }
+}
+
+/// `--version` names the git commit the binary was built from (this checkout's HEAD when it
+/// is a git checkout), the profile and the features; `ninfer-pack` the same.
+#[test]
+fn version_names_the_build() {
+    let v = perplexity(&["--version"]);
+    assert!(v.status.success());
+    let line = String::from_utf8_lossy(&v.stdout).trim().to_string();
+    let commit = line
+        .split("(git ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap_or_else(|| panic!("no commit in `{line}`"));
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    match head {
+        Some(h) => assert!(commit.starts_with(&h), "`{line}` is not HEAD {h}"),
+        None => assert_eq!(commit, "unknown"),
+    }
+    assert!(
+        line.contains(", release, ") || line.contains(", debug, "),
+        "{line}"
+    );
+    let p = pack(&["--version"]);
+    assert!(String::from_utf8_lossy(&p.stdout).contains(&format!("(git {commit}, ")));
 }
 
 #[test(prepared)]

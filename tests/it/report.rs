@@ -66,7 +66,16 @@ fn fixed_report() -> Report {
         tool: Tool {
             name: "ninfer-perplexity".into(),
             version: "0.0.0".into(),
+            commit: "0123456789ab".into(),
+            profile: "release".into(),
+            features: "cuda".into(),
         },
+        invocation: Some(ninfer_perplexity::build_info::Invocation {
+            command_line: vec!["ninfer-perplexity".into(), "m.ninfer".into()],
+            host: "h".into(),
+            cpu_model: "c".into(),
+            os: "linux x86_64".into(),
+        }),
         started_unix_s: 0.0,
         settings: Settings {
             mode: "corpus".into(),

@@ -37,6 +37,7 @@ fn numbers(mut r: Value) -> Value {
         "throughput",
         "peak_rss_bytes",
         "cpu_memory", // one process's plan against its machine: a merge has no single one
+        "invocation", // likewise its command line and host
         "merged_from",
     ] {
         o.remove(k);
