@@ -329,6 +329,27 @@ mod tests {
     use super::*;
     use crate::artifact::Artifact;
 
+    /// Loads `path` and scores `text` at context 16, stride 8 (bf16 KV): the mean NLL.
+    fn mean_nll(path: &std::path::Path, text: &str) -> f64 {
+        let e = crate::engine::Engine::load(
+            path,
+            &crate::engine::LoadOptions::default(),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let ids = e.tokenizer.encode(text).unwrap();
+        e.score(
+            &ids,
+            crate::score::Protocol::new(16, 8).unwrap(),
+            crate::kv::KvDtype::Bf16,
+            false,
+            &mut |_, _| {},
+        )
+        .unwrap()
+        .totals
+        .mean_nll()
+    }
+
     fn tiny() -> ModelConfig {
         ModelConfig {
             num_layers: 2,
@@ -398,20 +419,7 @@ mod tests {
             &mut |_, _| {},
         )
         .unwrap();
-        let e =
-            crate::engine::Engine::load(&p, &crate::engine::LoadOptions::default(), &mut |_, _| {})
-                .unwrap();
-        let ids = e.tokenizer.encode("random weights, real shapes").unwrap();
-        let s = e
-            .score(
-                &ids,
-                crate::score::Protocol::new(16, 8).unwrap(),
-                crate::kv::KvDtype::Bf16,
-                false,
-                &mut |_, _| {},
-            )
-            .unwrap();
-        let mean = s.totals.mean_nll();
+        let mean = mean_nll(&p, "random weights, real shapes");
         assert!(mean.is_finite() && mean > 0.0, "{mean}");
     }
 
@@ -481,23 +489,7 @@ mod tests {
             for n in names {
                 assert_eq!(r.tensor_raw(n), p.tensor_raw(n), "{} {n}", scheme.name());
             }
-            let e = crate::engine::Engine::load(
-                &random,
-                &crate::engine::LoadOptions::default(),
-                &mut |_, _| {},
-            )
-            .unwrap();
-            let ids = e.tokenizer.encode("quantized random weights").unwrap();
-            let s = e
-                .score(
-                    &ids,
-                    crate::score::Protocol::new(16, 8).unwrap(),
-                    crate::kv::KvDtype::Bf16,
-                    false,
-                    &mut |_, _| {},
-                )
-                .unwrap();
-            assert!(s.totals.mean_nll().is_finite());
+            assert!(mean_nll(&random, "quantized random weights").is_finite());
         }
     }
 }
