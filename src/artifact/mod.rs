@@ -24,6 +24,7 @@ pub mod random;
 pub mod reader;
 pub mod source;
 pub mod stored;
+pub mod stream;
 pub mod writer;
 
 pub use reader::{Artifact, FormatUse};

@@ -66,34 +66,24 @@ pub fn part_shapes(
     }
 }
 
-/// The tensors that store `q` as the matrix `name`.
-pub fn parts(name: &str, q: &QuantTensor) -> Vec<Part> {
+/// The tensors (name, dtype, shape) that store `q` as the matrix `name`: [`parts`] without
+/// the bytes.
+pub fn layout(name: &str, q: &QuantTensor) -> Vec<(String, Dtype, Vec<usize>)> {
     let (o, i) = (q.rows(), q.cols());
     match q {
         QuantTensor::Nvfp4(t) => {
-            let (suffix, g) = match t.global {
-                Global::Multiply(g) => (GLOBAL_MULTIPLY, g),
-                Global::Divide(g) => (GLOBAL_DIVIDE, g),
+            let suffix = match t.global {
+                Global::Multiply(_) => GLOBAL_MULTIPLY,
+                Global::Divide(_) => GLOBAL_DIVIDE,
             };
             vec![
-                Part {
-                    name: name.to_string(),
-                    dtype: Dtype::U8,
-                    shape: vec![o, i / 2],
-                    bytes: t.packed.clone(),
-                },
-                Part {
-                    name: format!("{name}{SCALE}"),
-                    dtype: Dtype::F8_E4M3,
-                    shape: vec![o, i / nvfp4::BLOCK],
-                    bytes: t.block_scales.clone(),
-                },
-                Part {
-                    name: format!("{name}{suffix}"),
-                    dtype: Dtype::F32,
-                    shape: vec![],
-                    bytes: g.to_le_bytes().to_vec(),
-                },
+                (name.to_string(), Dtype::U8, vec![o, i / 2]),
+                (
+                    format!("{name}{SCALE}"),
+                    Dtype::F8_E4M3,
+                    vec![o, i / nvfp4::BLOCK],
+                ),
+                (format!("{name}{suffix}"), Dtype::F32, vec![]),
             ]
         }
         QuantTensor::Fp8(t) => {
@@ -103,21 +93,33 @@ pub fn parts(name: &str, q: &QuantTensor) -> Vec<Part> {
                 Fp8Scale::Block(_) => vec![o.div_ceil(fp8::BLOCK), i.div_ceil(fp8::BLOCK)],
             };
             vec![
-                Part {
-                    name: name.to_string(),
-                    dtype: Dtype::F8_E4M3,
-                    shape: vec![o, i],
-                    bytes: t.codes.clone(),
-                },
-                Part {
-                    name: format!("{name}{SCALE}"),
-                    dtype: Dtype::F32,
-                    shape,
-                    bytes: f32_bytes(t.scale.values()),
-                },
+                (name.to_string(), Dtype::F8_E4M3, vec![o, i]),
+                (format!("{name}{SCALE}"), Dtype::F32, shape),
             ]
         }
     }
+}
+
+/// The tensors that store `q` as the matrix `name`, in [`layout`]'s order.
+pub fn parts(name: &str, q: &QuantTensor) -> Vec<Part> {
+    let bytes: Vec<Vec<u8>> = match q {
+        QuantTensor::Nvfp4(t) => vec![
+            t.packed.clone(),
+            t.block_scales.clone(),
+            t.global.value().to_le_bytes().to_vec(),
+        ],
+        QuantTensor::Fp8(t) => vec![t.codes.clone(), f32_bytes(t.scale.values())],
+    };
+    layout(name, q)
+        .into_iter()
+        .zip(bytes)
+        .map(|((name, dtype, shape), bytes)| Part {
+            name,
+            dtype,
+            shape,
+            bytes,
+        })
+        .collect()
 }
 
 /// Where a quantized matrix's parts are, once [`detect`] has checked them.

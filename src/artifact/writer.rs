@@ -1,39 +1,17 @@
-//! Writes a [`PackSource`] as a `.ninfer` file, atomically (temp file, then rename).
+//! Writes a [`PackSource`] as a `.ninfer` file, streamed ([`super::stream`]): the layout is
+//! planned from the config and each source tensor's [`Kind`] before any weight is read, then
+//! each tensor (each nvfp4 scale group: the matrices that share a global scale) is read,
+//! checked, encoded and written, and dropped before the next. Peak memory is a few times the
+//! largest tensor or group, not the model.
 
-use super::digest::DigestBuilder;
-use super::source::{PackSource, TensorData};
+use super::source::{Kind, PackSource, SourceTensor, TensorData};
+use super::stream::{self, Entry};
 use super::{is_vector_tensor, quantized, Provenance, WeightFormat, FORMAT_VERSION, MAGIC};
 use crate::quant::{select, Imported, QuantTensor, Scheme};
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, View};
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use safetensors::tensor::Dtype;
+use std::collections::BTreeMap;
 use std::path::Path;
-
-struct OwnedTensor {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl View for &OwnedTensor {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-fn dtype_name(d: Dtype) -> String {
-    format!("{d:?}")
-}
 
 /// How the packer stores the weights: dense tensors in `dense`, and with `quantize` the
 /// selected matrices (see [`crate::quant::select`]) in that scheme.
@@ -55,19 +33,188 @@ impl From<WeightFormat> for WeightPlan {
     }
 }
 
-fn owned(dtype: Dtype, shape: Vec<usize>, bytes: Vec<u8>) -> OwnedTensor {
-    OwnedTensor {
-        dtype,
-        shape,
-        bytes,
+/// What makes a stored tensor.
+#[derive(Clone)]
+enum Unit {
+    /// A dense tensor: the source tensor of that name, in the pack's dense format.
+    Dense(String),
+    /// A matrix the source holds quantized: its parts, as they are.
+    Imported(String),
+    /// The matrices of one scale group, quantized together by the pack.
+    Group(String),
+}
+
+/// Makes the stored tensors in name order, keeping the parts made but not yet written (a
+/// group's other matrices come later in name order).
+struct Maker<'a> {
+    src: BTreeMap<&'a str, &'a SourceTensor>,
+    unit_of: BTreeMap<String, Unit>,
+    /// Each group's matrices (name, rows, cols), in the config's order.
+    groups: BTreeMap<String, Vec<(String, usize, usize)>>,
+    plan: WeightPlan,
+    ready: BTreeMap<String, Vec<u8>>,
+}
+
+impl Maker<'_> {
+    /// The values of source tensor `name`, checked: as many as its shape, all finite.
+    fn values(&self, name: &str) -> Result<Vec<f32>> {
+        let t = self.src[name];
+        let from = t.origin.display();
+        let data = t
+            .data
+            .resolve()
+            .with_context(|| format!("tensor `{name}`"))?;
+        let TensorData::Values(v) = data.into_owned() else {
+            bail!("{from}: tensor `{name}` turned out quantized, which its reader did not say");
+        };
+        if v.len() != t.shape.iter().product::<usize>() {
+            bail!(
+                "{from}: tensor `{name}`: {} values for shape {:?}",
+                v.len(),
+                t.shape
+            );
+        }
+        if let Some(i) = v.iter().position(|v| !v.is_finite()) {
+            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
+        }
+        Ok(v)
+    }
+
+    /// The bytes of source tensor `name` when its file already holds them as `dtype` (a bf16
+    /// checkpoint packed as bf16): copied, never widened, after the same checks as
+    /// [`Maker::values`]. The bits are those of widening and narrowing back.
+    fn as_stored(&self, name: &str, dtype: Dtype) -> Result<Option<Vec<u8>>> {
+        let t = self.src[name];
+        let TensorData::Mapped { dtype: d, bytes } = &t.data else {
+            return Ok(None);
+        };
+        let finite: fn(&[u8]) -> bool = match (*d, dtype) {
+            (Dtype::BF16, Dtype::BF16) => |b| half::bf16::from_le_bytes([b[0], b[1]]).is_finite(),
+            (Dtype::F32, Dtype::F32) => {
+                |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
+            }
+            _ => return Ok(None),
+        };
+        let raw = bytes.read().with_context(|| format!("tensor `{name}`"))?;
+        let size = dtype.bitsize() / 8;
+        let from = t.origin.display();
+        if raw.len() != t.shape.iter().product::<usize>() * size {
+            bail!(
+                "{from}: tensor `{name}`: {} bytes for shape {:?}",
+                raw.len(),
+                t.shape
+            );
+        }
+        if let Some(i) = raw.chunks_exact(size).position(|b| !finite(b)) {
+            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
+        }
+        Ok(Some(raw))
+    }
+
+    fn keep(&mut self, name: &str, q: &QuantTensor) {
+        for p in quantized::parts(name, q) {
+            self.ready.insert(p.name, p.bytes);
+        }
+    }
+
+    fn bytes(&mut self, e: &Entry) -> Result<Vec<u8>> {
+        if let Some(b) = self.ready.remove(&e.0) {
+            return Ok(b);
+        }
+        match self.unit_of.get(&e.0).cloned() {
+            Some(Unit::Dense(name)) => {
+                if let Some(bytes) = self.as_stored(&name, e.1)? {
+                    return Ok(bytes);
+                }
+                let v = self.values(&name)?;
+                Ok(match e.1 {
+                    Dtype::F32 => bytemuck::cast_slice::<f32, u8>(&v).to_vec(),
+                    _ => v
+                        .iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                        .collect(),
+                })
+            }
+            Some(Unit::Imported(name)) => {
+                let t = self.src[name.as_str()];
+                let from = t.origin.display();
+                let data = t
+                    .data
+                    .resolve()
+                    .with_context(|| format!("tensor `{name}`"))?;
+                let TensorData::Quantized(q) = data.as_ref() else {
+                    bail!("{from}: tensor `{name}` turned out not quantized, which its reader did not say");
+                };
+                if t.shape.len() != 2 || [q.rows(), q.cols()] != t.shape[..] {
+                    bail!(
+                        "{from}: tensor `{name}` is a quantized [{}, {}], the config implies {:?}",
+                        q.rows(),
+                        q.cols(),
+                        t.shape
+                    );
+                }
+                q.dequantize()
+                    .with_context(|| format!("{from}: tensor `{name}`"))?;
+                let q = q.clone();
+                self.keep(&name, &q);
+                self.take(&e.0)
+            }
+            Some(Unit::Group(key)) => {
+                let members = self.groups[&key].clone();
+                let cols = members[0].2;
+                if members.iter().any(|m| m.2 != cols) {
+                    bail!("the matrices of scale group `{key}` read inputs of different widths");
+                }
+                let values = members
+                    .iter()
+                    .map(|(n, ..)| self.values(n))
+                    .collect::<Result<Vec<_>>>()?;
+                let qs: Vec<QuantTensor> = match self.plan.quantize {
+                    Some(Scheme::Nvfp4) => {
+                        let parts: Vec<&[f32]> = values.iter().map(|v| &v[..]).collect();
+                        crate::quant::nvfp4::quantize_group(&parts, cols)
+                            .into_iter()
+                            .map(QuantTensor::Nvfp4)
+                            .collect()
+                    }
+                    _ => members
+                        .iter()
+                        .zip(&values)
+                        .map(|((_, o, i), v)| {
+                            QuantTensor::Fp8(crate::quant::fp8::quantize_block(v, *o, *i))
+                        })
+                        .collect(),
+                };
+                drop(values);
+                for ((n, ..), q) in members.iter().zip(&qs) {
+                    self.keep(n, q);
+                }
+                self.take(&e.0)
+            }
+            None => bail!("internal: nothing makes stored tensor `{}`", e.0),
+        }
+    }
+
+    fn take(&mut self, name: &str) -> Result<Vec<u8>> {
+        self.ready
+            .remove(name)
+            .with_context(|| format!("internal: no stored part `{name}`"))
     }
 }
 
-/// A matrix waiting for its scale group: name, rows, columns, values `[rows, cols]`.
-type Pending<'a> = (String, usize, usize, &'a [f32]);
-
-/// Encodes, checks and writes the artifact; returns its digest.
+/// Checks the source against its config, lays the artifact out, and writes it tensor by
+/// tensor; returns its digest.
 pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path) -> Result<String> {
+    write_artifact_with(src, plan, out, &mut |_, _| {})
+}
+
+/// [`write_artifact`], with `progress(done, total)` counting stored tensors.
+pub fn write_artifact_with(
+    src: &PackSource,
+    plan: impl Into<WeightPlan>,
+    out: &Path,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<String> {
     let plan = plan.into();
     let format = plan.dense;
     src.config.validate()?;
@@ -81,7 +228,7 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
             src.config.vocab_size
         );
     }
-    let mut given: BTreeMap<&str, &super::source::SourceTensor> = BTreeMap::new();
+    let mut given: BTreeMap<&str, &SourceTensor> = BTreeMap::new();
     for t in &src.tensors {
         if given.insert(t.name.as_str(), t).is_some() {
             bail!("tensor `{}` appears twice in the source", t.name);
@@ -90,9 +237,14 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
     if plan.head && plan.quantize.is_some() && src.config.tie_word_embeddings {
         bail!("--quantize-head: the head is tied to the embeddings (there is no separate `lm_head.weight` to quantize)");
     }
-    let mut tensors: BTreeMap<String, OwnedTensor> = BTreeMap::new();
-    // Matrices to quantize, by nvfp4 scale group (a lone matrix is its own group).
-    let mut pending: BTreeMap<String, Vec<Pending>> = BTreeMap::new();
+    let mut maker = Maker {
+        src: BTreeMap::new(),
+        unit_of: BTreeMap::new(),
+        groups: BTreeMap::new(),
+        plan,
+        ready: BTreeMap::new(),
+    };
+    let mut layout: Vec<Entry> = Vec::new();
     let mut imported = 0usize;
     for (name, shape) in src.config.expected_tensors() {
         let t = given.remove(name.as_str()).with_context(|| {
@@ -107,66 +259,54 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
                 shape
             );
         }
-        let data = match &t.data {
-            TensorData::Quantized(q) => {
-                if plan.quantize.is_some() {
+        maker.src.insert(t.name.as_str(), t);
+        match t.data.kind(&name) {
+            Kind::Quantized(parts) => {
+                if let (Some(_), Some((_, dtype, _))) = (plan.quantize, parts.first()) {
+                    let format = if *dtype == Dtype::U8 { "nvfp4" } else { "fp8" };
                     bail!(
-                        "{from}: tensor `{name}` is already {}; the checkpoint is stored as it is (pack it with --weights bf16 or f32, which apply to its other tensors)",
-                        q.format()
+                        "{from}: tensor `{name}` is already {format}; the checkpoint is stored as it is (pack it with --weights bf16 or f32, which apply to its other tensors)"
                     );
                 }
-                if shape.len() != 2 || [q.rows(), q.cols()] != shape[..] {
-                    bail!(
-                        "{from}: tensor `{name}` is a quantized [{}, {}], the config implies {shape:?}",
-                        q.rows(),
-                        q.cols()
-                    );
-                }
-                q.dequantize()
-                    .with_context(|| format!("{from}: tensor `{name}`"))?;
                 imported += 1;
-                for p in quantized::parts(&name, q) {
-                    tensors.insert(p.name, owned(p.dtype, p.shape, p.bytes));
+                for p in parts {
+                    maker
+                        .unit_of
+                        .insert(p.0.clone(), Unit::Imported(name.clone()));
+                    layout.push(p);
                 }
-                continue;
             }
-            TensorData::Values(v) => v,
-        };
-        if data.len() != shape.iter().product::<usize>() {
-            bail!(
-                "{from}: tensor `{name}`: {} values for shape {:?}",
-                data.len(),
-                shape
-            );
+            Kind::Values => match plan.quantize {
+                Some(scheme) if shape.len() == 2 && select::selected(&name, plan.head) => {
+                    crate::quant::check_shape(scheme, &name, shape[0], shape[1])
+                        .with_context(|| format!("--weights {}", scheme.name()))?;
+                    let key = match scheme {
+                        Scheme::Nvfp4 => select::group(&name).unwrap_or_else(|| name.clone()),
+                        Scheme::Fp8Block => name.clone(),
+                    };
+                    for p in quantized::part_shapes(&name, scheme, shape[0], shape[1]) {
+                        maker.unit_of.insert(p.0.clone(), Unit::Group(key.clone()));
+                        layout.push(p);
+                    }
+                    maker
+                        .groups
+                        .entry(key)
+                        .or_default()
+                        .push((name, shape[0], shape[1]));
+                }
+                _ => {
+                    let dtype = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
+                        Dtype::F32
+                    } else {
+                        Dtype::BF16
+                    };
+                    maker
+                        .unit_of
+                        .insert(name.clone(), Unit::Dense(name.clone()));
+                    layout.push((name, dtype, shape));
+                }
+            },
         }
-        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
-        }
-        if let Some(scheme) = plan.quantize {
-            if shape.len() == 2 && select::selected(&name, plan.head) {
-                crate::quant::check_shape(scheme, &name, shape[0], shape[1])
-                    .with_context(|| format!("--weights {}", scheme.name()))?;
-                let key = match scheme {
-                    Scheme::Nvfp4 => select::group(&name).unwrap_or_else(|| name.clone()),
-                    Scheme::Fp8Block => name.clone(),
-                };
-                pending
-                    .entry(key)
-                    .or_default()
-                    .push((name, shape[0], shape[1], data));
-                continue;
-            }
-        }
-        let (dtype, bytes) = if format == WeightFormat::F32 || is_vector_tensor(&name, &shape) {
-            (Dtype::F32, bytemuck::cast_slice::<f32, u8>(data).to_vec())
-        } else {
-            let b: Vec<half::bf16> = data.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            (
-                Dtype::BF16,
-                bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec(),
-            )
-        };
-        tensors.insert(name, owned(dtype, shape, bytes));
     }
     if let Some((extra, t)) = given.iter().next() {
         bail!(
@@ -175,29 +315,9 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
             src.config.family.name()
         );
     }
-    for (key, group) in &pending {
-        let cols = group[0].2;
-        if group.iter().any(|m| m.2 != cols) {
-            bail!("the matrices of scale group `{key}` read inputs of different widths");
-        }
-        let quantized: Vec<QuantTensor> = match plan.quantize {
-            Some(Scheme::Nvfp4) => {
-                let parts: Vec<&[f32]> = group.iter().map(|m| m.3).collect();
-                crate::quant::nvfp4::quantize_group(&parts, cols)
-                    .into_iter()
-                    .map(QuantTensor::Nvfp4)
-                    .collect()
-            }
-            _ => group
-                .iter()
-                .map(|m| QuantTensor::Fp8(crate::quant::fp8::quantize_block(m.3, m.1, m.2)))
-                .collect(),
-        };
-        for ((name, ..), q) in group.iter().zip(&quantized) {
-            for p in quantized::parts(name, q) {
-                tensors.insert(p.name, owned(p.dtype, p.shape, p.bytes));
-            }
-        }
+    layout.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = layout.windows(2).find(|w| w[0].0 == w[1].0) {
+        bail!("two tensors would be stored as `{}`", w[0].0);
     }
     let quantization = match (&plan.quantize, &src.quantization) {
         (Some(scheme), _) => Some(Imported {
@@ -216,7 +336,10 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
     };
 
     let provenance = Provenance {
-        packer: format!("ninfer-pack {}", env!("CARGO_PKG_VERSION")),
+        packer: match &src.packer_args {
+            Some(args) => format!("ninfer-pack {} {args}", env!("CARGO_PKG_VERSION")),
+            None => format!("ninfer-pack {}", env!("CARGO_PKG_VERSION")),
+        },
         source_kind: src.source_kind.clone(),
         source_files: src.source_files.clone(),
         source_dtypes: src.source_dtypes.clone(),
@@ -231,28 +354,7 @@ pub fn write_artifact(src: &PackSource, plan: impl Into<WeightPlan>, out: &Path)
     if let Some(q) = &quantization {
         meta.insert("quantization".into(), serde_json::to_string(q)?);
     }
-
-    let mut d = DigestBuilder::new();
-    for (k, v) in &meta {
-        d.metadata(k, v);
-    }
-    for (name, t) in &tensors {
-        d.tensor(name, &dtype_name(t.dtype), &t.shape, &t.bytes);
-    }
-    let digest = d.finish();
-    meta.insert("digest".into(), digest.clone());
-
-    let meta: HashMap<String, String> = meta.into_iter().collect();
-    let views: Vec<(&str, &OwnedTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    if let Some(dir) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("{}: cannot create directory: {e}", dir.display()))?;
-    }
-    // serialize_to_file writes a sibling temp file and renames it into place.
-    safetensors::serialize_to_file(views, Some(meta), out)
-        .map_err(|e| anyhow::anyhow!("{}: cannot write artifact: {e}", out.display()))?;
-    crate::outfile::set_default_mode(out)?;
-    Ok(digest)
+    stream::write(meta, &layout, out, &mut |e| maker.bytes(e), progress)
 }
 
 #[cfg(test)]
@@ -271,6 +373,7 @@ mod tests {
             source_dtypes: BTreeMap::new(),
             notes: vec![],
             quantization: None,
+            packer_args: None,
         };
         let out = tempfile::tempdir().unwrap();
         let e = write_artifact(&src, WeightFormat::Bf16, &out.path().join("x.ninfer"))

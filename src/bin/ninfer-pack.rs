@@ -139,6 +139,7 @@ fn pack(
 ) -> Result<()> {
     let plan = plan?;
     ninfer_perplexity::outfile::check_output(output, &inputs)?;
+    let t = std::time::Instant::now();
     let src = read()?;
     for n in &src.notes {
         eprintln!("{n}");
@@ -147,13 +148,23 @@ fn pack(
     let summary = Artifact::open(output)?.weight_summary();
     let c = &src.config;
     eprintln!(
-        "packed {} ({} {:.1}M params, weights {summary}) digest {}",
+        "packed {} ({} {:.1}M params, weights {summary}) in {:.1}s, peak memory {}, digest {}",
         output.display(),
         c.family.name(),
         c.num_params() as f64 / 1e6,
+        t.elapsed().as_secs_f64(),
+        peak_memory(),
         digest
     );
     Ok(())
+}
+
+/// The process's peak resident memory, for the closing line ("unknown" off Linux).
+fn peak_memory() -> String {
+    match ninfer_perplexity::host::peak_resident_bytes() {
+        Some(b) => format!("{:.1} MB", b as f64 / 1e6),
+        None => "unknown".into(),
+    }
 }
 
 fn run(args: Args) -> Result<()> {

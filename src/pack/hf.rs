@@ -7,13 +7,15 @@
 //! Tensor names are (after Qwen3.5's prefix) the ones the artifact uses and RoPE is already
 //! rotate-half, so the work is reading the config faithfully (including the defaults
 //! transformers applies) and widening the weights to f32 from whatever dtype each tensor's
-//! header gives. Every `*.safetensors` file of the directory is read; an index, when
+//! header gives (when the writer reaches each tensor: the reader keeps only where each
+//! tensor is). Every `*.safetensors` file of the directory is read; an index, when
 //! present, is checked against them.
 
 use super::{PackSource, SourceFile, SourceTensor, TensorData};
-use crate::artifact::source::widen;
+use crate::artifact::source::FileRange;
 use crate::model::config::{Family, ModelConfig, RopeScaling};
 use anyhow::{anyhow, bail, Context, Result};
+use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -248,6 +250,19 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         // SAFETY: read-only mapping of a file this process does not modify.
         let mmap = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("{}: cannot map", shard.display()))?;
+        // The mapping is parsed for the header only; tensors are read later with `pread`,
+        // one at a time, by the writer.
+        let file = std::sync::Arc::new(file);
+        let path: std::sync::Arc<Path> = shard.as_path().into();
+        let base = mmap.as_ptr() as usize;
+        let range = |data: &[u8]| {
+            FileRange::new(
+                file.clone(),
+                path.clone(),
+                (data.as_ptr() as usize - base) as u64,
+                data.len(),
+            )
+        };
         let st = SafeTensors::deserialize(&mmap)
             .map_err(|e| anyhow!("{}: invalid safetensors: {e}", shard.display()))?;
         for (stored, view) in st.tensors() {
@@ -284,23 +299,26 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
                     super::hf_quant::Raw {
                         dtype: view.dtype(),
                         shape: view.shape().to_vec(),
-                        bytes: view.data().to_vec(),
+                        bytes: range(view.data()),
                         origin: shard.clone(),
                     },
                 );
                 continue;
             }
-            let data = widen(view.dtype(), view.data()).ok_or_else(|| {
-                anyhow!(
+            if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+                bail!(
                     "{}: tensor `{name}` has unsupported dtype {:?} (supported: F32, F16, BF16)",
                     shard.display(),
                     view.dtype()
-                )
-            })?;
+                );
+            }
             tensors.push(SourceTensor {
                 name,
                 shape: view.shape().to_vec(),
-                data: TensorData::Values(data),
+                data: TensorData::Mapped {
+                    dtype: view.dtype(),
+                    bytes: range(view.data()),
+                },
                 origin: shard.clone(),
             });
         }
@@ -332,6 +350,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         source_dtypes,
         notes,
         quantization,
+        packer_args: None,
     })
 }
 

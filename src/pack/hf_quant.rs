@@ -9,6 +9,7 @@
 //! ...), named with the tensor that shows it.
 
 use super::{SourceTensor, TensorData};
+use crate::artifact::source::{Deferred, Kind};
 use crate::quant::fp8::{self, Fp8Scale, Fp8Tensor};
 use crate::quant::nvfp4::{self, Global, Nvfp4Tensor};
 use crate::quant::{Imported, QuantTensor};
@@ -18,11 +19,12 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// One raw checkpoint tensor that belongs to a quantized linear.
+/// One raw checkpoint tensor that belongs to a quantized linear, still in its file.
+#[derive(Clone)]
 pub struct Raw {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    pub bytes: Vec<u8>,
+    pub bytes: crate::artifact::source::FileRange,
     pub origin: PathBuf,
 }
 
@@ -165,7 +167,7 @@ pub fn read_claim(dir: &Path, config: &Value) -> Result<Option<Claim>> {
 }
 
 fn f32s(r: &Raw, name: &str) -> Result<Vec<f32>> {
-    crate::artifact::source::widen(r.dtype, &r.bytes).ok_or_else(|| {
+    crate::artifact::source::widen(r.dtype, &r.bytes.read()?).ok_or_else(|| {
         anyhow!(
             "{}: tensor `{name}` has dtype {:?}; scales must be F32, BF16 or F16",
             r.origin.display(),
@@ -260,8 +262,8 @@ fn linear(base: &str, parts: &mut BTreeMap<String, Raw>) -> Result<(String, Quan
             QuantTensor::Nvfp4(Nvfp4Tensor {
                 rows: o,
                 cols: i,
-                packed: payload.bytes,
-                block_scales: scale.bytes,
+                packed: payload.bytes.read()?,
+                block_scales: scale.bytes.read()?,
                 global,
             })
         }
@@ -292,7 +294,7 @@ fn linear(base: &str, parts: &mut BTreeMap<String, Raw>) -> Result<(String, Quan
             QuantTensor::Fp8(Fp8Tensor {
                 rows: o,
                 cols: i,
-                codes: payload.bytes,
+                codes: payload.bytes.read()?,
                 scale,
             })
         }
@@ -303,6 +305,18 @@ fn linear(base: &str, parts: &mut BTreeMap<String, Raw>) -> Result<(String, Quan
     q.dequantize()
         .with_context(|| format!("{from}: tensor `{name}`"))?;
     Ok((name, q))
+}
+
+/// A linear's parts must all have been used.
+fn rest_is_empty(rest: &BTreeMap<String, Raw>, q: &QuantTensor, name: &str) -> Result<()> {
+    if let Some((extra, r)) = rest.iter().next() {
+        bail!(
+            "{}: tensor `{extra}` does not belong to a {} `{name}`",
+            r.origin.display(),
+            q.format()
+        );
+    }
+    Ok(())
 }
 
 /// Turns the collected parts into quantized source tensors; activation scales go to the
@@ -336,16 +350,13 @@ pub fn assemble(
     }
     let mut out = Vec::new();
     let mut seen: BTreeSet<&'static str> = BTreeSet::new();
-    for (base, mut group) in by_base {
+    for (base, group) in by_base {
         let origin = group.values().next().expect("non-empty").origin.clone();
-        let (name, q) = linear(&base, &mut group)?;
-        if let Some((extra, r)) = group.iter().next() {
-            bail!(
-                "{}: tensor `{extra}` does not belong to a {} `{name}`",
-                r.origin.display(),
-                q.format()
-            );
-        }
+        // Assembled (and checked) once now, with the memory of this one matrix, and again
+        // when the writer reaches it.
+        let mut rest = group.clone();
+        let (name, q) = linear(&base, &mut rest)?;
+        let group = rest_is_empty(&rest, &q, &name).map(|()| group)?;
         match &claim {
             None => bail!(
                 "{}: tensor `{name}` is {}, but the checkpoint has no quantization config (config.json `quantization_config` or hf_quant_config.json)",
@@ -361,10 +372,16 @@ pub fn assemble(
             Some(_) => {}
         }
         seen.insert(q.format());
+        let kind = Kind::Quantized(crate::artifact::quantized::layout(&name, &q));
+        let shape = vec![q.rows(), q.cols()];
+        drop(q);
         out.push(SourceTensor {
             name,
-            shape: vec![q.rows(), q.cols()],
-            data: TensorData::Quantized(q),
+            shape,
+            data: TensorData::Deferred(Deferred::new(kind, move || {
+                let (_, q) = linear(&base, &mut group.clone())?;
+                Ok(TensorData::Quantized(q))
+            })),
             origin,
         });
     }

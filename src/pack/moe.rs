@@ -13,6 +13,7 @@
 
 use super::hf::get_usize;
 use super::{SourceTensor, TensorData};
+use crate::artifact::source::{Deferred, Kind};
 use crate::model::config::MoeConfig;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
@@ -141,11 +142,30 @@ pub fn ungroup_qwen3_next(
                 .iter()
                 .flat_map(|&(start, n)| (0..hk).map(move |g| (g * group + start, n)))
                 .collect();
-            let data = super::rows::gather(&t.data, rows, cols, &spans)
-                .map_err(|e| anyhow!("{from}: `{}` cannot be un-grouped: {e}", t.name))?;
+            let out_name = format!("{prefix}.linear_attn.{name}.weight");
+            let out_rows = spans.iter().map(|s| s.1).sum();
+            let take = {
+                let (parent, pname, from) = (t.data.clone(), t.name.clone(), from.clone());
+                move || {
+                    super::rows::gather(&parent, rows, cols, &spans)
+                        .map_err(|e| anyhow!("{from}: `{pname}` cannot be un-grouped: {e}"))
+                }
+            };
+            // Values or a quantized matrix in memory are regrouped now; one still in its file
+            // when the writer reaches it (a quantized one checked once now, for its layout).
+            let data = match &t.data {
+                TensorData::Values(_) | TensorData::Quantized(_) => take()?,
+                TensorData::Mapped { .. } => TensorData::Deferred(Deferred::values(take)),
+                TensorData::Deferred(d) if *d.kind() == Kind::Values => {
+                    TensorData::Deferred(Deferred::values(take))
+                }
+                TensorData::Deferred(_) => {
+                    TensorData::Deferred(Deferred::checked(&out_name, take)?)
+                }
+            };
             out.push(SourceTensor {
-                name: format!("{prefix}.linear_attn.{name}.weight"),
-                shape: vec![spans.iter().map(|s| s.1).sum(), cols],
+                name: out_name,
+                shape: vec![out_rows, cols],
                 data,
                 origin: t.origin.clone(),
             });
@@ -196,12 +216,31 @@ pub fn unfuse_experts(tensors: &mut Vec<SourceTensor>) -> Result<()> {
                 t.shape
             );
         };
-        let TensorData::Values(v) = &t.data else {
-            bail!(
-                "{from}: fused expert tensor `{}` is stored quantized; fused quantized experts are not read yet (a per-expert checkpoint is)",
-                t.name
-            );
+        // Values in memory (tests) are sliced; a tensor still in its file is sliced as byte
+        // ranges, each expert read when the writer reaches it.
+        let slice = |start: usize, len: usize| -> Result<TensorData> {
+            match &t.data {
+                TensorData::Values(v) => Ok(TensorData::Values(v[start..start + len].to_vec())),
+                TensorData::Mapped { dtype, bytes } => {
+                    let size = dtype.bitsize() / 8;
+                    Ok(TensorData::Mapped {
+                        dtype: *dtype,
+                        bytes: bytes.sub(start * size, len * size)?,
+                    })
+                }
+                _ => bail!(
+                    "{from}: fused expert tensor `{}` is stored quantized; fused quantized experts are not read yet (a per-expert checkpoint is)",
+                    t.name
+                ),
+            }
         };
+        if t.data.values().is_some_and(|v| v.len() != e * rows * cols) {
+            bail!(
+                "{from}: `{}` holds {} values, not {e}·{rows}·{cols}",
+                t.name,
+                t.data.values().map_or(0, |v| v.len())
+            );
+        }
         if gate_up && rows % 2 != 0 {
             bail!(
                 "{from}: `{}` has {rows} rows per expert; gate and up need an even number",
@@ -210,21 +249,21 @@ pub fn unfuse_experts(tensors: &mut Vec<SourceTensor>) -> Result<()> {
         }
         let per = rows * cols;
         for x in 0..e {
-            let block = &v[x * per..(x + 1) * per];
-            let mut push = |proj: &str, vals: &[f32], r: usize| {
+            let mut push = |proj: &str, start: usize, r: usize| -> Result<()> {
                 out.push(SourceTensor {
                     name: format!("{p}.mlp.experts.{x}.{proj}.weight"),
                     shape: vec![r, cols],
-                    data: TensorData::Values(vals.to_vec()),
+                    data: slice(start, r * cols)?,
                     origin: t.origin.clone(),
                 });
+                Ok(())
             };
             if gate_up {
                 let half = rows / 2 * cols;
-                push("gate_proj", &block[..half], rows / 2);
-                push("up_proj", &block[half..], rows / 2);
+                push("gate_proj", x * per, rows / 2)?;
+                push("up_proj", x * per + half, rows / 2)?;
             } else {
-                push("down_proj", block, rows);
+                push("down_proj", x * per, rows)?;
             }
         }
     }

@@ -3,23 +3,20 @@
 //!
 //! The file is a valid `.ninfer` artifact (the reader validates it like any other): bf16
 //! matrices, f32 norm vectors, a tokenizer, provenance `source_kind = "random"` and a true
-//! digest, with the values of [`crate::artifact::random`]. It is streamed tensor by tensor,
-//! so host memory holds one tensor at a time: the header is written with a placeholder
-//! digest of the final length, each tensor is generated, hashed and written in name order
-//! (the digest's order), then the header is rewritten with the real digest.
+//! digest, with the values of [`crate::artifact::random`]. It goes through the packers'
+//! writer like any checkpoint, every tensor made only when the streamed writer reaches it,
+//! so host memory holds one tensor (one scale group) at a time.
 
-use crate::artifact::digest::DigestBuilder;
-use crate::artifact::quantized;
 use crate::artifact::random::{byte_tokenizer_json, tensor_bytes};
-use crate::artifact::{is_vector_tensor, Provenance, FORMAT_VERSION, MAGIC};
+use crate::artifact::source::{widen, Deferred, PackSource, SourceTensor, TensorData};
+use crate::artifact::{WeightFormat, WeightPlan};
 use crate::model::config::ModelConfig;
 use crate::model::presets::preset;
-use crate::quant::{select, QuantTensor, Scheme};
+use crate::quant::Scheme;
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::Dtype;
 use std::collections::BTreeMap;
-use std::io::{Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What to generate.
 pub struct RandomSpec {
@@ -32,247 +29,62 @@ pub struct RandomSpec {
     pub quantize: Option<crate::quant::Scheme>,
 }
 
-fn header(
-    meta: &BTreeMap<String, String>,
-    entries: &[(String, &'static str, Vec<usize>, usize, usize)],
-) -> Vec<u8> {
-    let mut h = serde_json::Map::new();
-    h.insert("__metadata__".into(), serde_json::to_value(meta).unwrap());
-    for (name, dtype, shape, a, b) in entries {
-        h.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]}),
-        );
+/// The random model as a pack source whose every tensor is made when the writer reaches it.
+pub fn source(spec: &RandomSpec) -> PackSource {
+    let seed = spec.seed;
+    let tensors = spec
+        .config
+        .expected_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let (n, s) = (name.clone(), shape.clone());
+            SourceTensor {
+                data: TensorData::Deferred(Deferred::values(move || {
+                    let (dtype, bytes) = tensor_bytes(&n, &s, seed);
+                    let dtype = if dtype == "F32" {
+                        Dtype::F32
+                    } else {
+                        Dtype::BF16
+                    };
+                    Ok(TensorData::Values(
+                        widen(dtype, &bytes).expect("F32 or BF16"),
+                    ))
+                })),
+                name,
+                shape,
+                origin: PathBuf::from("random"),
+            }
+        })
+        .collect();
+    PackSource {
+        config: spec.config.clone(),
+        tokenizer_json: spec
+            .tokenizer_json
+            .clone()
+            .unwrap_or_else(byte_tokenizer_json),
+        tensors,
+        source_kind: "random".into(),
+        source_files: vec![],
+        source_dtypes: BTreeMap::new(),
+        notes: vec![],
+        quantization: None,
+        packer_args: Some(format!("random (seed {seed})")),
     }
-    let mut bytes = serde_json::to_vec(&serde_json::Value::Object(h)).unwrap();
-    while !bytes.len().is_multiple_of(8) {
-        bytes.push(b' ');
-    }
-    bytes
 }
 
 /// Writes the artifact to `out` (through a temporary file renamed into place) and returns
-/// its digest. `progress(done, total)` counts tensors.
+/// its digest. `progress(done, total)` counts stored tensors.
 pub fn write_random_artifact(
     spec: &RandomSpec,
     out: &Path,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<String> {
-    let c = &spec.config;
-    c.validate()?;
-    let tok = spec
-        .tokenizer_json
-        .clone()
-        .unwrap_or_else(byte_tokenizer_json);
-    let t = crate::tokenizer::Tokenizer::from_json(&tok).context("tokenizer")?;
-    if t.vocab_size() > c.vocab_size {
-        bail!(
-            "the tokenizer has {} tokens, more than the vocabulary ({})",
-            t.vocab_size(),
-            c.vocab_size
-        );
-    }
-    let provenance = Provenance {
-        packer: format!(
-            "ninfer-pack {} random (seed {})",
-            env!("CARGO_PKG_VERSION"),
-            spec.seed
-        ),
-        source_kind: "random".into(),
-        source_files: vec![],
-        source_dtypes: BTreeMap::new(),
+    let plan = WeightPlan {
+        dense: WeightFormat::Bf16,
+        quantize: spec.quantize,
+        head: false,
     };
-    let mut meta: BTreeMap<String, String> = BTreeMap::new();
-    meta.insert("format".into(), MAGIC.into());
-    meta.insert("format_version".into(), FORMAT_VERSION.to_string());
-    meta.insert("config".into(), serde_json::to_string(c)?);
-    meta.insert("tokenizer".into(), tok);
-    meta.insert("weight_format".into(), "bf16".into());
-    meta.insert("provenance".into(), serde_json::to_string(&provenance)?);
-    if let Some(scheme) = spec.quantize {
-        let q = crate::quant::Imported {
-            method: format!("ninfer-pack --weights {}", scheme.name()),
-            activation_scales: Default::default(),
-        };
-        meta.insert("quantization".into(), serde_json::to_string(&q)?);
-    }
-    let mut digest = DigestBuilder::new();
-    for (k, v) in &meta {
-        digest.metadata(k, v);
-    }
-    let mut plan = Layout::new(c, spec.quantize)?;
-    let mut entries = Vec::with_capacity(plan.stored.len());
-    let mut off = 0usize;
-    for (name, dtype, shape) in &plan.stored {
-        let bytes = shape.iter().product::<usize>() * dtype.bitsize() / 8;
-        entries.push((
-            name.clone(),
-            dtype_name(*dtype),
-            shape.clone(),
-            off,
-            off + bytes,
-        ));
-        off += bytes;
-    }
-    meta.insert("digest".into(), format!("sha256:{}", "0".repeat(64)));
-    let placeholder = header(&meta, &entries);
-
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot write", dir.display()))?;
-    {
-        let f = tmp.as_file_mut();
-        let mut w = std::io::BufWriter::with_capacity(8 << 20, &mut *f);
-        w.write_all(&(placeholder.len() as u64).to_le_bytes())?;
-        w.write_all(&placeholder)?;
-        let total = plan.stored.len();
-        for (i, (name, _, shape)) in plan.stored.clone().into_iter().enumerate() {
-            let bytes = plan.bytes(&name, &shape, spec.seed)?;
-            if bytes.len() != entries[i].4 - entries[i].3 {
-                bail!(
-                    "internal: tensor `{name}` has {} bytes, its header entry {}",
-                    bytes.len(),
-                    entries[i].4 - entries[i].3
-                );
-            }
-            digest.tensor(&name, entries[i].1, &shape, &bytes);
-            w.write_all(&bytes)?;
-            progress(i + 1, total);
-        }
-        w.flush()?;
-    }
-    let d = digest.finish();
-    meta.insert("digest".into(), d.clone());
-    let real = header(&meta, &entries);
-    if real.len() != placeholder.len() {
-        bail!("internal: header length changed when the digest was filled in");
-    }
-    let f = tmp.as_file_mut();
-    f.seek(SeekFrom::Start(8))?;
-    f.write_all(&real)?;
-    f.sync_all().ok();
-    tmp.persist(out)
-        .map_err(|e| anyhow::anyhow!("{}: cannot write: {}", out.display(), e.error))?;
-    crate::outfile::set_default_mode(out)?;
-    Ok(d)
-}
-
-/// The stored tensors of a random artifact in name order (the file's and the digest's), and
-/// the quantized ones' values, made a scale group at a time as the writer reaches them.
-struct Layout {
-    /// (name, dtype, shape) of every stored tensor, sorted by name.
-    stored: Vec<(String, Dtype, Vec<usize>)>,
-    quantize: Option<Scheme>,
-    /// Each quantized matrix's group (nvfp4: the matrices that share a global scale).
-    group_of: BTreeMap<String, String>,
-    /// Each group's matrices and shapes, in the config's order.
-    groups: BTreeMap<String, Vec<(String, usize, usize)>>,
-    /// Stored parts made but not yet written (a group's other matrices come later in name
-    /// order; at most one group's at a time, or a few where groups interleave by name).
-    ready: BTreeMap<String, Vec<u8>>,
-}
-
-impl Layout {
-    fn new(c: &ModelConfig, quantize: Option<Scheme>) -> Result<Layout> {
-        let mut l = Layout {
-            stored: Vec::new(),
-            quantize,
-            group_of: BTreeMap::new(),
-            groups: BTreeMap::new(),
-            ready: BTreeMap::new(),
-        };
-        for (name, shape) in c.expected_tensors() {
-            match quantize {
-                Some(scheme) if shape.len() == 2 && select::selected(&name, false) => {
-                    crate::quant::check_shape(scheme, &name, shape[0], shape[1])
-                        .with_context(|| format!("--weights {}", scheme.name()))?;
-                    let key = match scheme {
-                        Scheme::Nvfp4 => select::group(&name).unwrap_or_else(|| name.clone()),
-                        Scheme::Fp8Block => name.clone(),
-                    };
-                    l.stored
-                        .extend(quantized::part_shapes(&name, scheme, shape[0], shape[1]));
-                    l.group_of.insert(name.clone(), key.clone());
-                    l.groups
-                        .entry(key)
-                        .or_default()
-                        .push((name, shape[0], shape[1]));
-                }
-                _ => {
-                    let dtype = if is_vector_tensor(&name, &shape) {
-                        Dtype::F32
-                    } else {
-                        Dtype::BF16
-                    };
-                    l.stored.push((name, dtype, shape));
-                }
-            }
-        }
-        l.stored.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(l)
-    }
-
-    /// The bytes of stored tensor `name` (of `shape`).
-    fn bytes(&mut self, name: &str, shape: &[usize], seed: u64) -> Result<Vec<u8>> {
-        if let Some(b) = self.ready.remove(name) {
-            return Ok(b);
-        }
-        let Some(key) = self.group_of.get(name).cloned() else {
-            return Ok(tensor_bytes(name, shape, seed).1);
-        };
-        // The group's matrices, from the bf16 random values, quantized together.
-        let members = self.groups[&key].clone();
-        let values: Vec<Vec<f32>> = members
-            .iter()
-            .map(|(m, o, i)| {
-                tensor_bytes(m, &[*o, *i], seed)
-                    .1
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect()
-            })
-            .collect();
-        let cols = members[0].2;
-        let qs: Vec<QuantTensor> = match self.quantize.expect("a quantized matrix") {
-            Scheme::Nvfp4 => {
-                let parts: Vec<&[f32]> = values.iter().map(|v| &v[..]).collect();
-                crate::quant::nvfp4::quantize_group(&parts, cols)
-                    .into_iter()
-                    .map(QuantTensor::Nvfp4)
-                    .collect()
-            }
-            Scheme::Fp8Block => members
-                .iter()
-                .zip(&values)
-                .map(|((_, o, i), v)| {
-                    QuantTensor::Fp8(crate::quant::fp8::quantize_block(v, *o, *i))
-                })
-                .collect(),
-        };
-        for ((m, ..), q) in members.iter().zip(&qs) {
-            for p in quantized::parts(m, q) {
-                self.ready.insert(p.name, p.bytes);
-            }
-        }
-        self.ready
-            .remove(name)
-            .with_context(|| format!("internal: no stored part `{name}`"))
-    }
-}
-
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::F32 => "F32",
-        Dtype::BF16 => "BF16",
-        Dtype::U8 => "U8",
-        Dtype::F8_E4M3 => "F8_E4M3",
-        _ => unreachable!("a random artifact stores F32, BF16, U8 and F8_E4M3 only"),
-    }
+    crate::artifact::writer::write_artifact_with(&source(spec), plan, out, progress)
 }
 
 /// `ninfer-pack random`: writes the artifact and says what it wrote on stderr.
@@ -313,13 +125,15 @@ pub fn run_cli(
     let c = &spec.config;
     let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     eprintln!(
-        "wrote {} ({} {} layers, {:.2}B params, random {weights} weights, {:.2} GB, seed {seed}) in {:.1}s, digest {digest}",
+        "wrote {} ({} {} layers, {:.2}B params, random {weights} weights, {:.2} GB, seed {seed}) in {:.1}s, peak memory {}, digest {digest}",
         out.display(),
         c.family.name(),
         c.num_layers,
         c.num_params() as f64 / 1e9,
         bytes as f64 / 1e9,
-        t.elapsed().as_secs_f64()
+        t.elapsed().as_secs_f64(),
+        crate::host::peak_resident_bytes()
+            .map_or("unknown".into(), |b| format!("{:.1} MB", b as f64 / 1e6)),
     );
     Ok(())
 }
@@ -459,6 +273,7 @@ mod tests {
             source_dtypes: Default::default(),
             notes: vec![],
             quantization: None,
+            packer_args: None,
         };
         for scheme in [Scheme::Fp8Block, Scheme::Nvfp4] {
             let random = d.path().join(format!("{}.ninfer", scheme.name()));

@@ -37,6 +37,8 @@ pub fn gather(
     if let Some(&(s, n)) = spans.iter().find(|&&(s, n)| s + n > rows) {
         return Err(format!("rows {s}..{} are past its {rows} rows", s + n));
     }
+    let data = data.resolve().map_err(|e| format!("{e:#}"))?;
+    let data = data.as_ref();
     if let TensorData::Quantized(q) = data {
         if (q.rows(), q.cols()) != (rows, cols) {
             return Err(format!(
@@ -60,6 +62,7 @@ pub fn gather(
             }))
         }
         // codes [rows, cols]; scales [1], [rows] or [⌈rows/128⌉, ⌈cols/128⌉].
+        TensorData::Mapped { .. } | TensorData::Deferred(_) => unreachable!("resolved above"),
         TensorData::Quantized(QuantTensor::Fp8(t)) => {
             let scale = match &t.scale {
                 Fp8Scale::Tensor(s) => Fp8Scale::Tensor(*s),
@@ -110,9 +113,10 @@ mod tests {
     use crate::quant::nvfp4::Global;
 
     fn values(d: &TensorData) -> Vec<f32> {
-        match d {
+        match d.resolve().unwrap().as_ref() {
             TensorData::Values(v) => v.clone(),
             TensorData::Quantized(q) => q.dequantize().unwrap(),
+            _ => unreachable!("resolved"),
         }
     }
 

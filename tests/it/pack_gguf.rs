@@ -291,11 +291,21 @@ fn synthetic_parse_rename_and_values() {
             assert_eq!(t.shape, want_shape, "{hf}");
             let decoded = ref_decode(raw.ty, &raw.bytes);
             let got = if hf.ends_with("q_proj.weight") {
-                permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], HEADS)
+                permute_rows(
+                    &t.data.read_values().unwrap(),
+                    t.shape[0],
+                    t.shape[1],
+                    HEADS,
+                )
             } else if hf.ends_with("k_proj.weight") {
-                permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], KV_HEADS)
+                permute_rows(
+                    &t.data.read_values().unwrap(),
+                    t.shape[0],
+                    t.shape[1],
+                    KV_HEADS,
+                )
             } else {
-                t.data.values().unwrap().to_vec()
+                t.data.read_values().unwrap()
             };
             assert_eq!(got.len(), decoded.len(), "{hf}");
             assert!(
@@ -306,7 +316,7 @@ fn synthetic_parse_rename_and_values() {
             );
             if hf.contains("_proj") && (hf.contains("q_proj") || hf.contains("k_proj")) {
                 assert_ne!(
-                    t.data.values().unwrap(),
+                    &t.data.read_values().unwrap(),
                     &decoded[..],
                     "{hf} should have been un-permuted"
                 );
@@ -603,14 +613,14 @@ fn real_smollm2_config_and_tensors() {
     assert_eq!(shapes, c.expected_tensors());
     for t in &src.tensors {
         assert!(
-            t.data.values().unwrap().iter().all(|v| v.is_finite()),
+            t.data.read_values().unwrap().iter().all(|v| v.is_finite()),
             "{} has non-finite values",
             t.name
         );
     }
     // The embedding row of `<|im_start|>` is not all zeros, and norms look like norms.
     let emb = &src.tensors[0];
-    assert!(emb.data.values().unwrap()[576..1152]
+    assert!(emb.data.read_values().unwrap()[576..1152]
         .iter()
         .any(|&v| v != 0.0));
     let norm = src
@@ -620,7 +630,7 @@ fn real_smollm2_config_and_tensors() {
         .unwrap();
     let mean = norm
         .data
-        .values()
+        .read_values()
         .unwrap()
         .iter()
         .map(|&v| v as f64)
@@ -657,9 +667,14 @@ fn real_smollm2_q_k_match_an_independent_decode() {
         let decoded = ref_decode(info.ggml_type.0, g.tensor_data(info).unwrap());
         let t = src.tensors.iter().find(|t| t.name == hf_name).unwrap();
         let got = if heads > 0 {
-            permute_rows(t.data.values().unwrap(), t.shape[0], t.shape[1], heads)
+            permute_rows(
+                &t.data.read_values().unwrap(),
+                t.shape[0],
+                t.shape[1],
+                heads,
+            )
         } else {
-            t.data.values().unwrap().to_vec()
+            t.data.read_values().unwrap()
         };
         assert!(
             got.iter()
@@ -707,7 +722,7 @@ fn real_smollm2_weights_match_transformers_bit_for_bit() {
     for (name, want) in SMOLLM2_TRANSFORMERS_SHA256 {
         let t = src.tensors.iter().find(|t| t.name == name).unwrap();
         let mut h = sha2::Sha256::new();
-        for v in t.data.values().unwrap() {
+        for v in t.data.read_values().unwrap() {
             h.update(v.to_le_bytes());
         }
         assert_eq!(

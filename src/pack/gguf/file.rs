@@ -48,6 +48,7 @@ pub struct GgufFile {
     /// Absolute offset of the data section.
     pub data_offset: u64,
     map: memmap2::Mmap,
+    file: std::sync::Arc<std::fs::File>,
 }
 
 struct Cursor<'a> {
@@ -205,12 +206,25 @@ impl GgufFile {
             alignment,
             data_offset,
             map,
+            file: std::sync::Arc::new(file),
         })
     }
 
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         &self.map
+    }
+
+    /// Where one tensor's raw bytes are, to read when needed (checked like
+    /// [`GgufFile::tensor_data`]).
+    pub fn tensor_range(&self, t: &GgufTensorInfo) -> Result<crate::artifact::source::FileRange> {
+        let data = self.tensor_data(t)?;
+        Ok(crate::artifact::source::FileRange::new(
+            self.file.clone(),
+            self.path.as_path().into(),
+            (data.as_ptr() as usize - self.map.as_ptr() as usize) as u64,
+            data.len(),
+        ))
     }
 
     /// The raw bytes of one tensor (its type must be supported).

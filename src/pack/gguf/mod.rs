@@ -30,10 +30,9 @@ pub use types::{
 };
 
 use super::{gguf_tokenizer, PackSource, SourceFile, SourceTensor, TensorData};
+use crate::artifact::source::Deferred;
 use crate::model::config::{Family, ModelConfig};
 use anyhow::{anyhow, bail, Context, Result};
-use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -251,39 +250,45 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
     // The tokenizer before the (slow) dequantization: it fails fast too.
     let tokenizer_json = gguf_tokenizer::tokenizer_json(md)?;
 
-    let tensors: Vec<SourceTensor> = expected
-        .par_iter()
-        .map(|(name, shape)| -> Result<SourceTensor> {
-            let t = by_hf[name];
-            let raw = gguf.tensor_data(t)?;
-            let mut data = vec![0f32; shape.iter().product()];
-            dequantize(t.ggml_type, raw, &mut data)
-                .with_context(|| format!("GGUF {shown}: tensor `{}`", t.name))?;
-            let n_head = if name.ends_with("self_attn.q_proj.weight") {
-                Some(config.num_heads)
-            } else if name.ends_with("self_attn.k_proj.weight") {
-                Some(config.num_kv_heads)
-            } else {
-                None
-            };
+    // Each tensor is dequantized when the writer reaches it (one at a time).
+    let mut tensors = Vec::with_capacity(expected.len());
+    for (name, shape) in &expected {
+        let t = by_hf[name];
+        let (ty, gname, shape2) = (t.ggml_type, t.name.clone(), shape.clone());
+        let at = gguf.tensor_range(t)?;
+        let shown = shown.clone();
+        let n_head = if name.ends_with("self_attn.q_proj.weight") {
+            Some(config.num_heads)
+        } else if name.ends_with("self_attn.k_proj.weight") {
+            Some(config.num_kv_heads)
+        } else {
+            None
+        };
+        let make = move || -> Result<TensorData> {
+            let raw = at.read()?;
+            let mut data = vec![0f32; shape2.iter().product()];
+            dequantize(ty, &raw, &mut data)
+                .with_context(|| format!("GGUF {shown}: tensor `{gname}`"))?;
             if let Some(n_head) = n_head {
-                data = unpermute_qk(&data, shape[0], shape[1], n_head)
-                    .with_context(|| format!("GGUF {shown}: tensor `{}`", t.name))?;
+                data = unpermute_qk(&data, shape2[0], shape2[1], n_head)
+                    .with_context(|| format!("GGUF {shown}: tensor `{gname}`"))?;
             }
-            Ok(SourceTensor {
-                name: name.clone(),
-                shape: shape.clone(),
-                data: TensorData::Values(data),
-                origin: gguf.path.clone(),
-            })
-        })
-        .collect::<Result<_>>()?;
+            Ok(TensorData::Values(data))
+        };
+        tensors.push(SourceTensor {
+            name: name.clone(),
+            shape: shape.clone(),
+            data: TensorData::Deferred(Deferred::values(make)),
+            origin: gguf.path.clone(),
+        });
+    }
 
     let mut source_dtypes = BTreeMap::new();
     for t in &gguf.tensors {
         *source_dtypes.entry(t.ggml_type.name()).or_insert(0usize) += 1;
     }
-    let sha256 = hex::encode(Sha256::digest(gguf.bytes()));
+    // Read, not mapped: hashing a mapping would make the whole file resident.
+    let sha256 = super::hf::source_file(&gguf.path)?.sha256;
     Ok(PackSource {
         config,
         tokenizer_json,
@@ -303,6 +308,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
         source_dtypes,
         notes: Vec::new(),
         quantization: None,
+        packer_args: None,
     })
 }
 
