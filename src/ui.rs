@@ -1,11 +1,13 @@
 //! Human output on stderr: leveled log lines and scoring progress.
 //!
 //! On a terminal, progress is one transient line (redrawn in place, cleared at the end);
-//! when stderr is redirected, a persistent line is printed every 10 seconds instead, so
-//! CI logs show progress without carriage-return noise.
+//! when stderr is redirected, a persistent line is printed every 10 seconds of wall time
+//! instead (also while one long window runs: the CPU model reports each layer it finishes),
+//! so CI logs show progress without carriage-return noise.
 
 use std::io::IsTerminal;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -48,16 +50,55 @@ pub fn debug(msg: impl AsRef<str>) {
     }
 }
 
-/// A progress line over a known number of units (tensors loaded, tokens scored).
+/// Rows times layers the CPU model has finished in this process: a layer over `n` rows adds
+/// `n`. Divided by the number of layers it is the tokens processed so far, also inside a
+/// window, so that progress moves while a long window (65536 tokens, say) is still running.
+static LAYER_ROWS: AtomicU64 = AtomicU64::new(0);
+
+/// Called by the CPU model after each layer over `rows` rows.
+pub fn layer_rows_done(rows: usize) {
+    LAYER_ROWS.fetch_add(rows as u64, Ordering::Relaxed);
+}
+
+/// How often a redirected progress line is printed.
+const EVERY: Duration = Duration::from_secs(10);
+/// How often the ticker looks at the work done.
+const TICK: Duration = Duration::from_millis(200);
+
+struct State {
+    /// Units finished, as the caller last said (tokens of finished windows).
+    done: u64,
+    total: u64,
+    label: String,
+    /// Layers per unit, when the units are tokens the CPU model processes (see
+    /// [`layer_rows_done`]); 0 when progress moves only with [`ProgressLine::update`].
+    layers: u64,
+    /// [`LAYER_ROWS`] when this line began.
+    rows_base: u64,
+}
+
+impl State {
+    /// The best estimate of units done: the caller's count, or the layers finished since
+    /// when that is further along (never past the total).
+    fn estimate(&self) -> u64 {
+        if self.layers == 0 {
+            return self.done;
+        }
+        let rows = LAYER_ROWS
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.rows_base);
+        (rows / self.layers).clamp(self.done, self.total.max(self.done))
+    }
+}
+
+/// A progress line over a known number of units (tensors loaded, tokens scored). A ticker
+/// thread redraws it: on a terminal one transient line, when redirected a persistent line
+/// every 10 s of wall time, also while a long window is running (a heartbeat).
 pub struct ProgressLine {
     bar: Option<indicatif::ProgressBar>,
-    total: u64,
-    started: Instant,
-    last_line: Instant,
-    every: Duration,
-    enabled: bool,
-    label: String,
-    unit: String,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+    ticker: Option<std::thread::JoinHandle<()>>,
 }
 
 fn fmt_eta(secs: f64) -> String {
@@ -72,6 +113,22 @@ fn fmt_eta(secs: f64) -> String {
     } else {
         format!("{s}s")
     }
+}
+
+/// One redirected progress line.
+fn line(label: &str, done: u64, total: u64, unit: &str, elapsed: f64) -> String {
+    let rate = done as f64 / elapsed.max(1e-9);
+    let eta = if done == 0 {
+        f64::NAN
+    } else {
+        total.saturating_sub(done) as f64 / rate
+    };
+    format!(
+        "progress: {label} {done}/{total} {unit} ({:.1}%), {rate:.1} {unit}/s, {:.0}s elapsed, ETA {}",
+        100.0 * done as f64 / total.max(1) as f64,
+        elapsed,
+        fmt_eta(eta),
+    )
 }
 
 impl ProgressLine {
@@ -93,56 +150,84 @@ impl ProgressLine {
         } else {
             None
         };
-        let now = Instant::now();
+        let state = Arc::new(Mutex::new(State {
+            done: 0,
+            total,
+            label: label.into(),
+            layers: 0,
+            rows_base: LAYER_ROWS.load(Ordering::Relaxed),
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let ticker = enabled.then(|| {
+            let (state, stop, bar, unit) =
+                (state.clone(), stop.clone(), bar.clone(), unit.to_string());
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let mut last_line = started;
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::park_timeout(TICK);
+                    let s = state.lock().unwrap_or_else(|e| e.into_inner());
+                    let done = s.estimate();
+                    match &bar {
+                        Some(b) => b.set_position(done),
+                        None if last_line.elapsed() >= EVERY => {
+                            last_line = Instant::now();
+                            let l = line(
+                                &s.label,
+                                done,
+                                s.total,
+                                &unit,
+                                started.elapsed().as_secs_f64(),
+                            );
+                            drop(s);
+                            eprintln!("{l}");
+                        }
+                        None => {}
+                    }
+                }
+            })
+        });
         ProgressLine {
             bar,
-            total,
-            started: now,
-            last_line: now,
-            every: Duration::from_secs(10),
-            enabled,
-            label: label.into(),
-            unit: unit.into(),
+            state,
+            stop,
+            ticker,
         }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Sets the total once it is known.
     pub fn set_total(&mut self, total: u64) {
-        if self.total != total {
-            self.total = total;
-            if let Some(b) = &self.bar {
-                b.set_length(total);
-            }
+        self.state().total = total;
+        if let Some(b) = &self.bar {
+            b.set_length(total);
         }
     }
 
+    /// The units are tokens the CPU model processes through `layers` layers: progress moves
+    /// with every layer it finishes, not only with [`ProgressLine::update`].
+    pub fn track_layers(&mut self, layers: usize) {
+        let mut s = self.state();
+        s.layers = layers as u64;
+        s.rows_base = LAYER_ROWS.load(Ordering::Relaxed);
+    }
+
     pub fn set_message(&mut self, msg: &str) {
-        self.label = msg.to_string();
+        self.state().label = msg.to_string();
         if let Some(b) = &self.bar {
             b.set_message(msg.to_string());
         }
     }
 
-    /// `done` tokens processed so far (over the whole run).
+    /// `done` units finished so far (over the whole run).
     pub fn update(&mut self, done: u64) {
+        let mut s = self.state();
+        s.done = done;
         if let Some(b) = &self.bar {
-            b.set_position(done);
-            return;
-        }
-        if self.enabled && self.last_line.elapsed() >= self.every {
-            self.last_line = Instant::now();
-            let el = self.started.elapsed().as_secs_f64();
-            let rate = done as f64 / el.max(1e-9);
-            let eta = (self.total.saturating_sub(done)) as f64 / rate;
-            eprintln!(
-                "progress: {} {done}/{} {unit} ({:.1}%), {:.1} {unit}/s, ETA {}",
-                self.label,
-                self.total,
-                100.0 * done as f64 / self.total.max(1) as f64,
-                rate,
-                fmt_eta(eta),
-                unit = self.unit
-            );
+            b.set_position(s.estimate());
         }
     }
 
@@ -155,6 +240,11 @@ impl ProgressLine {
     }
 
     pub fn finish(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.ticker.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
         if let Some(b) = self.bar.take() {
             b.finish_and_clear();
         }
@@ -164,5 +254,48 @@ impl ProgressLine {
 impl Drop for ProgressLine {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_move_the_estimate_between_the_callers_counts() {
+        let mut s = State {
+            done: 100,
+            total: 1000,
+            label: "x".into(),
+            layers: 4,
+            rows_base: LAYER_ROWS.load(Ordering::Relaxed),
+        };
+        assert_eq!(
+            s.estimate(),
+            100,
+            "no layer finished since: the caller's count"
+        );
+        s.rows_base -= 4 * 300;
+        assert_eq!(s.estimate(), 300);
+        s.rows_base -= 4 * 10_000;
+        assert_eq!(
+            s.estimate(),
+            999,
+            "short of the total until the caller says done"
+        );
+        s.done = 1000;
+        assert_eq!(s.estimate(), 1000);
+        s.done = 100;
+        s.layers = 0;
+        assert_eq!(s.estimate(), 100, "not tracking layers");
+    }
+
+    #[test]
+    fn a_line_says_done_rate_elapsed_and_eta() {
+        assert_eq!(
+            line("en-1", 250, 1000, "tokens", 10.0),
+            "progress: en-1 250/1000 tokens (25.0%), 25.0 tokens/s, 10s elapsed, ETA 30s"
+        );
+        assert!(line("en-1", 0, 1000, "tokens", 10.0).ends_with("ETA ?"));
     }
 }

@@ -13,6 +13,9 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
     let engine = &inputs.engine;
     let total = inputs.processed_tokens() as u64;
     let mut progress = ProgressLine::new("scoring", total, "tokens");
+    if matches!(engine.device, crate::backend::Device::Cpu { .. }) {
+        progress.track_layers(engine.artifact.config.num_layers);
+    }
     let mut done_before = 0u64;
     let mut reports = Vec::with_capacity(inputs.streams.len());
     for p in &inputs.streams {

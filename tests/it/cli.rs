@@ -386,3 +386,76 @@ fn help_says_what_each_binary_does() {
         "{text}"
     );
 }
+
+/// With stderr redirected, a progress line comes at least every 12 s of wall time, also
+/// while one long window runs, and it moves inside the window (the CPU model reports each
+/// layer it finishes): one window of 6144 tokens on one thread takes about 20 s.
+#[test(prepared)]
+fn progress_lines_come_every_ten_seconds_inside_a_long_window() {
+    use std::io::BufRead;
+    use std::time::Instant;
+    let dir = common::tempdir();
+    let mut child = std::process::Command::new(common::bin("ninfer-perplexity"))
+        .args([
+            "smollm2-135m-bf16",
+            "--corpus",
+            "eval/corpora/perplexity-1m/manifest.json",
+            "--stream",
+            "en-long-1",
+            "--max-tokens",
+            "6144",
+            "--context",
+            "6144",
+            "--stride",
+            "3072",
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+            "--output",
+            s(&dir.path().join("out")),
+        ])
+        .current_dir(common::repo())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines: Vec<(Instant, String)> = Vec::new();
+    for l in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        lines.push((Instant::now(), l.unwrap()));
+    }
+    assert!(child.wait().unwrap().success());
+    let text: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
+    let start = text.iter().position(|l| l.starts_with("scoring")).unwrap();
+    let end = text.iter().position(|l| l.starts_with("done")).unwrap();
+    let took = lines[end].0 - lines[start].0;
+    assert!(
+        took.as_secs() >= 12,
+        "the window took {took:?}: too short to test"
+    );
+    for w in lines[start..=end].windows(2) {
+        let gap = w[1].0 - w[0].0;
+        assert!(
+            gap.as_secs_f64() <= 12.0,
+            "{gap:?} between `{}` and `{}`",
+            w[0].1,
+            w[1].1
+        );
+    }
+    // The first progress line comes while the one window runs, with tokens done inside it.
+    let first = text[start..end]
+        .iter()
+        .find(|l| l.starts_with("progress: en-long-1 "))
+        .unwrap_or_else(|| panic!("no progress line in {text:#?}"));
+    let done: u64 = first["progress: en-long-1 ".len()..]
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(done > 0 && done < 6144, "{first}");
+    assert!(
+        first.contains("tokens/s") && first.contains("ETA"),
+        "{first}"
+    );
+}

@@ -69,6 +69,7 @@ impl CpuModel {
             }
         }
         if r0 >= hi {
+            crate::ui::layer_rows_done(m);
             return Ok(());
         }
         let n = hi - r0;
@@ -107,6 +108,7 @@ impl CpuModel {
                 laps.lap(Phase::Down);
             }
         }
+        crate::ui::layer_rows_done(m);
         Ok(())
     }
 }
