@@ -11,12 +11,31 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use std::path::PathBuf;
 
+/// Examples and the other modes, after the flags in `--help`.
+const AFTER_HELP: &str = "\
+Examples:
+  # the corpus's four quick streams with fp8 KV (M = eval/corpora/perplexity-1m/manifest.json)
+  ninfer-perplexity smollm2-135m-bf16 --corpus M --quick --kv-dtype fp8
+  # a text file at the long-context profile
+  ninfer-perplexity model.ninfer --text book.txt --context 65536 --stride 32768
+  # nvfp4 KV against bf16 KV at every position (KL divergence, top-1 agreement)
+  ninfer-perplexity model.ninfer --corpus M --quick --kv-dtype nvfp4 --reference-kv bf16
+  # a CI gate: fail when the new run is worse by more than 0.01 nats/token with 95% confidence
+  ninfer-perplexity compare base/ new/ --fail-on 0.01
+
+Compare two runs (paired per-window deltas with 95% intervals):
+  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE] [--fail-on NATS]
+Merge a run's shards (--shard I/N) into its report:
+  ninfer-perplexity merge SHARD... [--output DIR]
+(`ninfer-perplexity compare --help`, `ninfer-perplexity merge --help`)
+
+Exit status: 0 success; 1 error (one `error:` line, no report); 2 usage;
+3 a `compare --fail-on` gate failed. Full reference: docs/usage.md";
+
 /// Causal perplexity of a .ninfer artifact on a fixed corpus or a text file.
 #[derive(Parser, Debug)]
 #[command(name = "ninfer-perplexity", version = crate::build_info::LONG_VERSION, long_about = None)]
-#[command(
-    after_help = "Compare two runs (paired per-window deltas with 95% intervals):\n  ninfer-perplexity compare BASE NEW [--json FILE] [--plot FILE]   (see `ninfer-perplexity compare --help`)\nMerge a run's shards (--shard I/N) into its report:\n  ninfer-perplexity merge SHARD... [--output DIR]   (see `ninfer-perplexity merge --help`)"
-)]
+#[command(after_help = AFTER_HELP)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["corpus", "text"])))]
 pub struct Args {
     /// The artifact: a .ninfer path or a name registered in eval/registry.json.
@@ -451,5 +470,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--max-tokens must be at least 2"), "{e}");
+    }
+
+    /// Every example `--help` shows parses (as a run, or as `compare`), and its run examples
+    /// pass the checks that need no file.
+    #[test]
+    fn the_help_examples_parse() {
+        let examples: Vec<&str> = AFTER_HELP
+            .split("\n\n")
+            .next()
+            .unwrap()
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("ninfer-perplexity "))
+            .collect();
+        assert!(examples.len() >= 4, "{examples:?}");
+        for e in examples {
+            let words: Vec<&str> = e.split_whitespace().collect();
+            if words[1] == "compare" {
+                let mut argv = vec!["ninfer-perplexity compare"];
+                argv.extend(&words[2..]);
+                CompareArgs::try_parse_from(argv).unwrap_or_else(|err| panic!("{e}: {err}"));
+            } else {
+                let args = Args::try_parse_from(&words).unwrap_or_else(|err| panic!("{e}: {err}"));
+                args.validate().unwrap_or_else(|err| panic!("{e}: {err}"));
+            }
+        }
     }
 }

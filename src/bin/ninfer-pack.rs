@@ -12,7 +12,19 @@ use std::process::ExitCode;
 
 /// Packs models (GGUF files, Hugging Face directories) into .ninfer artifacts and inspects them.
 #[derive(Parser, Debug)]
-#[command(name = "ninfer-pack", version = ninfer_perplexity::build_info::LONG_VERSION)]
+#[command(
+    name = "ninfer-pack",
+    version = ninfer_perplexity::build_info::LONG_VERSION,
+    after_help = "\
+Examples:
+  ninfer-pack gguf SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.ninfer --weights nvfp4
+  ninfer-pack hf Qwen3.5-27B-NVFP4/ -o q27-nvfp4.ninfer   # quantized matrices kept as stored
+  ninfer-pack random --preset qwen3_5-27b --weights nvfp4 -o q27.ninfer
+  ninfer-pack inspect --verify smollm2.ninfer
+
+Packing streams one tensor at a time; the closing line gives the peak memory.
+Full reference: docs/usage.md, docs/weights.md"
+)]
 struct Args {
     #[command(subcommand)]
     cmd: Cmd,

@@ -137,3 +137,86 @@ fn paths_cited_in_module_headers_exist() {
         broken.join("\n")
     );
 }
+
+/// The long flags of a `--help`: the first `--name` of every option line (not `--help` and
+/// `--version`, which clap adds everywhere).
+fn help_flags(help: &str) -> BTreeSet<String> {
+    help.lines()
+        .map(str::trim_start)
+        .filter(|l| l.starts_with('-'))
+        .filter_map(|l| {
+            let at = l.find("--")?;
+            let name: String = l[at + 2..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            Some(format!("--{name}"))
+        })
+        .filter(|f| f != "--help" && f != "--version")
+        .collect()
+}
+
+/// The flags of the table that follows `<!-- flags: COMMAND -->` in `doc` (the first
+/// backquoted `--name` of each row), or None when there is no such marker.
+fn doc_flags(doc: &str, command: &str) -> Option<BTreeSet<String>> {
+    let marker = format!("<!-- flags: {command} -->");
+    let after = &doc[doc.find(&marker)? + marker.len()..];
+    let table = after
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'));
+    Some(
+        table
+            .filter_map(|row| {
+                let cell = row.split('|').nth(1)?.trim().strip_prefix("`--")?;
+                let name: String = cell
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                    .collect();
+                Some(format!("--{name}"))
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn every_flag_in_help_is_in_the_usage_tables_and_back() {
+    let doc = std::fs::read_to_string(common::repo().join("docs/usage.md")).unwrap();
+    for command in [
+        "ninfer-perplexity",
+        "ninfer-perplexity compare",
+        "ninfer-perplexity merge",
+        "ninfer-pack gguf",
+        "ninfer-pack hf",
+        "ninfer-pack random",
+        "ninfer-pack inspect",
+    ] {
+        let mut words = command.split(' ');
+        let bin = words.next().unwrap();
+        let mut args: Vec<&str> = words.collect();
+        args.push("--help");
+        let o = common::run_bin(bin, &args);
+        assert!(o.status.success(), "{command} --help");
+        let help = help_flags(&String::from_utf8_lossy(&o.stdout));
+        assert!(help.len() >= 1, "{command}: no flags found in --help");
+        let documented = doc_flags(&doc, command)
+            .unwrap_or_else(|| panic!("docs/usage.md has no `<!-- flags: {command} -->` table"));
+        let missing: Vec<_> = help.difference(&documented).collect();
+        let stale: Vec<_> = documented.difference(&help).collect();
+        assert!(
+            missing.is_empty() && stale.is_empty(),
+            "docs/usage.md, {command}: in --help but not documented {missing:?}; documented but not in --help {stale:?}"
+        );
+    }
+}
+
+#[test]
+fn the_flag_scans_read_help_lines_and_table_rows() {
+    let help =
+        "Options:\n      --corpus <M>  x --not-this\n  -o, --output <O>  y\n  -h, --help  z\n";
+    let want: BTreeSet<String> = ["--corpus", "--output"].map(String::from).into();
+    assert_eq!(help_flags(help), want);
+    let doc = "<!-- flags: a -->\n| flag | m |\n|---|---|\n| `--corpus M` | x |\n| `--output PATH` (`-o`) | `--no` |\n\n| `--later` | y |\n";
+    assert_eq!(doc_flags(doc, "a"), Some(want));
+    assert_eq!(doc_flags(doc, "b"), None);
+}
