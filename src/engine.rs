@@ -200,6 +200,16 @@ impl Engine {
         self.scorer.memory()
     }
 
+    /// The CUDA libraries' versions of a run on a GPU (none on the CPU or the emulated
+    /// device, which use no driver).
+    pub fn cuda_versions(&self) -> Option<crate::backend::CudaVersions> {
+        match self.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda { .. } => Some(crate::backend::cuda::loader::library_versions()),
+            _ => None,
+        }
+    }
+
     /// Compares every window scored from now on with a reference pass over the same tokens:
     /// this artifact with the KV format `kv` (`other: None`), or another artifact's engine
     /// with it. Both must run on the CPU (the CUDA head has no reference mode yet), and

@@ -397,6 +397,7 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         peak_rss_bytes: reports.iter().filter_map(|r| r.peak_rss_bytes).max(),
         warnings,
         cuda_memory: None,
+        cuda_versions: None,
         cpu_memory: None,
         shard: None,
         merged_from: Some(

@@ -7,7 +7,9 @@ pub mod cpu;
 pub mod cuda;
 mod scorer;
 
-pub use scorer::{FinishWindow, HeadRows, MemoryReport, PairScore, RowScore, ScoreError, Scorer};
+pub use scorer::{
+    CudaVersions, FinishWindow, HeadRows, MemoryReport, PairScore, RowScore, ScoreError, Scorer,
+};
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

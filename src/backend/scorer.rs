@@ -100,6 +100,19 @@ pub struct MemoryReport {
     pub total_bytes: u64,
 }
 
+/// The CUDA libraries a GPU run used, as they report their versions, for reports: results
+/// on a GPU can change with the driver and cuBLAS (its GEMM algorithms), so a baseline names
+/// them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaVersions {
+    /// `cuDriverGetVersion`, e.g. "13.0".
+    pub driver: String,
+    /// `nvrtcVersion`, e.g. "13.0".
+    pub nvrtc: String,
+    /// `cublasGetProperty` major.minor.patch, e.g. "13.1.0".
+    pub cublas: String,
+}
+
 /// A loaded model on its backend, as the engine uses it.
 pub trait Scorer: Send + Sync {
     /// Scores `windows` of `tokens` (each window's tokens `tokens[w.begin..w.end]`, its

@@ -41,6 +41,9 @@ pub struct Report {
     /// Device memory of a CUDA run (planned and peak), absent on the CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_memory: Option<crate::backend::MemoryReport>,
+    /// The driver, NVRTC and cuBLAS versions of a run on a GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_versions: Option<crate::backend::CudaVersions>,
     /// A CPU run's memory plan: the artifact read in place, vectors, working memory per
     /// window and thread, the windows in flight, and what the machine allowed (compare with
     /// `peak_rss_bytes`).

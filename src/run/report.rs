@@ -127,6 +127,7 @@ pub fn build(
         peak_rss_bytes: report::peak_rss_bytes(),
         warnings,
         cuda_memory: engine.cuda_memory(),
+        cuda_versions: engine.cuda_versions(),
         cpu_memory: engine.memory_plan.clone(),
         shard: None,
         merged_from: None,

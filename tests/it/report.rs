@@ -153,6 +153,7 @@ fn fixed_report() -> Report {
         peak_rss_bytes: Some(1 << 20),
         warnings: Vec::new(),
         cuda_memory: None,
+        cuda_versions: None,
         cpu_memory: None,
         shard: None,
         merged_from: None,

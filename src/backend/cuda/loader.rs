@@ -145,6 +145,52 @@ pub fn missing_library() -> Option<String> {
     Some(msg)
 }
 
+/// `cuDriverGetVersion`'s integer (1000 · major + 10 · minor) as "major.minor".
+fn driver_version_name(v: i32) -> String {
+    format!("{}.{}", v / 1000, v % 1000 / 10)
+}
+
+/// The driver's, NVRTC's and cuBLAS's versions; a library that does not answer gives "?".
+/// Call only once [`missing_library`] has said all three are there (cudarc's loader panics
+/// on a missing library).
+pub fn library_versions() -> crate::backend::CudaVersions {
+    use std::ffi::c_int;
+    let (mut drv, mut major, mut minor) = (0 as c_int, 0 as c_int, 0 as c_int);
+    // SAFETY: each call writes the integers it is given; the libraries are loaded.
+    let driver = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut drv) };
+    let driver = match driver {
+        cudarc::driver::sys::CUresult::CUDA_SUCCESS => driver_version_name(drv),
+        _ => "?".into(),
+    };
+    // SAFETY: as above.
+    let nvrtc = match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
+        cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+        _ => "?".into(),
+    };
+    use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType as P};
+    let part = |p: P| {
+        let mut v: c_int = 0;
+        // SAFETY: as above.
+        match unsafe { cublasGetProperty(p, &mut v) } {
+            cublasStatus_t::CUBLAS_STATUS_SUCCESS => Some(v),
+            _ => None,
+        }
+    };
+    let cublas = match (
+        part(P::MAJOR_VERSION),
+        part(P::MINOR_VERSION),
+        part(P::PATCH_LEVEL),
+    ) {
+        (Some(a), Some(b), Some(c)) => format!("{a}.{b}.{c}"),
+        _ => "?".into(),
+    };
+    crate::backend::CudaVersions {
+        driver,
+        nvrtc,
+        cublas,
+    }
+}
+
 /// Whether NVRTC can be loaded (no driver needed): the compile-only check.
 pub fn nvrtc_present() -> bool {
     preload_env();
@@ -155,6 +201,12 @@ pub fn nvrtc_present() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn driver_versions_read_as_cuda_names_them() {
+        assert_eq!(driver_version_name(13000), "13.0");
+        assert_eq!(driver_version_name(12080), "12.8");
+    }
 
     #[test]
     fn library_files_are_found_in_dependency_order() {

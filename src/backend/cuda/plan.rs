@@ -644,6 +644,42 @@ mod tests {
         assert!(bytes_per_row(&c, KvDtype::Bf16, Precision::Bf16) > 4 * 16_480);
     }
 
+    /// The spec's long-context profile (`--context 65536 --stride 32768`): on an H200 (139
+    /// GiB) one window of 65536 tokens fits in one pass beside the weights of the 8B and of the
+    /// 27B hybrid, in either arithmetic, and the allocations stay within the plan.
+    #[test]
+    fn the_long_context_profile_fits_an_h200() {
+        let h200 = 139usize << 30;
+        for (name, p, fits) in [
+            ("qwen3-8b", Precision::Bf16, true),
+            ("qwen3-8b", Precision::F32, true),
+            ("qwen3_5-27b", Precision::Bf16, true),
+            ("qwen3_5-27b", Precision::F32, true),
+        ] {
+            let c = crate::model::presets::preset(name).unwrap();
+            let free = h200.saturating_sub(weight_bytes(&c, p));
+            // The model plans its K/V buffers for f32, which serves every KV format.
+            {
+                let kv = KvDtype::F32;
+                let plan = plan_memory(&c, kv, p, free, 65536);
+                assert_eq!(plan.is_ok(), fits, "{name} {} {kv:?}: {plan:?}", p.name());
+                if let Ok(plan) = plan {
+                    assert_eq!(plan.max_rows, 65536, "{name}: one whole window per pass");
+                    let used = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk)
+                        .total()
+                        + 4 * 7 * plan.max_rows
+                        + rope_bytes(&c, 65536);
+                    assert!(
+                        used <= plan.planned_bytes && plan.planned_bytes <= free,
+                        "{name} {} {kv:?}: used {used} planned {} free {free}",
+                        p.name(),
+                        plan.planned_bytes
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn delta_net_shapes_the_kernels_cannot_take_are_refused() {
         let mut h = crate::model::presets::preset("qwen3_5-27b")
@@ -700,8 +736,12 @@ mod tests {
             // Each configuration must fit at least once, or it would check nothing.
             let mut planned = 0;
             for p in [Precision::Bf16, Precision::F32] {
-                for (free, longest) in [(1usize << 30, 4096usize), (8 << 30, 1), (80 << 30, 32768)]
-                {
+                for (free, longest) in [
+                    (1usize << 30, 4096usize),
+                    (8 << 30, 1),
+                    (80 << 30, 32768),
+                    (120 << 30, 65536),
+                ] {
                     let Ok(plan) = plan_memory(&c, KvDtype::F32, p, free, longest) else {
                         continue;
                     };
