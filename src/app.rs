@@ -168,8 +168,10 @@ pub fn merge(args: MergeArgs) -> Result<()> {
     };
     let out = match &args.output {
         Some(dir) => write::OutputDir::claim(dir, write::Claim::AbsentOrEmpty)?,
+        // The run id comes from a shard's file: only a sanitized component of it.
         None => write::OutputDir::claim(
-            &std::path::PathBuf::from("profiles/perplexity").join(&rep.run_id),
+            &std::path::PathBuf::from("profiles/perplexity")
+                .join(write::safe_component(&rep.run_id)),
             write::Claim::New,
         )?,
     };

@@ -31,6 +31,7 @@ pub mod corpus;
 pub mod engine;
 pub mod gate;
 pub mod host;
+pub mod input;
 pub mod kv;
 pub mod merge;
 pub mod model;

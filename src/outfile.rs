@@ -17,6 +17,7 @@ pub fn check_output(out: &Path, inputs: &[PathBuf]) -> Result<()> {
     if out.is_dir() {
         bail!("{shown}: the output is a directory; give a file path");
     }
+    refuse_special(out)?;
     for i in inputs {
         if same_file(out, i) {
             bail!(
@@ -52,6 +53,23 @@ pub fn check_output(out: &Path, inputs: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// Refuses an output path where something other than a regular file is (a device, a FIFO,
+/// a socket, or a symlink to one): an atomic write renames over what is there, and must
+/// never replace `/dev/null` with a file. A missing path or a regular file passes.
+pub fn refuse_special(out: &Path) -> Result<()> {
+    match std::fs::metadata(out) {
+        Ok(m) if m.is_dir() => bail!(
+            "{}: the output is a directory; give a file path",
+            out.display()
+        ),
+        Ok(m) if !m.is_file() => bail!(
+            "{}: the output is not a regular file (a device, pipe or socket); give a file path",
+            out.display()
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Whether two paths name the same existing file (same device and inode).
 pub fn same_file(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -84,6 +102,7 @@ pub fn umask() -> u32 {
 /// Writes `bytes` to `out` through a temporary file beside it, renamed into place (replacing
 /// `out`), with the ordinary mode: a reader sees the old file or the new one, never a part.
 pub fn write_atomic(out: &Path, bytes: &[u8]) -> Result<()> {
+    refuse_special(out)?;
     let shown = out.display();
     let dir = out
         .parent()

@@ -164,8 +164,8 @@ pub struct Registry {
 
 impl Registry {
     pub fn load(path: &Path) -> Result<Registry> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow!("{}: cannot read registry: {e}", path.display()))?;
+        let text = crate::input::read_text_bounded(path, "the registry", 16 << 20)
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
         let value: Value = serde_json::from_str(&text)
             .map_err(|e| anyhow!("{}: invalid registry: {e}", path.display()))?;
         check_shape(&value).map_err(|e| anyhow!("{}: {e}", path.display()))?;

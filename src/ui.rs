@@ -81,13 +81,16 @@ impl State {
     /// The best estimate of units done: the caller's count, or the layers finished since
     /// when that is further along (never past the total).
     fn estimate(&self) -> u64 {
+        self.estimate_at(LAYER_ROWS.load(Ordering::Relaxed))
+    }
+
+    /// [`State::estimate`] when [`LAYER_ROWS`] is `rows_now`.
+    fn estimate_at(&self, rows_now: u64) -> u64 {
         if self.layers == 0 {
             return self.done;
         }
-        let rows = LAYER_ROWS
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.rows_base);
-        (rows / self.layers).clamp(self.done, self.total.max(self.done))
+        let rows = rows_now.saturating_sub(self.rows_base);
+        (rows / self.layers).clamp(self.done, self.total.saturating_sub(1).max(self.done))
     }
 }
 
@@ -263,31 +266,30 @@ mod tests {
 
     #[test]
     fn layers_move_the_estimate_between_the_callers_counts() {
+        let base = 1_000_000;
         let mut s = State {
             done: 100,
             total: 1000,
             label: "x".into(),
             layers: 4,
-            rows_base: LAYER_ROWS.load(Ordering::Relaxed),
+            rows_base: base,
         };
         assert_eq!(
-            s.estimate(),
+            s.estimate_at(base),
             100,
             "no layer finished since: the caller's count"
         );
-        s.rows_base -= 4 * 300;
-        assert_eq!(s.estimate(), 300);
-        s.rows_base -= 4 * 10_000;
+        assert_eq!(s.estimate_at(base + 4 * 300), 300);
         assert_eq!(
-            s.estimate(),
+            s.estimate_at(base + 4 * 10_000),
             999,
             "short of the total until the caller says done"
         );
         s.done = 1000;
-        assert_eq!(s.estimate(), 1000);
+        assert_eq!(s.estimate_at(base + 4 * 10_000), 1000);
         s.done = 100;
         s.layers = 0;
-        assert_eq!(s.estimate(), 100, "not tracking layers");
+        assert_eq!(s.estimate_at(base + 4 * 300), 100, "not tracking layers");
     }
 
     #[test]

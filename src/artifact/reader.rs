@@ -75,10 +75,8 @@ impl Artifact {
     }
 
     fn open_inner(path: &Path) -> Result<Artifact> {
-        // Look before opening: opening a FIFO blocks until a writer appears.
-        crate::corpus::require_regular_file(path, "artifact")?;
-        let file = std::fs::File::open(path).map_err(|e| anyhow!("cannot open artifact: {e}"))?;
-        let file_bytes = file.metadata()?.len();
+        // Opened so that a FIFO cannot block and anything but a regular file is refused.
+        let (file, file_bytes) = crate::input::open_regular(path, "artifact")?;
         if file_bytes == 0 {
             bail!("artifact file is empty");
         }

@@ -184,6 +184,9 @@ pub enum TensorData {
     Quantized(QuantTensor),
     /// Row-major F32, BF16 or F16 values still in the input file.
     Mapped { dtype: Dtype, bytes: FileRange },
+    /// Row-major F32, BF16 or F16 values as little-endian bytes in memory (what a deferred
+    /// tensor may make: the writer stores them as they are when the dtype is the stored one).
+    Raw { dtype: Dtype, bytes: Vec<u8> },
     /// Made on demand.
     Deferred(Deferred),
 }
@@ -205,23 +208,32 @@ impl TensorData {
         }
     }
 
-    /// Values or a quantized matrix: reads a mapped range, makes a deferred tensor.
+    /// Values or a quantized matrix: reads a mapped range, makes a deferred tensor, widens
+    /// raw bytes.
     pub fn resolve(&self) -> Result<Cow<'_, TensorData>> {
-        match self {
-            TensorData::Values(_) | TensorData::Quantized(_) => Ok(Cow::Borrowed(self)),
-            TensorData::Mapped { dtype, bytes } => {
-                let raw = bytes.read()?;
-                let v = widen(*dtype, &raw).ok_or_else(|| {
-                    anyhow!(
-                        "{}: dtype {dtype:?} is not F32, F16 or BF16",
-                        bytes.path.display()
-                    )
-                })?;
-                Ok(Cow::Owned(TensorData::Values(v)))
+        match self.resolve_raw()? {
+            Cow::Borrowed(TensorData::Raw { dtype, bytes }) => {
+                Ok(Cow::Owned(widened(*dtype, bytes)?))
             }
+            Cow::Owned(TensorData::Raw { dtype, bytes }) => Ok(Cow::Owned(widened(dtype, &bytes)?)),
+            other => Ok(other),
+        }
+    }
+
+    /// Values, a quantized matrix or raw bytes: reads a mapped range (as bytes), makes a
+    /// deferred tensor; never widens.
+    pub fn resolve_raw(&self) -> Result<Cow<'_, TensorData>> {
+        match self {
+            TensorData::Values(_) | TensorData::Quantized(_) | TensorData::Raw { .. } => {
+                Ok(Cow::Borrowed(self))
+            }
+            TensorData::Mapped { dtype, bytes } => Ok(Cow::Owned(TensorData::Raw {
+                dtype: *dtype,
+                bytes: bytes.read()?,
+            })),
             TensorData::Deferred(d) => {
                 let made = (d.make)()?;
-                Ok(Cow::Owned(made.resolve()?.into_owned()))
+                Ok(Cow::Owned(made.resolve_raw()?.into_owned()))
             }
         }
     }
@@ -229,7 +241,9 @@ impl TensorData {
     /// What the writer will find here, without reading it.
     pub fn kind(&self, name: &str) -> Kind {
         match self {
-            TensorData::Values(_) | TensorData::Mapped { .. } => Kind::Values,
+            TensorData::Values(_) | TensorData::Mapped { .. } | TensorData::Raw { .. } => {
+                Kind::Values
+            }
             TensorData::Quantized(q) => {
                 Kind::Quantized(crate::artifact::quantized::layout(name, q))
             }
@@ -275,6 +289,13 @@ pub struct PackSource {
     /// What the packer was asked, after its name and version in the provenance (e.g.
     /// "random (seed 7)"); None for a plain conversion.
     pub packer_args: Option<String>,
+}
+
+/// [`widen`], or an error naming the dtype.
+fn widened(dtype: Dtype, bytes: &[u8]) -> Result<TensorData> {
+    widen(dtype, bytes)
+        .map(TensorData::Values)
+        .ok_or_else(|| anyhow!("dtype {dtype:?} is not F32, F16 or BF16"))
 }
 
 /// Little-endian F32/BF16/F16 safetensors bytes widened to f32 (`None` for other dtypes).

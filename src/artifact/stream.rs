@@ -53,6 +53,7 @@ pub fn write(
     if layout.windows(2).any(|w| w[0].0 >= w[1].0) {
         bail!("internal: the artifact layout is not sorted by name");
     }
+    crate::outfile::refuse_special(out)?;
     let mut digest = DigestBuilder::new();
     for (k, v) in &meta {
         digest.metadata(k, v);

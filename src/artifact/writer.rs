@@ -10,6 +10,7 @@ use super::{is_vector_tensor, quantized, Provenance, WeightFormat, FORMAT_VERSIO
 use crate::quant::{select, Imported, QuantTensor, Scheme};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::Dtype;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -44,6 +45,29 @@ enum Unit {
     Group(String),
 }
 
+/// `data` (resolved, of source tensor `t` named `name`) as values: as many as its shape, all
+/// finite.
+fn checked_values(t: &SourceTensor, name: &str, data: Cow<'_, TensorData>) -> Result<Vec<f32>> {
+    let from = t.origin.display();
+    let v = match data.into_owned() {
+        TensorData::Values(v) => v,
+        TensorData::Raw { dtype, bytes } => super::source::widen(dtype, &bytes)
+            .with_context(|| format!("{from}: tensor `{name}` has dtype {dtype:?}"))?,
+        _ => bail!("{from}: tensor `{name}` turned out quantized, which its reader did not say"),
+    };
+    if v.len() != t.shape.iter().product::<usize>() {
+        bail!(
+            "{from}: tensor `{name}`: {} values for shape {:?}",
+            v.len(),
+            t.shape
+        );
+    }
+    if let Some(i) = v.iter().position(|v| !v.is_finite()) {
+        bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
+    }
+    Ok(v)
+}
+
 /// Makes the stored tensors in name order, keeping the parts made but not yet written (a
 /// group's other matrices come later in name order).
 struct Maker<'a> {
@@ -59,56 +83,57 @@ impl Maker<'_> {
     /// The values of source tensor `name`, checked: as many as its shape, all finite.
     fn values(&self, name: &str) -> Result<Vec<f32>> {
         let t = self.src[name];
-        let from = t.origin.display();
         let data = t
             .data
             .resolve()
             .with_context(|| format!("tensor `{name}`"))?;
-        let TensorData::Values(v) = data.into_owned() else {
-            bail!("{from}: tensor `{name}` turned out quantized, which its reader did not say");
-        };
-        if v.len() != t.shape.iter().product::<usize>() {
-            bail!(
-                "{from}: tensor `{name}`: {} values for shape {:?}",
-                v.len(),
-                t.shape
-            );
-        }
-        if let Some(i) = v.iter().position(|v| !v.is_finite()) {
-            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
-        }
-        Ok(v)
+        checked_values(t, name, data)
     }
 
-    /// The bytes of source tensor `name` when its file already holds them as `dtype` (a bf16
-    /// checkpoint packed as bf16): copied, never widened, after the same checks as
-    /// [`Maker::values`]. The bits are those of widening and narrowing back.
-    fn as_stored(&self, name: &str, dtype: Dtype) -> Result<Option<Vec<u8>>> {
+    /// The stored bytes of the dense source tensor `name` as `dtype`: the source's own bytes
+    /// when it holds them in that dtype (a bf16 checkpoint packed as bf16: copied, never
+    /// widened; the bits are those of widening and narrowing back), else its values encoded.
+    /// Either way checked like [`Maker::values`].
+    fn dense(&self, name: &str, dtype: Dtype) -> Result<Vec<u8>> {
         let t = self.src[name];
-        let TensorData::Mapped { dtype: d, bytes } = &t.data else {
-            return Ok(None);
-        };
-        let finite: fn(&[u8]) -> bool = match (*d, dtype) {
-            (Dtype::BF16, Dtype::BF16) => |b| half::bf16::from_le_bytes([b[0], b[1]]).is_finite(),
-            (Dtype::F32, Dtype::F32) => {
-                |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite()
-            }
-            _ => return Ok(None),
-        };
-        let raw = bytes.read().with_context(|| format!("tensor `{name}`"))?;
-        let size = dtype.bitsize() / 8;
         let from = t.origin.display();
-        if raw.len() != t.shape.iter().product::<usize>() * size {
-            bail!(
-                "{from}: tensor `{name}`: {} bytes for shape {:?}",
-                raw.len(),
-                t.shape
-            );
+        let data = t
+            .data
+            .resolve_raw()
+            .with_context(|| format!("tensor `{name}`"))?;
+        if let TensorData::Raw { dtype: d, bytes } = data.as_ref() {
+            let finite: Option<fn(&[u8]) -> bool> = match (*d, dtype) {
+                (Dtype::BF16, Dtype::BF16) => {
+                    Some(|b| half::bf16::from_le_bytes([b[0], b[1]]).is_finite())
+                }
+                (Dtype::F32, Dtype::F32) => {
+                    Some(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+                }
+                _ => None,
+            };
+            if let Some(finite) = finite {
+                let size = dtype.bitsize() / 8;
+                if bytes.len() != t.shape.iter().product::<usize>() * size {
+                    bail!(
+                        "{from}: tensor `{name}`: {} bytes for shape {:?}",
+                        bytes.len(),
+                        t.shape
+                    );
+                }
+                if let Some(i) = bytes.chunks_exact(size).position(|b| !finite(b)) {
+                    bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
+                }
+                return Ok(bytes.clone());
+            }
         }
-        if let Some(i) = raw.chunks_exact(size).position(|b| !finite(b)) {
-            bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
-        }
-        Ok(Some(raw))
+        let v = checked_values(t, name, data)?;
+        Ok(match dtype {
+            Dtype::F32 => bytemuck::cast_slice::<f32, u8>(&v).to_vec(),
+            _ => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        })
     }
 
     fn keep(&mut self, name: &str, q: &QuantTensor) {
@@ -122,19 +147,7 @@ impl Maker<'_> {
             return Ok(b);
         }
         match self.unit_of.get(&e.0).cloned() {
-            Some(Unit::Dense(name)) => {
-                if let Some(bytes) = self.as_stored(&name, e.1)? {
-                    return Ok(bytes);
-                }
-                let v = self.values(&name)?;
-                Ok(match e.1 {
-                    Dtype::F32 => bytemuck::cast_slice::<f32, u8>(&v).to_vec(),
-                    _ => v
-                        .iter()
-                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                        .collect(),
-                })
-            }
+            Some(Unit::Dense(name)) => self.dense(&name, e.1),
             Some(Unit::Imported(name)) => {
                 let t = self.src[name.as_str()];
                 let from = t.origin.display();

@@ -7,7 +7,6 @@
 
 use crate::report::{Report, SCHEMA, SCHEMA_VERSION};
 use anyhow::{anyhow, bail, Result};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Reports hold a few numbers per window; a real one is well under a megabyte per million
@@ -43,10 +42,8 @@ pub fn load(arg: &Path) -> Result<Loaded> {
             MAX_REPORT_BYTES >> 20
         );
     }
-    let mut text = String::new();
-    std::fs::File::open(&path)
-        .and_then(|f| f.take(MAX_REPORT_BYTES).read_to_string(&mut text))
-        .map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+    let text = crate::input::read_text_bounded(&path, "the report", MAX_REPORT_BYTES)
+        .map_err(|e| anyhow!("{shown}: {e}"))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| anyhow!("{shown}: not JSON: {e}"))?;
     match value.get("schema").and_then(|s| s.as_str()) {

@@ -10,7 +10,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::HashSet;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Largest manifest read.
@@ -18,39 +17,8 @@ pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
 /// Largest `--text` file read.
 pub const MAX_TEXT_BYTES: u64 = 1 << 30;
 
-/// Refuses anything but a regular file (a FIFO would block the open forever, `/dev/zero`
-/// would be read until memory runs out, a directory cannot be read), looking before opening.
-/// `what` names the role in the error. Returns the file's size.
-pub fn require_regular_file(path: &Path, what: &str) -> Result<u64> {
-    let m = std::fs::metadata(path).map_err(|e| anyhow!("cannot read {what}: {e}"))?;
-    let t = m.file_type();
-    if t.is_dir() {
-        bail!("{what} is a directory, not a file");
-    }
-    if !t.is_file() {
-        bail!("{what} is not a regular file (a pipe, device or socket); give a file");
-    }
-    Ok(m.len())
-}
-
-/// Reads a regular file of at most `limit` bytes; a longer one is an error, found after
-/// reading `limit + 1` bytes at most (a file that grows while it is read cannot make this
-/// read without bound). Errors say `what` the file is, not its path (the caller adds it).
-pub fn read_bounded(path: &Path, what: &str, limit: u64) -> Result<Vec<u8>> {
-    let size = require_regular_file(path, what)?;
-    if size > limit {
-        bail!("{what} is {size} bytes, more than the {limit} this reads");
-    }
-    let f = std::fs::File::open(path).map_err(|e| anyhow!("cannot read {what}: {e}"))?;
-    let mut bytes = Vec::with_capacity(size as usize);
-    f.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| anyhow!("cannot read {what}: {e}"))?;
-    if bytes.len() as u64 > limit {
-        bail!("{what} grew past {limit} bytes while it was read");
-    }
-    Ok(bytes)
-}
+// The one way to open an input, used here for manifests and streams.
+pub use crate::input::{read_bounded, require_regular_file};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Domain {

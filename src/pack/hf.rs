@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 /// sha256 and size of a file, for provenance.
 pub fn source_file(path: &Path) -> Result<SourceFile> {
     use std::io::Read;
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let (mut f, _) = crate::input::open_regular(path, "an input file")
+        .with_context(|| path.display().to_string())?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
@@ -208,8 +208,8 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
         bail!("{}: not a directory", dir.display());
     }
     let cfg_path = dir.join("config.json");
-    let cfg_text = std::fs::read_to_string(&cfg_path)
-        .with_context(|| format!("{}: cannot read", cfg_path.display()))?;
+    let cfg_text = crate::input::read_text_bounded(&cfg_path, "config.json", 16 << 20)
+        .with_context(|| cfg_path.display().to_string())?;
     let cfg_json: Value = serde_json::from_str(&cfg_text)
         .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
     let config = parse_config(&cfg_json).with_context(|| dir.display().to_string())?;
@@ -217,12 +217,13 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     let tok_path: PathBuf = tokenizer
         .map(Path::to_path_buf)
         .unwrap_or_else(|| dir.join("tokenizer.json"));
-    let tokenizer_json = std::fs::read_to_string(&tok_path).with_context(|| {
-        format!(
-            "{}: cannot read tokenizer (pass --tokenizer FILE if it lives elsewhere)",
-            tok_path.display()
-        )
-    })?;
+    let tokenizer_json = crate::input::read_text_bounded(&tok_path, "the tokenizer", 256 << 20)
+        .with_context(|| {
+            format!(
+                "{} (pass --tokenizer FILE if it lives elsewhere)",
+                tok_path.display()
+            )
+        })?;
     crate::tokenizer::Tokenizer::from_json(&tokenizer_json)
         .with_context(|| tok_path.display().to_string())?;
 
@@ -245,8 +246,8 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     let mut quant_parts = BTreeMap::new();
     for shard in &shards {
         source_files.push(source_file(shard)?);
-        let file = std::fs::File::open(shard)
-            .with_context(|| format!("{}: cannot open", shard.display()))?;
+        let (file, _) = crate::input::open_regular(shard, "a safetensors shard")
+            .with_context(|| shard.display().to_string())?;
         // SAFETY: read-only mapping of a file this process does not modify.
         let mmap = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("{}: cannot map", shard.display()))?;

@@ -154,7 +154,9 @@ pub fn ungroup_qwen3_next(
             // Values or a quantized matrix in memory are regrouped now; one still in its file
             // when the writer reaches it (a quantized one checked once now, for its layout).
             let data = match &t.data {
-                TensorData::Values(_) | TensorData::Quantized(_) => take()?,
+                TensorData::Values(_) | TensorData::Quantized(_) | TensorData::Raw { .. } => {
+                    take()?
+                }
                 TensorData::Mapped { .. } => TensorData::Deferred(Deferred::values(take)),
                 TensorData::Deferred(d) if *d.kind() == Kind::Values => {
                     TensorData::Deferred(Deferred::values(take))

@@ -8,7 +8,7 @@
 //! so host memory holds one tensor (one scale group) at a time.
 
 use crate::artifact::random::{byte_tokenizer_json, tensor_bytes};
-use crate::artifact::source::{widen, Deferred, PackSource, SourceTensor, TensorData};
+use crate::artifact::source::{Deferred, PackSource, SourceTensor, TensorData};
 use crate::artifact::{WeightFormat, WeightPlan};
 use crate::model::config::ModelConfig;
 use crate::model::presets::preset;
@@ -46,9 +46,7 @@ pub fn source(spec: &RandomSpec) -> PackSource {
                     } else {
                         Dtype::BF16
                     };
-                    Ok(TensorData::Values(
-                        widen(dtype, &bytes).expect("F32 or BF16"),
-                    ))
+                    Ok(TensorData::Raw { dtype, bytes })
                 })),
                 name,
                 shape,
@@ -110,7 +108,8 @@ pub fn run_cli(
     crate::outfile::check_output(out, &[])?;
     let tokenizer_json = match tokenizer {
         Some(p) => Some(
-            std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,
+            crate::input::read_text_bounded(p, "the tokenizer", 256 << 20)
+                .with_context(|| p.display().to_string())?,
         ),
         None => None,
     };

@@ -62,7 +62,9 @@ pub fn gather(
             }))
         }
         // codes [rows, cols]; scales [1], [rows] or [⌈rows/128⌉, ⌈cols/128⌉].
-        TensorData::Mapped { .. } | TensorData::Deferred(_) => unreachable!("resolved above"),
+        TensorData::Mapped { .. } | TensorData::Deferred(_) | TensorData::Raw { .. } => {
+            unreachable!("resolved above")
+        }
         TensorData::Quantized(QuantTensor::Fp8(t)) => {
             let scale = match &t.scale {
                 Fp8Scale::Tensor(s) => Fp8Scale::Tensor(*s),

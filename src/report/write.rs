@@ -40,6 +40,46 @@ pub struct OutputDir {
     lock: Option<PathBuf>,
 }
 
+/// Whether a lock file names a process that no longer runs (or names none: a run killed
+/// between creating the lock and writing its pid).
+fn lock_is_stale(lock: &Path) -> bool {
+    let Ok(text) = crate::input::read_text_bounded(lock, "the lock", 64) else {
+        return false;
+    };
+    match text.trim().parse::<i32>() {
+        Ok(pid) if pid > 0 => {
+            // SAFETY: signal 0 only asks whether the process exists.
+            let r = unsafe { libc::kill(pid, 0) };
+            r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        }
+        _ => true,
+    }
+}
+
+/// A path component made from `s` (a run id read from a shard's report): letters, digits,
+/// `.`, `_` and `-` kept, anything else `_`, no leading dot, at most 160 bytes; never a path
+/// that leaves the directory it is joined to.
+pub fn safe_component(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(160)
+        .collect();
+    while out.starts_with('.') {
+        out.replace_range(..1, "_");
+    }
+    if out.is_empty() {
+        out.push_str("run");
+    }
+    out
+}
+
 impl OutputDir {
     /// Claims `dir` (see the module docs). Errors name the directory.
     pub fn claim(dir: &Path, how: Claim) -> Result<OutputDir> {
@@ -48,9 +88,16 @@ impl OutputDir {
             Ok(m) if !m.is_dir() => bail!("{shown}: --output exists and is not a directory"),
             Ok(_) if how == Claim::New => bail!("{shown}: the run's directory already exists"),
             Ok(_) => {
-                let mut it = std::fs::read_dir(dir)
-                    .with_context(|| format!("{shown}: cannot read --output directory"))?;
-                if it.next().is_some() {
+                let entries: Vec<std::ffi::OsString> = std::fs::read_dir(dir)
+                    .with_context(|| format!("{shown}: cannot read --output directory"))?
+                    .take(2)
+                    .filter_map(|e| e.ok().map(|e| e.file_name()))
+                    .collect();
+                // A run that was killed leaves only its lock: with its process gone, the
+                // directory is empty for a retry.
+                if entries == [LOCK] && lock_is_stale(&dir.join(LOCK)) {
+                    let _ = std::fs::remove_file(dir.join(LOCK));
+                } else if !entries.is_empty() {
                     bail!(
                         "{shown}: --output directory is not empty (give an empty or new directory)"
                     );
@@ -59,6 +106,16 @@ impl OutputDir {
             }
             Err(_) => {
                 if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    // Name the file in the way rather than "File exists".
+                    if let Some(file) = parent
+                        .ancestors()
+                        .find(|a| std::fs::metadata(a).is_ok_and(|m| !m.is_dir()))
+                    {
+                        bail!(
+                            "{shown}: cannot create the output directory: {} is a file, not a directory",
+                            file.display()
+                        );
+                    }
                     std::fs::create_dir_all(parent).map_err(|e| {
                         anyhow!("{shown}: cannot create the output directory's parent: {e}")
                     })?;
@@ -192,6 +249,55 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn a_run_id_from_a_file_becomes_one_safe_component() {
+        assert_eq!(
+            safe_component("20261203T2239Z-65c3b8b6-bf16-1"),
+            "20261203T2239Z-65c3b8b6-bf16-1"
+        );
+        assert_eq!(safe_component("../../etc/x"), "_._.._etc_x");
+        assert_eq!(safe_component("/abs"), "_abs");
+        assert_eq!(safe_component(".."), "_.");
+        assert_eq!(safe_component(""), "run");
+        assert_eq!(safe_component(&"a".repeat(500)).len(), 160);
+        for s in ["../../etc/x", "/abs", "..", "a/../.."] {
+            let p = Path::new("profiles/perplexity").join(safe_component(s));
+            assert_eq!(p.components().count(), 3, "{s}: {}", p.display());
+        }
+    }
+
+    /// A directory holding only the lock of a process that is gone is claimed again (the
+    /// retry of a killed run); one whose lock names a live process is not.
+    #[test]
+    fn a_dead_runs_lock_does_not_block_a_retry() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("out");
+        std::fs::create_dir(&dir).unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        std::fs::write(dir.join(LOCK), format!("{dead}\n")).unwrap();
+        let out = OutputDir::claim(&dir, Claim::AbsentOrEmpty).unwrap();
+        out.write_report("{}").unwrap();
+        assert_eq!(names(&dir), ["report.json"]);
+        let live = tmp.path().join("live");
+        std::fs::create_dir(&live).unwrap();
+        std::fs::write(live.join(LOCK), format!("{}\n", std::process::id())).unwrap();
+        let e = OutputDir::claim(&live, Claim::AbsentOrEmpty)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not empty"), "{e}");
+        let file = tmp.path().join("f");
+        std::fs::write(&file, "x").unwrap();
+        let e = OutputDir::claim(&file.join("a/b"), Claim::AbsentOrEmpty)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with(&format!("{} is a file, not a directory", file.display())),
+            "{e}"
+        );
     }
 
     #[test]

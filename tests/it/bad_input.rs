@@ -443,6 +443,135 @@ fn pipes_and_devices_are_refused_without_blocking_or_reading_forever() {
     );
 }
 
+/// `mkfifo PATH`.
+fn fifo(path: &Path) -> PathBuf {
+    assert!(Command::new("mkfifo").arg(path).status().unwrap().success());
+    path.to_path_buf()
+}
+
+/// Every input the packer reads, and the registry, go through the one way to open an input:
+/// a FIFO or a device is refused at once, by name, and nothing is written.
+#[test]
+fn packer_inputs_and_the_registry_are_opened_like_any_input() {
+    let tmp = common::tempdir();
+    let d = tmp.path();
+    let out = d.join("out.ninfer");
+    let o = run_with_deadline(
+        "ninfer-pack",
+        &["gguf", s(&fifo(&d.join("m.gguf"))), "-o", s(&out)],
+        20,
+    );
+    assert_error(&o, &["m.gguf", "the GGUF file is not a regular file"]);
+    let o = run_with_deadline("ninfer-pack", &["gguf", "/dev/zero", "-o", s(&out)], 20);
+    assert_error(&o, &["/dev/zero", "the GGUF file is not a regular file"]);
+
+    // A Hugging Face directory whose config.json, tokenizer or shard is a FIFO.
+    let hf = d.join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    fifo(&hf.join("config.json"));
+    let o = run_with_deadline("ninfer-pack", &["hf", s(&hf), "-o", s(&out)], 20);
+    assert_error(&o, &["config.json is not a regular file"]);
+    std::fs::remove_file(hf.join("config.json")).unwrap();
+    std::fs::copy(
+        common::repo().join("eval/fixtures/tiny-qwen3/config.json"),
+        hf.join("config.json"),
+    )
+    .unwrap();
+    fifo(&hf.join("tokenizer.json"));
+    let o = run_with_deadline("ninfer-pack", &["hf", s(&hf), "-o", s(&out)], 20);
+    assert_error(
+        &o,
+        &["tokenizer.json", "the tokenizer is not a regular file"],
+    );
+    let o = run_with_deadline(
+        "ninfer-pack",
+        &["hf", s(&hf), "--tokenizer", "/dev/zero", "-o", s(&out)],
+        20,
+    );
+    assert_error(&o, &["/dev/zero", "the tokenizer is not a regular file"]);
+    std::fs::remove_file(hf.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        hf.join("tokenizer.json"),
+        ninfer_perplexity::artifact::random::byte_tokenizer_json(),
+    )
+    .unwrap();
+    fifo(&hf.join("model.safetensors"));
+    let o = run_with_deadline("ninfer-pack", &["hf", s(&hf), "-o", s(&out)], 20);
+    assert_error(&o, &["model.safetensors", "is not a regular file"]);
+    let o = run_with_deadline(
+        "ninfer-pack",
+        &[
+            "random",
+            "--tokenizer",
+            s(&hf.join("model.safetensors")),
+            "-o",
+            s(&out),
+        ],
+        20,
+    );
+    assert_error(&o, &["the tokenizer is not a regular file"]);
+    assert!(!out.exists(), "nothing written");
+
+    // The registry, named by NINFER_REGISTRY, is bounded like any input.
+    let t = text(d, "t.txt", "hello");
+    let o = Command::new(common::bin("ninfer-perplexity"))
+        .args(["smollm2-135m-bf16", "--text", s(&t)])
+        .env("NINFER_REGISTRY", "/dev/zero")
+        .current_dir(common::repo())
+        .output()
+        .unwrap();
+    assert_error(&o, &["/dev/zero", "the registry is not a regular file"]);
+}
+
+/// An output path where a FIFO (or a device) is is refused before any work, for the
+/// packer's `-o` and `compare --json/--plot`, and the FIFO is still there afterwards.
+#[test(prepared)]
+fn outputs_never_replace_a_device_or_a_pipe() {
+    let tmp = common::tempdir();
+    let d = tmp.path();
+    let p = fifo(&d.join("p"));
+    let o = run_with_deadline(
+        "ninfer-pack",
+        &[
+            "random",
+            "--preset",
+            "smollm2-135m",
+            "--layers",
+            "1",
+            "-o",
+            s(&p),
+        ],
+        20,
+    );
+    assert_error(&o, &["the output is not a regular file"]);
+    let o = run_with_deadline(
+        "ninfer-pack",
+        &["random", "--layers", "1", "-o", "/dev/null"],
+        20,
+    );
+    assert_error(&o, &["/dev/null: the output is not a regular file"]);
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(&p).unwrap().file_type().is_fifo());
+    let art = common::tiny_artifact(d);
+    let run = d.join("run");
+    let o = common::score_text(
+        &art,
+        &text(d, "t.txt", "hello world, hello world"),
+        &run,
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for flag in ["--json", "--plot"] {
+        let o = run_with_deadline(
+            "ninfer-perplexity",
+            &["compare", s(&run), s(&run), flag, s(&p)],
+            20,
+        );
+        assert_error(&o, &["is not a regular file"]);
+        assert!(std::fs::metadata(&p).unwrap().file_type().is_fifo());
+    }
+}
+
 // ---- 5. The small ones ----------------------------------------------------------------
 
 #[test(prepared)]

@@ -198,7 +198,7 @@ fn every_flag_in_help_is_in_the_usage_tables_and_back() {
         let o = common::run_bin(bin, &args);
         assert!(o.status.success(), "{command} --help");
         let help = help_flags(&String::from_utf8_lossy(&o.stdout));
-        assert!(help.len() >= 1, "{command}: no flags found in --help");
+        assert!(!help.is_empty(), "{command}: no flags found in --help");
         let documented = doc_flags(&doc, command)
             .unwrap_or_else(|| panic!("docs/usage.md has no `<!-- flags: {command} -->` table"));
         let missing: Vec<_> = help.difference(&documented).collect();

@@ -185,11 +185,8 @@ impl GgufFile {
     /// size here; the data itself is only read by [`GgufFile::tensor_data`].
     pub fn open(path: &Path) -> Result<GgufFile> {
         let shown = path.display().to_string();
-        let file = std::fs::File::open(path).with_context(|| format!("opening GGUF {shown}"))?;
-        let len = file
-            .metadata()
-            .with_context(|| format!("reading {shown}"))?
-            .len();
+        let (file, len) = crate::input::open_regular(path, "the GGUF file")
+            .with_context(|| format!("GGUF {shown}"))?;
         if len < 24 {
             bail!("GGUF {shown}: file is truncated ({len} bytes is too short for a GGUF header)");
         }
