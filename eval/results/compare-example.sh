@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's comparison examples: SmolLM2 (bf16 weights) on the quick streams, bf16 KV
+# The comparison examples of the README and eval/results/compare-kv-smollm2.md: SmolLM2 (bf16 weights) on the quick streams, bf16 KV
 # against nvfp4 KV, as two runs and `ninfer-perplexity compare`, and as one run with
 # `--reference-kv bf16` (full-vocabulary KL divergence, top-1 agreement, Δp). Writes
 # eval/results/compare-kv-smollm2.md and the two example plots under docs/plots/.

@@ -123,7 +123,13 @@ impl Maker<'_> {
                 if let Some(i) = bytes.chunks_exact(size).position(|b| !finite(b)) {
                     bail!("{from}: tensor `{name}` holds a non-finite value at flat index {i}");
                 }
-                return Ok(bytes.clone());
+                return Ok(match data {
+                    Cow::Owned(TensorData::Raw { bytes, .. }) => bytes,
+                    borrowed => match borrowed.as_ref() {
+                        TensorData::Raw { bytes, .. } => bytes.clone(),
+                        _ => unreachable!("matched above"),
+                    },
+                });
             }
         }
         let v = checked_values(t, name, data)?;
