@@ -288,10 +288,21 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         let mut calibration = Some(Calibration::default());
         let mut windows = Vec::new();
         let (mut seconds, mut processed) = (0.0, 0usize);
-        for (_, x) in &parts {
+        let mut scored_total = 0u64;
+        for (l, x) in &parts {
+            let overflow = || {
+                anyhow::anyhow!(
+                    "{}: stream `{}`: the merged counts overflow",
+                    l.path.display(),
+                    rs.id
+                )
+            };
             seconds += x.seconds;
-            processed += x.processed_tokens;
+            processed = processed
+                .checked_add(x.processed_tokens)
+                .ok_or_else(overflow)?;
             for w in &x.windows {
+                scored_total = scored_total.checked_add(w.scored).ok_or_else(overflow)?;
                 sum.add(&NllSum {
                     scored: w.scored,
                     nll_sum: w.nll_sum,
@@ -305,6 +316,9 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
                 w.calibration = None;
                 windows.push(w);
             }
+        }
+        if !(sum.nll_sum.is_finite() && sum.nll_sq_sum.is_finite()) {
+            bail!("merge: stream `{}`: the merged NLL sums overflow", rs.id);
         }
         streams.push(StreamReport {
             id: head.id.clone(),
@@ -331,7 +345,10 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
                         if v.len() != sum.len() {
                             return None;
                         }
-                        sum.iter_mut().zip(v.iter()).for_each(|(s, x)| *s += x);
+                        for (s, x) in sum.iter_mut().zip(v.iter()) {
+                            // Counts past u64 are no routing anyone ran: none reported.
+                            *s = s.checked_add(*x)?;
+                        }
                     }
                     crate::report::RoutingReport::new(&sum)
                 }),

@@ -156,6 +156,19 @@ impl Artifact {
         // Every expected tensor is stored as at least one tensor: a config that claims more
         // (a thousand layers of four thousand experts in a small file) is refused before
         // millions of names are built.
+        if tensors.len() < count && count <= 1 << 20 {
+            // Few enough names to build: say which tensor is missing.
+            if let Some((name, _)) = Model::expected(&config)
+                .into_iter()
+                .find(|(n, _)| !tensors.contains_key(n))
+            {
+                bail!(
+                    "tensor `{name}` is missing (it holds {} tensors; a {} model with this config has {count})",
+                    tensors.len(),
+                    config.family.name()
+                );
+            }
+        }
         if tensors.len() < count {
             bail!(
                 "holds {} tensors, but a {} model with this config has {count}",

@@ -60,7 +60,68 @@ pub fn load(arg: &Path) -> Result<Loaded> {
     }
     let report: Report = serde_json::from_value(value)
         .map_err(|e| anyhow!("{shown}: not a valid version-{SCHEMA_VERSION} report: {e}"))?;
+    check_numbers(&report).map_err(|e| anyhow!("{shown}: {e}"))?;
     Ok(Loaded { path, report })
+}
+
+/// The numbers `compare` and `merge` compute with, checked as a whole: every window within
+/// its stream and scoring the targets its bounds say, every sum finite and every count added
+/// without overflow, so that nothing derived from them can be infinite, NaN or wrapped.
+pub fn check_numbers(r: &Report) -> Result<()> {
+    for s in &r.streams {
+        let at = |j: usize| format!("stream `{}` window {j}", s.id);
+        let (mut scored, mut nll, mut sq) = (0u64, 0f64, 0f64);
+        for (j, w) in s.windows.iter().enumerate() {
+            if !(w.begin <= w.first_target && w.first_target <= w.end && w.end <= s.input_tokens) {
+                bail!(
+                    "{}: bounds {}..{} (first target {}) do not fit the stream's {} tokens",
+                    at(j),
+                    w.begin,
+                    w.end,
+                    w.first_target,
+                    s.input_tokens
+                );
+            }
+            if w.scored != (w.end - w.first_target) as u64 {
+                bail!(
+                    "{}: `scored` is {}, its bounds hold {} targets",
+                    at(j),
+                    w.scored,
+                    w.end - w.first_target
+                );
+            }
+            if !(w.nll_sum.is_finite() && w.nll_sq_sum.is_finite()) {
+                bail!("{}: `nll_sum` or `nll_sq_sum` is not finite", at(j));
+            }
+            scored = scored
+                .checked_add(w.scored)
+                .ok_or_else(|| anyhow!("{}: the scored tokens overflow", at(j)))?;
+            nll += w.nll_sum;
+            sq += w.nll_sq_sum;
+            if !(nll.is_finite() && sq.is_finite()) {
+                bail!(
+                    "{}: the stream's NLL sums overflow (a window's `nll_sum` of {:e})",
+                    at(j),
+                    w.nll_sum
+                );
+            }
+        }
+        if !s.windows.is_empty() && scored != s.totals.scored {
+            bail!(
+                "stream `{}`: its windows score {scored} tokens, its totals say {}",
+                s.id,
+                s.totals.scored
+            );
+        }
+        if let Some(routing) = &s.routing {
+            routing
+                .tokens_per_expert
+                .iter()
+                .try_fold(0u64, |a, &b| a.checked_add(b))
+                .ok_or_else(|| anyhow!("stream `{}`: the routing counts overflow", s.id))?;
+        }
+    }
+    Ok(())
 }
 
 /// Refuses `base` and `new` unless they scored the same windows of the same token streams.

@@ -138,6 +138,31 @@ pub fn compare(base: &load::Loaded, new: &load::Loaded) -> Result<Comparison> {
         .map(|d| row(base, new, &d.id, &d.title, |x| x.domain == d.id))
         .collect::<Result<Vec<_>>>()?;
     let overall = row(base, new, &r.overall.id, &r.overall.title, |_| true)?;
+    // Every number the table, the JSON and the gate use must be finite.
+    for row in streams.iter().chain(&domains).chain([&overall]) {
+        let p = &row.paired;
+        let numbers = [
+            p.base_mean_nll,
+            p.new_mean_nll,
+            p.delta_nll,
+            p.ppl_ratio,
+            row.delta_bits_per_byte,
+        ]
+        .into_iter()
+        .chain(p.delta_nll_std_err)
+        .chain(p.delta_nll_ci95.into_iter().flatten())
+        .chain(p.ppl_ratio_ci95.into_iter().flatten());
+        if numbers.clone().any(|x| !x.is_finite()) {
+            anyhow::bail!(
+                "{} vs {}: `{}`: the comparison is not finite (ΔNLL {}, PPL ratio {}); the reports' sums are out of any real run's range",
+                base.path.display(),
+                new.path.display(),
+                row.id,
+                p.delta_nll,
+                p.ppl_ratio
+            );
+        }
+    }
     Ok(Comparison {
         schema: SCHEMA.into(),
         schema_version: SCHEMA_VERSION,

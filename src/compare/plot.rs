@@ -38,6 +38,20 @@ pub fn compare_plot(base: &Loaded, new: &Loaded, c: &Comparison) -> Result<Strin
     }
     let o = &c.overall.paired;
     let band = o.delta_nll_ci95.unwrap_or([o.delta_nll, o.delta_nll]);
+    // The chart library spins on a non-finite axis range: refuse, never draw one.
+    if let Some(p) = pts.iter().find(|p| !p.1.is_finite()) {
+        anyhow::bail!(
+            "{}: window {} has a non-finite ΔNLL; nothing to plot",
+            new.path.display(),
+            p.0
+        );
+    }
+    if !band.iter().all(|b| b.is_finite()) {
+        anyhow::bail!(
+            "{}: the overall ΔNLL interval is not finite; nothing to plot",
+            new.path.display()
+        );
+    }
     let (y0, y1) = range(pts.iter().map(|p| p.1).chain([0.0, band[0], band[1]]));
     let n = pts.len().max(1) as f64;
     let mut svg = String::new();

@@ -572,6 +572,36 @@ fn outputs_never_replace_a_device_or_a_pipe() {
     }
 }
 
+/// An artifact that lacks a tensor is refused naming the tensor, not with a count.
+#[test]
+fn a_missing_tensor_is_named() {
+    let tmp = common::tempdir();
+    let full = tmp.path().join("full.ninfer");
+    let o = pack(&[
+        "random",
+        "--preset",
+        "smollm2-135m",
+        "--layers",
+        "1",
+        "-o",
+        s(&full),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&full).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.norm.weight")
+        .collect();
+    let cut = tmp.path().join("cut.ninfer");
+    safetensors::serialize_to_file(kept, meta.metadata().clone(), &cut).unwrap();
+    let t = text(tmp.path(), "t.txt", "hello world");
+    let o = perplexity(&[s(&cut), "--text", s(&t)]);
+    assert_error(&o, &["cut.ninfer", "tensor `model.norm.weight` is missing"]);
+}
+
 // ---- 5. The small ones ----------------------------------------------------------------
 
 #[test(prepared)]

@@ -393,3 +393,75 @@ fn files_that_are_not_reports_are_refused() {
     let o = perplexity(&["compare", s(&report)]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// Numbers a report holds are checked as a whole before anything is computed from them:
+/// sums that overflow, a window that claims more targets than its bounds hold, a window
+/// past its stream. `merge` reads reports the same way.
+#[test(prepared)]
+fn reports_whose_numbers_do_not_add_up_are_refused() {
+    let r = runs();
+    let base = plain(&r, "base");
+    let report = base.join("report.json");
+    let json = r.dir.join("out.json");
+    let edited = |name: &str, edit: &dyn Fn(&mut Value)| {
+        let mut v = read(&report);
+        edit(&mut v);
+        let p = r.dir.join(name);
+        std::fs::write(&p, v.to_string()).unwrap();
+        p
+    };
+    let huge = edited("huge.json", &|v| {
+        for w in v["streams"][0]["windows"].as_array_mut().unwrap() {
+            w["nll_sum"] = serde_json::json!(1e308);
+        }
+    });
+    refused(
+        &report,
+        &huge,
+        &json,
+        &["huge.json", "window 1", "NLL sums overflow"],
+    );
+    let wrapped = edited("wrapped.json", &|v| {
+        v["streams"][0]["windows"][0]["scored"] = serde_json::json!(1u64 << 63);
+    });
+    refused(
+        &report,
+        &wrapped,
+        &json,
+        &[
+            "wrapped.json",
+            "window 0",
+            "`scored` is 9223372036854775808",
+        ],
+    );
+    let past = edited("past.json", &|v| {
+        v["streams"][0]["windows"][0]["end"] = serde_json::json!(1u64 << 40);
+    });
+    refused(
+        &report,
+        &past,
+        &json,
+        &["past.json", "do not fit the stream's"],
+    );
+    // Finite sums whose comparison is not: refused, with a plot asked for too (the chart
+    // library would spin on an infinite axis).
+    let far = edited("far.json", &|v| {
+        v["streams"][0]["windows"][0]["nll_sum"] = serde_json::json!(1e300);
+    });
+    let o = perplexity(&[
+        "compare",
+        s(&report),
+        s(&far),
+        "--plot",
+        s(&r.dir.join("p.svg")),
+    ]);
+    assert!(
+        common::error_line(&o).contains("the comparison is not finite"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!r.dir.join("p.svg").exists());
+    let o = perplexity(&["merge", s(&huge), "--output", s(&r.dir.join("m"))]);
+    assert!(common::error_line(&o).contains("NLL sums overflow"));
+    assert!(!r.dir.join("m").exists());
+}
