@@ -243,9 +243,14 @@ fn run(args: Args) -> Result<()> {
                 "provenance": a.provenance,
             });
             let mut stdout = std::io::stdout().lock();
-            writeln!(stdout, "{}", serde_json::to_string_pretty(&out)?)?;
-            stdout.flush()?;
-            Ok(())
+            match writeln!(stdout, "{}", serde_json::to_string_pretty(&out)?)
+                .and_then(|()| stdout.flush())
+            {
+                // A reader that stopped early (`| head`) is not an error.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                Err(e) => anyhow::bail!("stdout: cannot write the description: {e}"),
+                Ok(()) => Ok(()),
+            }
         }
     }
 }

@@ -17,9 +17,11 @@ pub fn compare_plot(base: &Loaded, new: &Loaded, c: &Comparison) -> Result<Strin
     let groups: Vec<(&str, &str)> = if base.report.domains.is_empty() {
         vec![("", base.report.overall.title.as_str())]
     } else {
+        // A real corpus has four domains; what a file claims beyond 16 is not drawn.
         base.report
             .domains
             .iter()
+            .take(16)
             .map(|d| (d.id.as_str(), d.title.as_str()))
             .collect()
     };
@@ -36,6 +38,10 @@ pub fn compare_plot(base: &Loaded, new: &Loaded, c: &Comparison) -> Result<Strin
             }
         }
     }
+    // At most MAX_POINTS points, evenly taken: what is drawn bounds the work.
+    const MAX_POINTS: usize = 20_000;
+    let step = pts.len().div_ceil(MAX_POINTS).max(1);
+    let pts: Vec<(f64, f64, usize)> = pts.into_iter().step_by(step).collect();
     let o = &c.overall.paired;
     let band = o.delta_nll_ci95.unwrap_or([o.delta_nll, o.delta_nll]);
     // The chart library spins on a non-finite axis range: refuse, never draw one.

@@ -32,11 +32,22 @@ pub(crate) fn color(i: usize) -> RGBColor {
 
 /// (first target, mean NLL) of every window of a stream.
 fn window_points(s: &StreamReport) -> Vec<(f64, f64)> {
+    // At most MAX_POINTS points, evenly taken: what is drawn bounds the work, not what the
+    // file claims.
+    let step = s.windows.len().div_ceil(MAX_POINTS).max(1);
     s.windows
         .iter()
+        .step_by(step)
         .map(|w| (w.first_target as f64, w.nll_sum / w.scored.max(1) as f64))
         .collect()
 }
+
+/// Most panels (domains) one plot draws; a real corpus has four.
+const MAX_PANELS: usize = 16;
+/// Most streams one panel draws.
+const MAX_SERIES: usize = 32;
+/// Most points one stream's line has.
+const MAX_POINTS: usize = 2048;
 
 /// `[lo, hi]` of the values with a little room, never empty.
 pub(crate) fn range(v: impl Iterator<Item = f64>) -> (f64, f64) {
@@ -61,6 +72,7 @@ pub fn run_plot(r: &Report) -> Result<String> {
     } else {
         r.domains
             .iter()
+            .take(MAX_PANELS)
             .map(|d| (d.id.as_str(), d.title.as_str(), d.totals.mean_nll))
             .collect()
     };
@@ -82,6 +94,7 @@ pub fn run_plot(r: &Report) -> Result<String> {
                 .streams
                 .iter()
                 .filter(|s| id.is_empty() || s.domain == id)
+                .take(MAX_SERIES)
                 .collect();
             let pts: Vec<Vec<(f64, f64)>> = streams.iter().map(|s| window_points(s)).collect();
             let (y0, y1) = range(pts.iter().flatten().map(|p| p.1));
@@ -157,6 +170,8 @@ pub(crate) fn kld_histogram<DB: DrawingBackend>(
         .y_desc("positions")
         .draw()
         .map_err(err)?;
+    // One bar per decade of the axis; a count past them has nowhere to be drawn.
+    let counts = &counts[..counts.len().min((hi - lo).max(0) as usize)];
     c.draw_series(counts.iter().enumerate().map(|(i, &n)| {
         let x = (lo + i as i32) as f64;
         Rectangle::new([(x + 0.05, 0.0), (x + 0.95, n as f64)], color(0).filled())

@@ -600,6 +600,18 @@ fn a_missing_tensor_is_named() {
     let t = text(tmp.path(), "t.txt", "hello world");
     let o = perplexity(&[s(&cut), "--text", s(&t)]);
     assert_error(&o, &["cut.ninfer", "tensor `model.norm.weight` is missing"]);
+
+    // `inspect` into a full device says it was stdout that could not be written.
+    let o = Command::new(common::bin("ninfer-pack"))
+        .args(["inspect", s(&full)])
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    let line = common::error_line(&o);
+    assert!(
+        line.contains("stdout: cannot write the description"),
+        "{line}"
+    );
 }
 
 // ---- 5. The small ones ----------------------------------------------------------------

@@ -218,3 +218,33 @@ fn table_renders_as_reviewed() {
         table::render(&fixed_report(), true)
     );
 }
+
+/// The run plot draws what it can show, not what a file claims: a report with 300,000
+/// domains, 300,000 streams and a stream of 100,000 windows plots into a bounded SVG
+/// (unbounded, it allocated per claimed domain until the allocator aborted).
+#[test]
+fn the_run_plot_is_bounded_by_what_it_draws() {
+    let base = fixed_report();
+    let mut r = base.clone();
+    let d = base.domains[0].clone();
+    r.domains = (0..300_000)
+        .map(|i| ninfer_perplexity::report::Aggregate {
+            id: format!("d{i}"),
+            ..d.clone()
+        })
+        .collect();
+    r.domains[0].id = "en".into();
+    let s = base.streams[0].clone();
+    r.streams = (0..300_000)
+        .map(|i| StreamReport {
+            id: format!("s{i}"),
+            ..s.clone()
+        })
+        .collect();
+    let w = s.windows[0].clone();
+    r.streams[0].windows = (0..100_000).map(|_| w.clone()).collect();
+    let svg = ninfer_perplexity::report::plot::run_plot(&r).unwrap();
+    assert!(svg.len() < 8 << 20, "{} bytes", svg.len());
+    // 16 panels of at most 32 lines, the long stream decimated to at most 2048 points.
+    assert!(svg.matches("<polyline").count() <= 16 * 32, "lines drawn");
+}
