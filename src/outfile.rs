@@ -14,9 +14,6 @@ use std::path::{Path, PathBuf};
 /// `out` once, with the cause.
 pub fn check_output(out: &Path, inputs: &[PathBuf]) -> Result<()> {
     let shown = out.display();
-    if out.is_dir() {
-        bail!("{shown}: the output is a directory; give a file path");
-    }
     refuse_special(out)?;
     for i in inputs {
         if same_file(out, i) {

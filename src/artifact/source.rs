@@ -213,9 +213,11 @@ impl TensorData {
     pub fn resolve(&self) -> Result<Cow<'_, TensorData>> {
         match self.resolve_raw()? {
             Cow::Borrowed(TensorData::Raw { dtype, bytes }) => {
-                Ok(Cow::Owned(widened(*dtype, bytes)?))
+                Ok(Cow::Owned(TensorData::Values(widened(*dtype, bytes)?)))
             }
-            Cow::Owned(TensorData::Raw { dtype, bytes }) => Ok(Cow::Owned(widened(dtype, &bytes)?)),
+            Cow::Owned(TensorData::Raw { dtype, bytes }) => {
+                Ok(Cow::Owned(TensorData::Values(widened(dtype, &bytes)?)))
+            }
             other => Ok(other),
         }
     }
@@ -292,10 +294,8 @@ pub struct PackSource {
 }
 
 /// [`widen`], or an error naming the dtype.
-fn widened(dtype: Dtype, bytes: &[u8]) -> Result<TensorData> {
-    widen(dtype, bytes)
-        .map(TensorData::Values)
-        .ok_or_else(|| anyhow!("dtype {dtype:?} is not F32, F16 or BF16"))
+pub(crate) fn widened(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
+    widen(dtype, bytes).ok_or_else(|| anyhow!("dtype {dtype:?} is not F32, F16 or BF16"))
 }
 
 /// Little-endian F32/BF16/F16 safetensors bytes widened to f32 (`None` for other dtypes).

@@ -51,8 +51,8 @@ fn checked_values(t: &SourceTensor, name: &str, data: Cow<'_, TensorData>) -> Re
     let from = t.origin.display();
     let v = match data.into_owned() {
         TensorData::Values(v) => v,
-        TensorData::Raw { dtype, bytes } => super::source::widen(dtype, &bytes)
-            .with_context(|| format!("{from}: tensor `{name}` has dtype {dtype:?}"))?,
+        TensorData::Raw { dtype, bytes } => super::source::widened(dtype, &bytes)
+            .with_context(|| format!("{from}: tensor `{name}`"))?,
         _ => bail!("{from}: tensor `{name}` turned out quantized, which its reader did not say"),
     };
     if v.len() != t.shape.iter().product::<usize>() {
