@@ -363,15 +363,35 @@ step() { # name, timeout seconds, command...
   return 0
 }
 
+# Order (issue 37): what a first GPU can tell least elsewhere comes first. The parity steps
+# synchronize after every launch (NINFER_CUDA_SYNC=1), so a device fault names its kernel.
 # 1. Kernels compile for this device (fills the CUBIN cache when building here).
 [ "$mode" = build ] && step nvrtc 240 "$(tb parity)" nvrtc:: --nocapture
 # 2. Device codecs store the CPU's bits (the `::cuda` half of each parity case).
-step kv-codecs 120 "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
-# 3. Parity with the CPU reference.
+NINFER_CUDA_SYNC=1 step kv-codecs 120 "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
+# 3. Parity with the CPU reference: the hybrid and MoE cases first, then the rest.
 skip=()
 [ -f models/smollm2-135m-bf16.ninfer ] || { skip=(--skip smollm2); say "no SmolLM2 artifact: its parity is skipped"; }
-step parity 300 "$(tb parity)" ::cuda --skip kv:: --nocapture --test-threads 1 "${skip[@]}"
-# 4. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
+NINFER_CUDA_SYNC=1 step parity-hybrid 150 "$(tb parity)" --exact \
+  model::random_hybrid_matches_the_cpu_for_every_kv_format::cuda --nocapture
+NINFER_CUDA_SYNC=1 step parity-moe 150 "$(tb parity)" --exact \
+  model::tiny_moe_families_match_the_cpu_for_every_kv_format::cuda --nocapture
+NINFER_CUDA_SYNC=1 step parity 240 "$(tb parity)" ::cuda --skip kv:: --skip random_hybrid_matches \
+  --skip tiny_moe_families --nocapture --test-threads 1 "${skip[@]}"
+# 4. The Qwen3.5 27B hybrid's shape (its first GPU_CHECK_HYBRID_LAYERS layers, the 3:1
+#    DeltaNet/attention pattern kept), random weights, context 4096 / stride 2048.
+NINFER_BENCH_OUT="$work/bench-hybrid.json" NINFER_BENCH_PRESET=qwen3_5-27b \
+  NINFER_BENCH_LAYERS="${GPU_CHECK_HYBRID_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_HYBRID_WINDOWS:-8}" \
+  step bench-hybrid 150 "$(tb cuda)"
+# 5. The Qwen3.5-35B-A3B mixture of experts' shape (256 experts, 8 chosen, a shared expert;
+#    its first GPU_CHECK_MOE_LAYERS layers), random weights, same protocol.
+NINFER_BENCH_OUT="$work/bench-moe.json" NINFER_BENCH_PRESET=qwen3_5-35b-a3b \
+  NINFER_BENCH_LAYERS="${GPU_CHECK_MOE_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_MOE_WINDOWS:-8}" \
+  step bench-moe 150 "$(tb cuda)"
+# 6. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
+NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
+  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda)"
+# 7. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
 if [ -f models/smollm2-135m-bf16.ninfer ]; then
   for kv in f32 bf16 int8 fp8 nvfp4 k8v4; do
     step "smollm2-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
@@ -379,19 +399,19 @@ if [ -f models/smollm2-135m-bf16.ninfer ]; then
     [ -f "$work/run-$kv/report.json" ] && cp "$work/run-$kv/report.json" "$work/smollm2-$kv.json"
   done
 fi
-# 5. Qwen3-8B-shaped random weights at context 4096 / stride 2048.
-NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}" \
-  NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda)"
-# 6. The Qwen3.5 27B hybrid's shape (its first GPU_CHECK_HYBRID_LAYERS layers, the 3:1
-#    DeltaNet/attention pattern kept), random weights, same protocol.
-NINFER_BENCH_OUT="$work/bench-hybrid.json" NINFER_BENCH_PRESET=qwen3_5-27b \
-  NINFER_BENCH_LAYERS="${GPU_CHECK_HYBRID_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_HYBRID_WINDOWS:-8}" \
-  step bench-hybrid 150 "$(tb cuda)"
-# 7. The Qwen3.5-35B-A3B mixture of experts' shape (256 experts, 8 chosen, a shared expert;
-#    its first GPU_CHECK_MOE_LAYERS layers), random weights, same protocol.
-NINFER_BENCH_OUT="$work/bench-moe.json" NINFER_BENCH_PRESET=qwen3_5-35b-a3b \
-  NINFER_BENCH_LAYERS="${GPU_CHECK_MOE_LAYERS:-8}" NINFER_BENCH_WINDOWS="${GPU_CHECK_MOE_WINDOWS:-8}" \
-  step bench-moe 150 "$(tb cuda)"
+# 8. compute-sanitizer (where the tool is there and the runtime lets it read the device):
+#    memcheck over the KV codecs and the small hybrid's parity (few tokens); racecheck, about
+#    50 times slower, over the KV codecs only.
+sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)"
+if [ -n "$sanitizer" ]; then
+  NINFER_PARITY_TOKENS=128 step sanitize-memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
+    "$(tb parity)" ::cuda --skip model::tiny --skip smollm2 --skip reruns --skip batching --skip bad_token \
+    --nocapture --test-threads 1
+  step sanitize-racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 9 \
+    "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
+else
+  echo "sanitize skipped: no compute-sanitizer" >>"$steps"
+fi
 
 say "finished in $(elapsed_s)s"
 exit $status # the EXIT trap prints the table and packs $work into $OUT
