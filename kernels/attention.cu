@@ -311,7 +311,7 @@ __device__ void attn_mma(const u16* __restrict__ q, KvTensor kt, KvTensor vt, co
 ATTN_ENTRIES(f32, E_F32, E_F32)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_bf16)
-ATTN_ENTRIES(bf16, E_BF16, E_BF16)
+ATTN_ENTRIES(bf16, E_BF16, E_F16)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_int8)
 ATTN_ENTRIES(int8, E_INT8, E_INT8)
@@ -323,5 +323,5 @@ ATTN_ENTRIES(fp8, E_FP8, E_FP8)
 ATTN_ENTRIES(nvfp4, E_NVFP4, E_NVFP4)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_k8v4)
-ATTN_ENTRIES(k8v4, E_INT8, E_NVFP4)
+ATTN_ENTRIES(k8v4, E_FP8, E_NVFP4)
 #endif

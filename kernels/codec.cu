@@ -1,7 +1,7 @@
 // The Main KV codecs on their own, for tests: the same device functions the forward pass
 // stores and reads K/V with (kv_store_warp in qkv_prep, kv_load in attention), so tests
 // can compare stored bytes and decoded values with the CPU specification in src/kv/.
-// CPU twins: encode_into / decode_into of src/kv/{int8,fp8,nvfp4}.rs and bf16::roundtrip.
+// CPU twins: encode / decode of src/kv/{int8,fp8,nvfp4}.rs and {bf16,f16}::roundtrip.
 
 // Standalone codecs over n vectors of D values: the same device functions as the fused
 // path, exposed so tests can compare stored bytes and decoded values with the CPU. One
@@ -47,6 +47,7 @@ __device__ void kv_decode(KvTensor t, i64 n, int D, float* __restrict__ out) {
 
 CODEC_ENTRIES(f32, E_F32)
 CODEC_ENTRIES(bf16, E_BF16)
+CODEC_ENTRIES(f16, E_F16)
 CODEC_ENTRIES(int8, E_INT8)
 CODEC_ENTRIES(fp8, E_FP8)
 CODEC_ENTRIES(nvfp4, E_NVFP4)

@@ -46,6 +46,7 @@ __device__ __forceinline__ bool is_finite_f32(float v) {
 #define E_INT8 2
 #define E_FP8 3
 #define E_NVFP4 4
+#define E_F16 5
 
 // ---------------------------------------------------------------- bfloat16
 
@@ -67,8 +68,33 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
-__device__ __forceinline__ float clamp_finite(float v) {
-    return fminf(fmaxf(v, -F32_MAX), F32_MAX);
+// ---------------------------------------------------------------- IEEE half (src/kv/f16.rs)
+
+// Round to nearest even, subnormals kept, 65520 and up to infinity (the `half` crate's rule).
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (u16)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);
+    if (a >= 0x38800000u) {
+        u32 m = a + 0x0fffu + ((a >> 13) & 1u);
+        return (u16)(sign | ((m - 0x38000000u) >> 13));
+    }
+    // Below 2^-14: a · 2^24 is exact, and adding 2^23 rounds it to the subnormal code.
+    float t = __fadd_rn(__fmul_rn(__uint_as_float(a), 16777216.0f), 8388608.0f);
+    return (u16)(sign | (__float_as_uint(t) - 0x4B000000u));
+}
+
+__device__ __forceinline__ float f16_to_f32(u32 h) {
+    u32 sign = (h & 0x8000u) << 16;
+    u32 e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0u) {
+        float v = __fmul_rn((float)m, 5.9604644775390625e-8f);  // m · 2^-24, exact
+        return __uint_as_float(__float_as_uint(v) | sign);
+    }
+    if (e == 31u) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
 }
 
 // ---------------------------------------------------------------- reductions
@@ -147,7 +173,7 @@ __device__ __forceinline__ i8 int8_round_clamp(float v) {
 }
 
 __device__ __forceinline__ float int8_decode(i8 q, float scale) {
-    return clamp_finite(__fmul_rn((float)q, scale));
+    return __fmul_rn((float)q, scale);
 }
 
 // ---------------------------------------------------------------- e4m3fn (src/kv/fp8.rs)
@@ -187,7 +213,7 @@ __device__ __forceinline__ u32 e4m3_from_f32(float v) {
 }
 
 __device__ __forceinline__ float fp8_decode(u32 code, float scale) {
-    return clamp_finite(__fmul_rn(e4m3_to_f32(code), scale));
+    return __fmul_rn(e4m3_to_f32(code), scale);
 }
 
 // ---------------------------------------------------------------- e2m1 / nvfp4 (src/kv/nvfp4.rs)
@@ -207,8 +233,55 @@ __device__ __forceinline__ u32 e2m1_from_f32(float v) {
     return sign | c;
 }
 
-__device__ __forceinline__ float nvfp4_decode(u32 code, float block_scale, float g) {
-    return clamp_finite(__fmul_rn(__fmul_rn(e2m1_to_f32(code), block_scale), g));
+__device__ __forceinline__ float nvfp4_decode(u32 code, float block_scale) {
+    return __fmul_rn(e2m1_to_f32(code), block_scale);
+}
+
+// ---------------------------------------------------------------- Hadamard (src/kv/hadamard.rs)
+
+// 1/sqrt(D) for D = 2^l, as the f32 the host computes: 2^-(l/2), times fl(1/sqrt(2)) for odd l.
+__device__ __forceinline__ float hadamard_norm(int D) {
+    int l = 0;
+    while ((1 << l) < D) ++l;
+    float p = __uint_as_float((u32)(127 - l / 2) << 23);
+    return (l & 1) ? __fmul_rn(p, __uint_as_float(0x3F3504F3u)) : p;
+}
+
+__device__ __forceinline__ bool hadamard_applies(int D) {
+    return D >= 2 && (D & (D - 1)) == 0;
+}
+
+// The normalized Hadamard rotation of one vector held by a warp (lane l holds element
+// l + 32k in v[k]; D a power of two, D <= 32 * NK): the CPU's butterfly, strides 1, 2, 4, ...
+// in order (below 32 across lanes, from 32 up across registers), each pair (i, i + s)
+// becoming (x_i + x_{i+s}, x_i - x_{i+s}), then one multiplication by hadamard_norm(D).
+// Every lane must call it (warp shuffles).
+template <int NK>
+__device__ __forceinline__ void hadamard_warp(float (&v)[NK], int D) {
+    int lane = threadIdx.x & 31;
+    for (int s = 1; s < 32 && s < D; s <<= 1) {
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+            float o = __shfl_xor_sync(FULL_MASK, v[k], s);
+            v[k] = (lane & s) ? __fsub_rn(o, v[k]) : __fadd_rn(v[k], o);
+        }
+    }
+#pragma unroll
+    for (int t = 1; t < NK; t <<= 1) {
+        if (32 * t < D) {
+#pragma unroll
+            for (int k = 0; k < NK; ++k) {
+                if ((k & t) == 0) {
+                    float a = v[k], b = v[k + t];
+                    v[k] = __fadd_rn(a, b);
+                    v[k + t] = __fsub_rn(a, b);
+                }
+            }
+        }
+    }
+    float c = hadamard_norm(D);
+#pragma unroll
+    for (int k = 0; k < NK; ++k) v[k] = __fmul_rn(v[k], c);
 }
 
 // ---------------------------------------------------------------- stored KV tensors
@@ -216,14 +289,15 @@ __device__ __forceinline__ float nvfp4_decode(u32 code, float block_scale, float
 // One stored K or V tensor of `n` vectors of `D` values. Vector `i` is (row, kv head) =
 // (i / Hkv, i % Hkv). Layout per format (the CPU `Encoded` fields, one array each):
 //   f32    data: float[n*D]
-//   bf16   data: u16[n*D]
-//   int8   data: i8[n*D],            scale: float[n]
-//   fp8    data: u8[n*D] (e4m3fn),   scale: float[n]
+//   bf16   data: u16[n*D]  (bfloat16)
+//   f16    data: u16[n*D]  (IEEE half)
+//   int8   data: i8[n*D],            scale: u16[n*ceil(D/64)] (FP16, one per 64 elements)
+//   fp8    data: u8[n*D] (e4m3fn),   scale: u16[n] (FP16, one per vector)
 //   nvfp4  data: u8[n*ceil(D/2)] (element 2j in the low nibble of byte j),
-//          bscale: u8[n*ceil(D/16)] (e4m3fn), scale: float[n] (the global scale g)
+//          bscale: u8[n*ceil(D/16)] (e4m3fn, one per 16 elements)
 struct KvTensor {
     void* data;
-    float* scale;
+    u16* scale;
     u8* bscale;
 };
 
@@ -234,16 +308,19 @@ __device__ __forceinline__ float kv_load(const KvTensor& t, i64 i, int j, int D)
         return ((const float*)t.data)[i * D + j];
     } else if (E == E_BF16) {
         return bf16_to_f32(((const u16*)t.data)[i * D + j]);
+    } else if (E == E_F16) {
+        return f16_to_f32(((const u16*)t.data)[i * D + j]);
     } else if (E == E_INT8) {
-        return int8_decode(((const i8*)t.data)[i * D + j], t.scale[i]);
+        int ng = (D + 63) >> 6;
+        return int8_decode(((const i8*)t.data)[i * D + j], f16_to_f32(t.scale[i * ng + (j >> 6)]));
     } else if (E == E_FP8) {
-        return fp8_decode(((const u8*)t.data)[i * D + j], t.scale[i]);
+        return fp8_decode(((const u8*)t.data)[i * D + j], f16_to_f32(t.scale[i]));
     } else {
         int half = (D + 1) >> 1, nb = (D + 15) >> 4;
         u32 byte = ((const u8*)t.data)[i * half + (j >> 1)];
         u32 code = (j & 1) ? (byte >> 4) : (byte & 15u);
         float bs = e4m3_to_f32(((const u8*)t.bscale)[i * nb + (j >> 4)]);
-        return nvfp4_decode(code, bs, t.scale[i]);
+        return nvfp4_decode(code, bs);
     }
 }
 
@@ -259,95 +336,109 @@ __device__ __forceinline__ float2 kv_load2(const KvTensor& t, i64 i, int j, int 
         const u16* p = (const u16*)t.data + i * D + j;
         r.x = bf16_to_f32(p[0]);
         r.y = bf16_to_f32(p[1]);
+    } else if (E == E_F16) {
+        const u16* p = (const u16*)t.data + i * D + j;
+        r.x = f16_to_f32(p[0]);
+        r.y = f16_to_f32(p[1]);
     } else if (E == E_INT8) {
         const i8* p = (const i8*)t.data + i * D + j;
-        float s = t.scale[i];
+        int ng = (D + 63) >> 6;
+        float s = f16_to_f32(t.scale[i * ng + (j >> 6)]);
         r.x = int8_decode(p[0], s);
         r.y = int8_decode(p[1], s);
     } else if (E == E_FP8) {
         const u8* p = (const u8*)t.data + i * D + j;
-        float s = t.scale[i];
+        float s = f16_to_f32(t.scale[i]);
         r.x = fp8_decode(p[0], s);
         r.y = fp8_decode(p[1], s);
     } else {
         int half = (D + 1) >> 1, nb = (D + 15) >> 4;
         u32 byte = ((const u8*)t.data)[i * half + (j >> 1)];
         float bs = e4m3_to_f32(((const u8*)t.bscale)[i * nb + (j >> 4)]);
-        float g = t.scale[i];
-        r.x = nvfp4_decode(byte & 15u, bs, g);
-        r.y = nvfp4_decode(byte >> 4, bs, g);
+        r.x = nvfp4_decode(byte & 15u, bs);
+        r.y = nvfp4_decode(byte >> 4, bs);
     }
     return r;
 }
 
 // Encodes one vector held by a warp and writes its stored form. Lane `l` holds elements
-// l + 32*k in v[k] for k < NK (NK*32 >= D); lanes past D hold 0. Returns nothing; every
-// lane must call it (warp shuffles).
+// l + 32*k in v[k] for k < NK (NK*32 >= D); lanes past D hold 0. Every lane must call it
+// (warp shuffles). Any rotation has been applied before (qkv_prep).
 template <int E, int NK>
 __device__ __forceinline__ void kv_store_warp(const KvTensor& t, i64 i, int D, const float (&v)[NK]) {
     int lane = threadIdx.x & 31;
-    if (E == E_F32) {
+    if (E == E_F32 || E == E_BF16 || E == E_F16) {
 #pragma unroll
         for (int k = 0; k < NK; ++k) {
             int j = lane + 32 * k;
-            if (j < D) ((float*)t.data)[i * D + j] = v[k];
+            if (E == E_F32) {
+                if (j < D) ((float*)t.data)[i * D + j] = v[k];
+            } else if (E == E_BF16) {
+                if (j < D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);
+            } else {
+                if (j < D) ((u16*)t.data)[i * D + j] = f32_to_f16(v[k]);
+            }
         }
         return;
     }
-    if (E == E_BF16) {
-#pragma unroll
-        for (int k = 0; k < NK; ++k) {
-            int j = lane + 32 * k;
-            if (j < D) ((u16*)t.data)[i * D + j] = f32_to_bf16(v[k]);
-        }
-        return;
-    }
-    // amax over the whole vector, exact: the magnitude bits compared as integers.
-    u32 am = 0u;
-#pragma unroll
-    for (int k = 0; k < NK; ++k) am = max(am, __float_as_uint(v[k]) & 0x7FFFFFFFu);
-    am = warp_max_u32(am);
-    float amax = __uint_as_float(am);
     if (E == E_INT8) {
-        float scale = __fdiv_rn(amax, 127.0f);
-        bool nz = scale != 0.0f;
+        // Groups of 64: element l + 32k lies in group k / 2 (k = 2g and 2g + 1, every lane).
+        int ng = (D + 63) >> 6;
 #pragma unroll
-        for (int k = 0; k < NK; ++k) {
-            int j = lane + 32 * k;
-            if (j < D) ((i8*)t.data)[i * D + j] = nz ? int8_round_clamp(__fdiv_rn(v[k], scale)) : (i8)0;
+        for (int g = 0; 2 * g < NK; ++g) {
+            u32 am = __float_as_uint(v[2 * g]) & 0x7FFFFFFFu;
+            if (2 * g + 1 < NK) am = max(am, __float_as_uint(v[2 * g + 1]) & 0x7FFFFFFFu);
+            am = warp_max_u32(am);
+            if (64 * g >= D) continue;  // uniform: a group past the vector
+            u16 sh = f32_to_f16(__fdiv_rn(__uint_as_float(am), 127.0f));
+            float s = f16_to_f32(sh);
+            float r = __fdiv_rn(1.0f, s);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                int k = 2 * g + h;
+                if (k >= NK) continue;
+                int j = lane + 32 * k;
+                if (j < D) ((i8*)t.data)[i * D + j] = s != 0.0f ? int8_round_clamp(__fmul_rn(v[k], r)) : (i8)0;
+            }
+            if (lane == 0) t.scale[i * ng + g] = sh;
         }
-        if (lane == 0) t.scale[i] = scale;
         return;
     }
     if (E == E_FP8) {
-        float scale = __fdiv_rn(amax, 448.0f);
-        bool nz = scale != 0.0f;
+        u32 am = 0u;
+#pragma unroll
+        for (int k = 0; k < NK; ++k) am = max(am, __float_as_uint(v[k]) & 0x7FFFFFFFu);
+        am = warp_max_u32(am);
+        float amax = __uint_as_float(am);
+        u16 sh = amax == 0.0f
+                     ? (u16)0
+                     : f32_to_f16(fminf(fmaxf(__fdiv_rn(amax, 448.0f), 5.9604644775390625e-8f), 65504.0f));
+        float s = f16_to_f32(sh);
+        float r = __fdiv_rn(1.0f, s);
 #pragma unroll
         for (int k = 0; k < NK; ++k) {
             int j = lane + 32 * k;
-            if (j < D) ((u8*)t.data)[i * D + j] = (u8)(nz ? e4m3_from_f32(__fdiv_rn(v[k], scale)) : 0u);
+            if (j < D) ((u8*)t.data)[i * D + j] = (u8)(s != 0.0f ? e4m3_from_f32(__fmul_rn(v[k], r)) : 0u);
         }
-        if (lane == 0) t.scale[i] = scale;
+        if (lane == 0) t.scale[i] = sh;
         return;
     }
-    // nvfp4: blocks of 16 elements. Element l + 32k lies in block 2k + (l >> 4), whose
-    // lanes are one aligned half-warp.
-    float g = __fdiv_rn(amax, 2688.0f);
+    // nvfp4: blocks of 16 elements, no vector scale. Element l + 32k lies in block
+    // 2k + (l >> 4), whose lanes are one aligned half-warp.
     int half = (D + 1) >> 1, nb = (D + 15) >> 4;
 #pragma unroll
     for (int k = 0; k < NK; ++k) {
         int j = lane + 32 * k;
-        u32 bam = half_warp_max_u32(__float_as_uint(v[k]) & 0x7FFFFFFFu);
-        u32 s = (g != 0.0f) ? e4m3_from_f32(__fdiv_rn(__uint_as_float(bam), __fmul_rn(6.0f, g))) : 0u;
-        float d = __fmul_rn(e4m3_to_f32(s), g);
-        u32 code = (d != 0.0f && j < D) ? e2m1_from_f32(__fdiv_rn(v[k], d)) : 0u;
+        float bam = __uint_as_float(half_warp_max_u32(__float_as_uint(v[k]) & 0x7FFFFFFFu));
+        u32 s = bam == 0.0f ? 0u : e4m3_from_f32(fminf(fmaxf(__fdiv_rn(bam, 6.0f), 0.001953125f), 448.0f));
+        float d = e4m3_to_f32(s);
+        u32 code = (s != 0u && j < D) ? e2m1_from_f32(__fdiv_rn(v[k], d)) : 0u;
         u32 hi = __shfl_down_sync(FULL_MASK, code, 1);
         if (j < D && (j & 1) == 0) {
             ((u8*)t.data)[i * half + (j >> 1)] = (u8)(code | ((j + 1 < D ? hi : 0u) << 4));
         }
         if (j < D && (j & 15) == 0) t.bscale[i * nb + (j >> 4)] = (u8)s;
     }
-    if (lane == 0) t.scale[i] = g;
 }
 
 // Records the first non-finite K or V value: the smallest key wins.

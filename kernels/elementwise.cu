@@ -102,6 +102,35 @@ extern "C" __global__ void attn_output_gate(void* __restrict__ attn, int attn_bf
     }
 }
 
+// Rotates each vector of D values of x[n, D] (f32, or bf16 when x_bf16) in place by the
+// normalized Hadamard matrix: the attention output, back from values stored rotated
+// (nvfp4, k8v4). D is a power of two, at most 256. CPU twin: kv::hadamard::rotate (the CPU
+// rotates in f32; in bf16 mode the output is rounded to bf16 before and after).
+// Grid: (ceil(n / 8)), block 256 (one warp per vector).
+extern "C" __global__ void hadamard_rows(void* __restrict__ x, int x_bf16, i64 n, int D) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    i64 i = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (i >= n) return;  // uniform per warp
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int j = lane + 32 * k;
+        v[k] = j < D ? (x_bf16 ? bf16_to_f32(((const u16*)x)[i * D + j]) : ((const float*)x)[i * D + j]) : 0.0f;
+    }
+    hadamard_warp<8>(v, D);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int j = lane + 32 * k;
+        if (j < D) {
+            if (x_bf16) {
+                ((u16*)x)[i * D + j] = f32_to_bf16(v[k]);
+            } else {
+                ((float*)x)[i * D + j] = v[k];
+            }
+        }
+    }
+}
+
 // Records the first non-finite value of x[rows, cols] (packed rows; row r is position pos[r]
 // of window win[r]) into `err` as window << 48 | layer << 40 | part << 37 | (pos * cols +
 // col): the smallest record is the one the CPU meets first (by window, layer, the part's

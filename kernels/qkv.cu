@@ -6,7 +6,9 @@
 // v (Hkv) as the fused qkv GEMM lays them out, each row `row_stride` values long (more than
 // (Hq + 2 Hkv) D when the GEMM also emits an attention gate after them). Lane l holds
 // elements l + 32k. RoPE rotates the first `rot` dims (D, or fewer: partial RoPE), pairing
-// j with j + rot/2; the rest pass through.
+// j with j + rot/2; the rest pass through. Then, in the representations that rotate
+// (src/kv/mod.rs, KvDtype::rotation), queries and keys, and values when they are NVFP4, are
+// multiplied by the normalized Hadamard matrix (hadamard_warp) when D is a power of two.
 
 #define QKV_WARPS 8
 
@@ -80,6 +82,12 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
         }
     }
 
+    // The Hadamard rotation (src/kv/hadamard.rs): keys and queries in every quantized
+    // representation, values in those whose values are NVFP4.
+    const bool rotate_k = KF == E_INT8 || KF == E_FP8 || KF == E_NVFP4;
+    const bool rotate_v = VF == E_NVFP4;
+    if (hadamard_applies(D) && (kind < 2 ? rotate_k : rotate_v)) hadamard_warp<NK>(v, D);
+
     if (kind == 0) {
         i64 base = (row * hq + hh) * D;
 #pragma unroll
@@ -151,7 +159,7 @@ __device__ void qkv_prep(const float* __restrict__ qkv, const float* __restrict_
 QKV_ENTRIES(f32, E_F32, E_F32)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_bf16)
-QKV_ENTRIES(bf16, E_BF16, E_BF16)
+QKV_ENTRIES(bf16, E_BF16, E_F16)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_int8)
 QKV_ENTRIES(int8, E_INT8, E_INT8)
@@ -163,5 +171,5 @@ QKV_ENTRIES(fp8, E_FP8, E_FP8)
 QKV_ENTRIES(nvfp4, E_NVFP4, E_NVFP4)
 #endif
 #if defined(KV_ALL) || defined(KV_ONLY_k8v4)
-QKV_ENTRIES(k8v4, E_INT8, E_NVFP4)
+QKV_ENTRIES(k8v4, E_FP8, E_NVFP4)
 #endif

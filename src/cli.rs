@@ -69,8 +69,11 @@ pub struct Args {
     #[arg(long, default_value_t = 2048, allow_hyphen_values = true, value_parser = count)]
     pub stride: usize,
 
-    /// Main KV representation: bf16, int8, fp8, nvfp4, k8v4 or f32 (exact reference).
-    #[arg(long, default_value = "bf16", value_name = "DTYPE")]
+    /// Main KV representation, as the seed's engine defines them: fp8 (FP8 E4M3, one FP16
+    /// scale per row), bf16 (V in FP16), int8 (FP16 scale per 64), nvfp4 (E4M3 scale per 16),
+    /// k8v4 (fp8 keys, nvfp4 values); keys Hadamard-rotated in every quantized one, values in
+    /// nvfp4 and k8v4. f32 is the exact reference
+    #[arg(long, default_value = "fp8", value_name = "DTYPE")]
     pub kv_dtype: String,
 
     /// Score only the first N tokens of each stream (bounded smoke runs).
@@ -82,8 +85,9 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
 
-    /// auto, cpu, cuda, cuda:N, or emu (the CUDA model on an emulated device: slow, a
-    /// developer device for testing the CUDA path without a GPU).
+    /// auto, cpu, cuda, cuda:N, N (GPU N, as the seed engine takes it), or emu (the CUDA
+    /// model on an emulated device: slow, a developer device for testing the CUDA path
+    /// without a GPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
 
@@ -368,7 +372,8 @@ mod tests {
                 stride: 2048
             }
         );
-        assert_eq!(c.kv, KvDtype::Bf16);
+        // The seed's evaluator scores with NInfer's fp8 by default.
+        assert_eq!(c.kv, KvDtype::Fp8);
     }
 
     #[test]
@@ -409,6 +414,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--corpus"), "{e}");
+        // A bare index is GPU N, as the seed engine's `--device N`.
+        assert_eq!(
+            parse(&["m", "--text", "a", "--device", "1"])
+                .unwrap()
+                .device,
+            DeviceRequest::Cuda(1)
+        );
+        for bad in ["-1", "1.5", "99999999999999999999999"] {
+            assert!(
+                parse(&["m", "--text", "a", "--device", bad]).is_err(),
+                "{bad}"
+            );
+        }
         let e = parse(&["m", "--text", "a", "--device", "tpu"])
             .unwrap_err()
             .to_string();

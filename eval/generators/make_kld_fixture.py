@@ -4,9 +4,10 @@ independently with transformers, for `--reference-kv` (tests/reference_pass.rs).
 
 SmolLM2-135M (the pinned GGUF, dequantized to float32 by transformers) scores a fixed text
 with the window protocol twice: K (after RoPE) and V exact (f32), and through the `nvfp4` KV
-format of DESIGN.md section 5, applied to every key and value vector per (token, KV head)
-before attention, written here from that definition in PyTorch (nothing shared with the Rust
-code). Per scored position it records KL(f32 || nvfp4) over the full vocabulary (float64
+format, the seed engine's Nvfp4Group16 (docs/kv-formats.md): keys, queries and values
+multiplied by the normalized Hadamard matrix of size head_dim, keys and values through E2M1
+with one E4M3 scale per 16 elements, the attention output turned back; written here from that
+definition in PyTorch (nothing shared with the Rust code). Per scored position it records KL(f32 || nvfp4) over the full vocabulary (float64
 from the float32 logits), both target log-probabilities and both top-1 tokens.
 
     eval/.venv/bin/python eval/generators/make_kld_fixture.py [--cache models/cache] [--out DIR]
@@ -42,29 +43,36 @@ def e2m1_round(a: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_qdq(x: torch.Tensor) -> torch.Tensor:
-    """`x[..., n]` through nvfp4 and back: per vector g = amax / (6 * 448); per block of 16
-    s = e4m3(amax_block / (6 g)); value = e2m1(x / (s g)) * s * g; a zero scale gives zeros."""
+    """`x[..., n]` through nvfp4 and back: per block of 16, s = e4m3(clamp(amax / 6, 2^-9,
+    448)), value = e2m1(x / s) * s; an all-zero block stays zero."""
     assert x.dtype == torch.float32 and x.shape[-1] % 16 == 0
-    amax = x.abs().amax(-1, keepdim=True)
-    g = amax / 2688.0
     xb = x.unflatten(-1, (-1, 16))
-    gb = g.unsqueeze(-1)
     amax_b = xb.abs().amax(-1, keepdim=True)
-    q = torch.where(gb > 0, amax_b / (6.0 * gb), torch.zeros_like(amax_b))
-    s = q.clamp(max=448.0).to(torch.float8_e4m3fn).to(torch.float32)
-    d = s * gb
-    y = torch.where(d > 0, xb / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(xb))
-    out = torch.sign(y) * e2m1_round(y.abs()) * s * gb
+    s = (amax_b / 6.0).clamp(2.0 ** -9, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    s = torch.where(amax_b > 0, s, torch.zeros_like(s))
+    y = torch.where(s > 0, xb / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(xb))
+    out = torch.sign(y) * e2m1_round(y.abs()) * s
     return out.flatten(-2)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix, float32 (symmetric, its own inverse)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n ** 0.5).to(torch.float32)
 
 
 MODE = {"kv": "f32"}
 
 
 def kv_attention(module, query, key, value, attention_mask, **kw):
-    if MODE["kv"] == "nvfp4":
-        key, value = nvfp4_qdq(key), nvfp4_qdq(value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    if MODE["kv"] != "nvfp4":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    h = hadamard(query.shape[-1])
+    query, key, value = query @ h, nvfp4_qdq(key @ h), nvfp4_qdq(value @ h)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+    return out @ h, weights
 
 
 @torch.no_grad()

@@ -1,5 +1,14 @@
 #!/usr/bin/env python3
-"""Reference fixtures for the quantized KV formats (int8, fp8, nvfp4) of src/kv.
+"""Reference fixtures for the quantized KV formats (int8, fp8, nvfp4) of src/kv: the seed
+engine's (NInfer's) Int8Group64, Fp8E4M3Row256 and Nvfp4Group16, and its Hadamard rotation.
+
+Format rules (docs/kv-formats.md): int8 has one FP16 scale fp16(amax/127) per 64 elements,
+codes round(x * (1/scale)) clamped to +-127; fp8 one FP16 scale
+fp16(clamp(amax/448, 2^-24, 65504)) per vector, codes e4m3(x * (1/scale)) saturating; nvfp4
+one e4m3 scale e4m3(clamp(amax/6, 2^-9, 448)) per 16 elements and no other scale, codes
+e2m1(x / scale). The rotation is the Sylvester Hadamard matrix over sqrt(n); its fixtures hold
+the exact product (float64) of the matrix with each input, which the Rust butterfly (f32)
+must reproduce to within its rounding.
 
 The expected codes and values are computed here independently of the Rust code, with
 PyTorch's own conversions where PyTorch has them:
@@ -10,9 +19,11 @@ PyTorch's own conversions where PyTorch has them:
     index) no conversion into it, so the e2m1 reference is an explicit table of the 8
     magnitudes: nearest by distance, ties to the even code. It is cross-checked, when it can
     be loaded, against torch's internal test helper `_f32_to_floatx_unpacked`;
-  * int8: torch.round (half to even) and clamp.
+  * int8: torch.round (half to even) and clamp;
+  * FP16 scales: tensor.to(torch.float16) (round to nearest even, subnormals kept).
 All arithmetic is float32 with divisions between tensors of the same shape (no reciprocal
-multiplication by a scalar fast path) and denormals kept.
+multiplication by a scalar fast path) and denormals kept; the reciprocals 1/scale that int8
+and fp8 multiply by are such divisions too.
 
 Output: eval/fixtures/kv/index.json and little-endian .bin arrays next to it.
 Run: eval/.venv/bin/python eval/generators/make_kv_fixtures.py [--out DIR]
@@ -336,30 +347,32 @@ def tie_vectors_nvfp4(n, g):
     return torch.stack(rows)
 
 
-def clamp_finite(t):
-    """Decoded products that overflow (amax within a few ulps of f32 max) saturate."""
-    m = torch.finfo(F32).max
-    return t.clamp(-m, m)
-
-
 def ref_int8(x):
-    amax = x.abs().amax(dim=1, keepdim=True)
-    scale = amax / torch.full_like(amax, 127.0)
-    sf = scale.expand_as(x).contiguous()
-    nz = sf != 0
-    q = torch.where(nz, torch.round(x / torch.where(nz, sf, 1.0)).clamp(-127, 127), 0.0).to(torch.int8)
-    dec = clamp_finite(q.to(F32) * sf)
-    return {"codes": q, "scales": scale.reshape(-1), "decoded": dec}
+    cnt, n = x.shape
+    ng = (n + 63) // 64
+    xp = torch.zeros(cnt, ng * 64, dtype=F32)
+    xp[:, :n] = x
+    amax = xp.view(cnt, ng, 64).abs().amax(dim=2)  # (cnt, ng)
+    sh = (amax / torch.full_like(amax, 127.0)).to(torch.float16)
+    s = sh.to(F32)
+    se = s.unsqueeze(2).expand(cnt, ng, 64).reshape(cnt, ng * 64)[:, :n].contiguous()
+    nz = se != 0
+    r = torch.full_like(se, 1.0) / torch.where(nz, se, 1.0)
+    q = torch.where(nz, torch.round(x * r).clamp(-127, 127), 0.0).to(torch.int8)
+    dec = q.to(F32) * se
+    return {"codes": q, "scales": sh.reshape(-1), "decoded": dec}
 
 
 def ref_fp8(x):
     amax = x.abs().amax(dim=1, keepdim=True)
-    scale = amax / torch.full_like(amax, 448.0)
-    sf = scale.expand_as(x).contiguous()
-    nz = sf != 0
-    q = torch.where(nz, e4m3_codes(x / torch.where(nz, sf, 1.0)), torch.zeros_like(x, dtype=torch.uint8))
-    dec = clamp_finite(e4m3_values(q) * sf)
-    return {"codes": q, "scales": scale.reshape(-1), "decoded": dec}
+    sh = (amax / torch.full_like(amax, 448.0)).clamp(2.0 ** -24, 65504.0).to(torch.float16)
+    sh = torch.where(amax == 0, torch.zeros_like(sh), sh)
+    se = sh.to(F32).expand_as(x).contiguous()
+    nz = se != 0
+    r = torch.full_like(se, 1.0) / torch.where(nz, se, 1.0)
+    q = torch.where(nz, e4m3_codes(x * r), torch.zeros_like(x, dtype=torch.uint8))
+    dec = e4m3_values(q) * se
+    return {"codes": q, "scales": sh.reshape(-1), "decoded": dec}
 
 
 def ref_nvfp4(x):
@@ -367,27 +380,49 @@ def ref_nvfp4(x):
     nb = (n + 15) // 16
     xp = torch.zeros(cnt, nb * 16, dtype=F32)
     xp[:, :n] = x
-    amax = x.abs().amax(dim=1, keepdim=True)
-    gsc = amax / torch.full_like(amax, 2688.0)  # (cnt, 1)
-    d6 = gsc * torch.full_like(gsc, 6.0)
     amax_b = xp.view(cnt, nb, 16).abs().amax(dim=2)  # (cnt, nb)
-    d6b = d6.expand_as(amax_b).contiguous()
-    gnz = gsc.expand_as(amax_b) != 0
-    s_codes = torch.where(gnz, e4m3_codes(amax_b / torch.where(gnz, d6b, 1.0)),
-                          torch.zeros_like(amax_b, dtype=torch.uint8))
+    s_codes = e4m3_codes((amax_b / torch.full_like(amax_b, 6.0)).clamp(2.0 ** -9, 448.0))
+    s_codes = torch.where(amax_b == 0, torch.zeros_like(s_codes), s_codes)
     S = e4m3_values(s_codes)
-    d = S * gsc.expand_as(S)  # (cnt, nb)
-    de = d.unsqueeze(2).expand(cnt, nb, 16).reshape(cnt, nb * 16)[:, :n].contiguous()
-    nz = de != 0
-    v = x / torch.where(nz, de, 1.0)
+    Se = S.unsqueeze(2).expand(cnt, nb, 16).reshape(cnt, nb * 16)[:, :n].contiguous()
+    nz = Se != 0
+    v = x / torch.where(nz, Se, 1.0)
     codes = torch.where(nz, e2m1_codes_table(v), torch.zeros_like(x, dtype=torch.uint8))
     cross_check_e2m1(v[nz], codes[nz])
-    Se = S.unsqueeze(2).expand(cnt, nb, 16).reshape(cnt, nb * 16)[:, :n]
-    dec = clamp_finite((e2m1_values(codes) * Se) * gsc.expand_as(x))
+    dec = e2m1_values(codes) * Se
     cp = torch.zeros(cnt, 2 * ((n + 1) // 2), dtype=torch.uint8)
     cp[:, :n] = codes
     packed = cp[:, 0::2] | (cp[:, 1::2] << 4)
-    return {"codes": packed, "scales": gsc.reshape(-1), "block_scales": s_codes, "decoded": dec}
+    return {"codes": packed, "block_scales": s_codes, "decoded": dec}
+
+
+def sylvester(n):
+    """The n x n Sylvester Hadamard matrix (entries +-1), float64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotation_sets(g):
+    """Inputs and their exact rotations H x / sqrt(n) (float64) for the power-of-two sizes."""
+    sets = []
+    for n in [2, 8, 64, 128, 256]:
+        h = sylvester(n)
+        r = torch.arange(n).unsqueeze(1)
+        c = torch.arange(n).unsqueeze(0)
+        parity = torch.zeros(n, n, dtype=torch.int64)
+        rc = r & c
+        while bool((rc > 0).any()):
+            parity ^= rc & 1
+            rc = rc >> 1
+        assert torch.equal(h, 1.0 - 2.0 * parity.double()), "entry (r, c) = (-1)^popcount(r & c)"
+        x = torch.cat([torch.randn(12, n, generator=g, dtype=F32) * 3,
+                       torch.eye(n, dtype=F32)[: min(n, 4)],
+                       (torch.randint(-9, 10, (4, n), generator=g)).to(F32)])
+        exact = (x.double() @ h.T) / math.sqrt(n)
+        sets.append((n, x, exact))
+    return sets
 
 
 REFS = {"int8": (ref_int8, tie_vectors_int8), "fp8": (ref_fp8, tie_vectors_fp8),
@@ -406,7 +441,7 @@ def main():
         old.unlink()
     g = torch.Generator().manual_seed(SEED)
     index = {
-        "version": 1,
+        "version": 2,
         "generator": "eval/generators/make_kv_fixtures.py",
         "torch": torch.__version__,
         "torch_float4_e2m1fn_x2": probe_float4(),
@@ -423,18 +458,29 @@ def main():
     for fmt, (ref, ties) in REFS.items():
         for n in HEAD_DIMS + ([24] if fmt == "nvfp4" else []):
             x = torch.cat([random_vectors(n, g), ties(n, g)])
+            if fmt == "int8":
+                # Past 127 * 65504 the FP16 scale is infinite and decodes to NaN (tested in
+                # Rust by name); keep the reference finite.
+                x = x[x.abs().amax(dim=1) < 127 * 65504]
             r = ref(x)
             base = f"{fmt}_hd{n}"
             entry = {
                 "name": base, "format": fmt, "head_dim": n, "count": x.shape[0],
                 "input": write(f"{base}.in.f32.bin", x),
                 "codes": write(f"{base}.codes.{'i8' if fmt == 'int8' else 'u8'}.bin", r["codes"]),
-                "scales": write(f"{base}.scales.f32.bin", r["scales"]),
+                "scales": write(f"{base}.scales.f16.bin", r["scales"]) if "scales" in r else None,
                 "block_scales": write(f"{base}.block_scales.u8.bin", r["block_scales"]) if "block_scales" in r else None,
                 "decoded": write(f"{base}.decoded.f32.bin", r["decoded"]),
             }
             assert torch.isfinite(r["decoded"]).all(), base
             index["vectors"].append(entry)
+    index["rotations"] = []
+    for n, x, exact in rotation_sets(g):
+        index["rotations"].append({
+            "n": n, "count": x.shape[0],
+            "input": write(f"hadamard_{n}.in.f32.bin", x),
+            "exact": write(f"hadamard_{n}.exact.f64.bin", exact),
+        })
     index["e2m1_reference"] = (
         "tabulated grid, nearest by distance, ties to the even code; "
         + (f"agrees with torch.testing._internal.common_quantized._f32_to_floatx_unpacked(x, 2, 1) "

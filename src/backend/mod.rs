@@ -70,9 +70,14 @@ impl DeviceRequest {
             "cpu" => Ok(DeviceRequest::Cpu),
             "cuda" => Ok(DeviceRequest::Cuda(0)),
             "emu" => Ok(DeviceRequest::Emu),
+            // A bare index is a GPU, as the seed engine's `--device N` takes it.
+            _ if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => match s.parse() {
+                Ok(n) => Ok(DeviceRequest::Cuda(n)),
+                Err(_) => bail!("device index `{s}` is too large"),
+            },
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => Ok(DeviceRequest::Cuda(n)),
-                _ => bail!("unknown device `{s}` (valid: auto, cpu, cuda, cuda:N, emu)"),
+                _ => bail!("unknown device `{s}` (valid: auto, cpu, cuda, cuda:N, N, emu)"),
             },
         }
     }

@@ -1,4 +1,4 @@
-//! `fp8`: OCP FP8 E4M3 ("e4m3fn") codes with one f32 scale per (token, KV head) vector.
+//! `fp8`: OCP FP8 E4M3 ("e4m3fn") codes with one FP16 scale per (token, KV head) vector.
 //!
 //! # The e4m3fn element format
 //!
@@ -23,27 +23,29 @@
 //!
 //! [`e4m3_to_f32`] is exact (every e4m3fn value is an f32).
 //!
-//! # The vector format
+//! # The vector format (NInfer's `Fp8E4M3Row256`, reported as `fp8-e4m3-r<head_dim>`)
 //!
-//! For a vector `x` of `n` values (n = head_dim):
+//! For a vector `x` of `n` values (n = head_dim; the whole row shares one scale):
 //! - `amax = max |x_i|` (exact).
-//! - `scale = amax / 448` as one f32 division (round to nearest even).
-//! - If `scale == 0` (amax is 0, or amax is so small that `amax / 448` underflows to zero in
-//!   f32): every code is `0x00` and every decoded value is `+0.0`.
-//! - Otherwise `q_i = e4m3_from_f32(x_i / scale)`, the quotient being one f32 division (not a
-//!   multiplication by a reciprocal). `|x_i / scale|` can exceed 448 by a rounding error (or by
-//!   more when `scale` is an f32 subnormal): it then saturates to ±448.
-//! - Decoding: `x̂_i = e4m3_to_f32(q_i) * scale`, one f32 multiplication, clamped to
-//!   ±`f32::MAX` (the product overflows only when amax is within a few ulps of `f32::MAX`, the
-//!   scale having rounded up). A `0x80` code decodes to `-0.0`.
+//! - If `amax == 0`: the scale is FP16 `+0`, every code is `0x00`, every decoded value `+0.0`.
+//! - Otherwise `scale = fp16(clamp(amax / 448, 2^-24, 65504))`: one f32 division, clamped to
+//!   the positive finite FP16 range, then rounded to FP16 (nearest even).
+//! - `q_i = e4m3_from_f32(x_i · r)` with `r = 1 / scale` one f32 division and the product one
+//!   f32 multiplication; `|x_i · r|` can pass 448 (the scale rounded down, or clamped): it
+//!   then saturates to ±448.
+//! - Decoding: `x̂_i = e4m3_to_f32(q_i) · scale`, one f32 multiplication (never overflows:
+//!   448 · 65504 is finite). A `0x80` code decodes to `-0.0`.
 //!
-//! Stored layout per vector: `n` code bytes, then the f32 scale (4 bytes, little endian in
-//! [`Encoded::to_bytes`]) — [`bytes_per_vector`] = `n + 4`.
+//! Keys are rotated first ([`super::hadamard`]); that is the KV representation's business.
+//!
+//! Stored layout per vector: `n` code bytes, then the FP16 scale (2 bytes, little endian in
+//! [`Encoded::to_bytes`]) — [`bytes_per_vector`] = `n + 2` (258 for head_dim 256).
 //!
 //! Inputs must be finite (the engine checks with [`super::find_non_finite`]); for non-finite
 //! inputs the result is unspecified, but nothing panics.
 
-use super::{amax, clamp_finite};
+use super::amax;
+use half::f16;
 
 /// Largest finite e4m3fn value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -130,89 +132,76 @@ pub fn e4m3_round(v: f32) -> f32 {
     f32::from_bits(r.to_bits() | sign)
 }
 
-/// One vector as stored: e4m3fn codes and the f32 scale.
+/// Smallest scale: the smallest positive FP16 (a subnormal), 2^-24.
+pub const SCALE_MIN: f32 = 5.960_464_5e-8;
+/// Largest scale: the largest finite FP16.
+pub const SCALE_MAX: f32 = 65504.0;
+
+/// One vector as stored: e4m3fn codes and the FP16 scale.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Encoded {
     pub codes: Vec<u8>,
-    pub scale: f32,
+    pub scale: f16,
 }
 
 impl Encoded {
     /// The stored bytes: codes, then the scale (little endian).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.codes.len() + 4);
+        let mut v = Vec::with_capacity(self.codes.len() + 2);
         v.extend_from_slice(&self.codes);
         v.extend_from_slice(&self.scale.to_le_bytes());
         v
     }
 }
 
-/// Bytes to store one vector of `n` values: `n` codes + one f32 scale.
+/// Bytes to store one vector of `n` values: `n` codes + one FP16 scale.
 pub const fn bytes_per_vector(n: usize) -> usize {
-    n + 4
+    n + 2
 }
 
-/// The per-vector scale, `amax / 448` in f32.
+/// The row scale: `fp16(clamp(amax / 448, 2^-24, 65504))`, or `+0` for an all-zero row.
 #[inline]
-pub fn scale_of(x: &[f32]) -> f32 {
-    amax(x) / E4M3_MAX
-}
-
-#[inline(always)]
-fn quantize(x: f32, scale: f32, nonzero: bool) -> u8 {
-    if nonzero {
-        e4m3_from_f32(x / scale)
+pub fn scale_of(x: &[f32]) -> f16 {
+    let a = amax(x);
+    if a == 0.0 {
+        f16::ZERO
     } else {
-        0
+        f16::from_f32((a / E4M3_MAX).clamp(SCALE_MIN, SCALE_MAX))
     }
-}
-
-/// Encodes `x` into `codes` (same length; only the common prefix is written if they differ)
-/// and returns the scale.
-pub fn encode_into(x: &[f32], codes: &mut [u8]) -> f32 {
-    debug_assert_eq!(x.len(), codes.len());
-    let scale = scale_of(x);
-    let nonzero = scale != 0.0;
-    for (q, &v) in codes.iter_mut().zip(x) {
-        *q = quantize(v, scale, nonzero);
-    }
-    scale
 }
 
 /// Encodes one vector.
 pub fn encode(x: &[f32]) -> Encoded {
-    let mut codes = vec![0u8; x.len()];
-    let scale = encode_into(x, &mut codes);
+    let scale = scale_of(x);
+    let s = scale.to_f32();
+    let codes = if s == 0.0 {
+        vec![0u8; x.len()]
+    } else {
+        let r = 1.0 / s;
+        x.iter().map(|&v| e4m3_from_f32(v * r)).collect()
+    };
     Encoded { codes, scale }
-}
-
-/// Decodes `codes` with `scale` into `out` (same length; only the common prefix is written if
-/// they differ).
-pub fn decode_into(codes: &[u8], scale: f32, out: &mut [f32]) {
-    debug_assert_eq!(codes.len(), out.len());
-    for (o, &q) in out.iter_mut().zip(codes) {
-        *o = clamp_finite(e4m3_to_f32(q) * scale);
-    }
 }
 
 /// Decodes one vector into `out` (`out.len() == e.codes.len()`).
 pub fn decode(e: &Encoded, out: &mut [f32]) {
-    decode_into(&e.codes, e.scale, out)
+    let s = e.scale.to_f32();
+    for (o, &q) in out.iter_mut().zip(&e.codes) {
+        *o = e4m3_to_f32(q) * s;
+    }
 }
 
 /// Encodes then decodes in place, without allocating; for finite input bit for bit
 /// `decode(encode(x))`.
 pub fn roundtrip(x: &mut [f32]) {
-    let scale = scale_of(x);
-    if scale != 0.0 {
-        for v in x.iter_mut() {
-            *v = clamp_finite(e4m3_round(*v / scale) * scale);
-        }
-    } else {
-        // What decoding all-0x00 codes gives.
-        for v in x.iter_mut() {
-            *v = clamp_finite(0.0 * scale);
-        }
+    let s = scale_of(x).to_f32();
+    if s == 0.0 {
+        x.iter_mut().for_each(|v| *v = 0.0);
+        return;
+    }
+    let r = 1.0 / s;
+    for v in x.iter_mut() {
+        *v = e4m3_round(*v * r) * s;
     }
 }
 
@@ -296,9 +285,41 @@ mod tests {
     fn zero_vector() {
         let mut x = [0.0f32, -0.0, 0.0, 0.0];
         let e = encode(&x);
-        assert_eq!(e.scale, 0.0);
+        assert_eq!(e.scale, f16::ZERO);
         assert_eq!(e.codes, vec![0; 4]);
         roundtrip(&mut x);
         assert!(x.iter().all(|v| v.to_bits() == 0));
+    }
+
+    /// Hand-computed: amax 448 gives scale 1; a value past 448 · scale saturates; the scale
+    /// is rounded to fp16 and clamped at both ends.
+    #[test]
+    fn one_fp16_scale_per_row() {
+        let x = [448.0f32, -1.0, 0.3, -0.0];
+        let e = encode(&x);
+        assert_eq!(e.scale, f16::ONE);
+        assert_eq!(e.codes, vec![0x7E, 0xB8, e4m3_from_f32(0.3), 0x80]);
+        assert_eq!(e.to_bytes().len(), bytes_per_vector(4));
+        assert_eq!(bytes_per_vector(256), 258);
+        // amax 997: scale fp16(997/448) rounds down (1139 · 2^-9 < 2.22545), so
+        // 997 · (1/scale) = 448.17 passes 448 and saturates.
+        let s = f16::from_f32(997.0 / 448.0);
+        assert!(s.to_f32() < 997.0 / 448.0);
+        assert!(997.0 * (1.0 / s.to_f32()) > 448.0);
+        let e = encode(&[997.0, 1.0]);
+        assert_eq!(e.scale, s);
+        assert_eq!(e.codes[0], 0x7E, "saturates at 448");
+        // Tiny rows clamp at the smallest fp16 subnormal, huge ones at 65504.
+        assert_eq!(scale_of(&[1e-30]).to_f32(), SCALE_MIN);
+        assert_eq!(SCALE_MIN, 2f32.powi(-24));
+        assert_eq!(scale_of(&[1e30]).to_f32(), SCALE_MAX);
+        let mut big = [1e30f32, -1e30];
+        roundtrip(&mut big);
+        assert_eq!(big, [448.0 * 65504.0, -448.0 * 65504.0]);
+        let mut y = [997.0f32, 1.0];
+        roundtrip(&mut y);
+        let mut z = [0.0; 2];
+        decode(&e, &mut z);
+        assert_eq!(y, z);
     }
 }

@@ -1,57 +1,70 @@
-//! `int8`: symmetric 8-bit integers with one f32 scale per (token, KV head) vector.
+//! `int8` (NInfer's `Int8Group64`, reported as `int8-g64`): symmetric 8-bit integers with one
+//! FP16 scale per 64 consecutive elements of a (token, KV head) vector.
 //!
-//! For a vector `x` of `n` values (n = head_dim):
-//! - `amax = max |x_i|` (exact).
-//! - `scale = amax / 127` as one f32 division (round to nearest even).
-//! - If `scale == 0` (amax is 0, or amax is so small that `amax / 127` underflows to zero in
-//!   f32): every code is 0 and every decoded value is `+0.0`.
-//! - Otherwise `q_i = clamp(round_half_even(x_i / scale), -127, 127)`, the quotient being one
-//!   f32 division (not a multiplication by a reciprocal). -128 is never produced. The clamp
-//!   only acts when `x_i / scale` rounds past 127.5, which for finite inputs happens only
-//!   when `scale` is an f32 subnormal (amax below about 1.5e-36).
-//! - Decoding: `x̂_i = (q_i as f32) * scale`, one f32 multiplication, clamped to
-//!   ±`f32::MAX` (the product overflows only when amax is within a few ulps of `f32::MAX`, the
-//!   scale having rounded up).
+//! For a vector `x` of `n` values (n = head_dim), split into groups of 64 consecutive values
+//! (a last partial group, when 64 does not divide `n`, is treated exactly like a full one):
+//! - `amax = max |x_i|` over the group (exact).
+//! - `scale = fp16(amax / 127)`: one f32 division, then rounded to FP16 (nearest even,
+//!   subnormals kept). It is **not clamped**: a scale that rounds to 0 gives all-zero codes
+//!   and decodes to `+0.0`; an amax above `127 · 65504` rounds the scale to infinity, which
+//!   decodes to NaN (NInfer's behaviour), and the engine then stops with a non-finite error.
+//! - Otherwise `q_i = clamp(round_half_even(x_i · r), -127, 127)` with `r = 1 / scale` as one
+//!   f32 division and the product one f32 multiplication (a reciprocal multiply, as NInfer
+//!   does). -128 is never produced.
+//! - Decoding: `x̂_i = (q_i as f32) · scale`, one f32 multiplication.
 //! - There is no negative zero: `-0.0` and small negatives that round to 0 decode to `+0.0`.
-//! - f32 subnormal inputs and scales are used as they are (no flush to zero).
 //!
-//! Stored layout per vector: `n` i8 codes, then the f32 scale (4 bytes, little endian in
-//! [`Encoded::to_bytes`]) — [`bytes_per_vector`] = `n + 4`.
+//! Keys are rotated first ([`super::hadamard`]); that is the KV representation's business,
+//! not this codec's.
+//!
+//! Stored layout per vector: `n` i8 codes, then `ceil(n/64)` FP16 scales (2 bytes each,
+//! little endian in [`Encoded::to_bytes`]) — [`bytes_per_vector`] = `n + 2·ceil(n/64)`
+//! (264 for head_dim 256, NInfer's size).
 //!
 //! Inputs must be finite (the engine checks with [`super::find_non_finite`]); for non-finite
 //! inputs the result is unspecified, but nothing panics.
 
-use super::{amax, clamp_finite};
+use super::amax;
+use half::f16;
 
 /// Largest code magnitude.
 pub const QMAX: f32 = 127.0;
+/// Values per scale group.
+pub const GROUP: usize = 64;
 
-/// One vector as stored: i8 codes and the f32 scale.
+/// One vector as stored: i8 codes and one FP16 scale per group.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Encoded {
     pub codes: Vec<i8>,
-    pub scale: f32,
+    pub scales: Vec<f16>,
 }
 
 impl Encoded {
-    /// The stored bytes: codes, then the scale (little endian).
+    /// The stored bytes: codes, then the scales (little endian).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.codes.len() + 4);
+        let mut v = Vec::with_capacity(bytes_per_vector(self.codes.len()));
         v.extend(self.codes.iter().map(|&q| q as u8));
-        v.extend_from_slice(&self.scale.to_le_bytes());
+        for s in &self.scales {
+            v.extend_from_slice(&s.to_le_bytes());
+        }
         v
     }
 }
 
-/// Bytes to store one vector of `n` values: `n` codes + one f32 scale.
-pub const fn bytes_per_vector(n: usize) -> usize {
-    n + 4
+/// Number of scale groups for `n` values.
+pub const fn groups(n: usize) -> usize {
+    n.div_ceil(GROUP)
 }
 
-/// The per-vector scale, `amax / 127` in f32.
+/// Bytes to store one vector of `n` values: `n` codes + one FP16 scale per group.
+pub const fn bytes_per_vector(n: usize) -> usize {
+    n + 2 * groups(n)
+}
+
+/// A group's scale, `fp16(amax / 127)`.
 #[inline]
-pub fn scale_of(x: &[f32]) -> f32 {
-    amax(x) / QMAX
+pub fn scale_of(group: &[f32]) -> f16 {
+    f16::from_f32(amax(group) / QMAX)
 }
 
 /// `clamp(round_half_even(v), -127, 127)` without a branch or a libm call: after the clamp
@@ -65,54 +78,57 @@ pub fn round_clamp(v: f32) -> i8 {
     (t.to_bits() as i32).wrapping_sub(0x4B40_0000) as i8
 }
 
+/// The codes of one group under `scale` (f32 value of the FP16 scale).
 #[inline(always)]
-fn quantize(x: f32, scale: f32, nonzero: bool) -> i8 {
-    if nonzero {
-        round_clamp(x / scale)
-    } else {
-        0
+fn quantize_group(x: &[f32], scale: f32, codes: &mut [i8]) {
+    if scale == 0.0 {
+        codes.iter_mut().for_each(|q| *q = 0);
+        return;
     }
-}
-
-/// Encodes `x` into `codes` (same length; only the common prefix is written if they differ)
-/// and returns the scale.
-pub fn encode_into(x: &[f32], codes: &mut [i8]) -> f32 {
-    debug_assert_eq!(x.len(), codes.len());
-    let scale = scale_of(x);
-    let nonzero = scale != 0.0;
+    let r = 1.0 / scale;
     for (q, &v) in codes.iter_mut().zip(x) {
-        *q = quantize(v, scale, nonzero);
+        *q = round_clamp(v * r);
     }
-    scale
 }
 
 /// Encodes one vector.
 pub fn encode(x: &[f32]) -> Encoded {
     let mut codes = vec![0i8; x.len()];
-    let scale = encode_into(x, &mut codes);
-    Encoded { codes, scale }
-}
-
-/// Decodes `codes` with `scale` into `out` (same length; only the common prefix is written if
-/// they differ).
-pub fn decode_into(codes: &[i8], scale: f32, out: &mut [f32]) {
-    debug_assert_eq!(codes.len(), out.len());
-    for (o, &q) in out.iter_mut().zip(codes) {
-        *o = clamp_finite(q as f32 * scale);
+    let mut scales = Vec::with_capacity(groups(x.len()));
+    for (g, c) in x.chunks(GROUP).zip(codes.chunks_mut(GROUP)) {
+        let s = scale_of(g);
+        quantize_group(g, s.to_f32(), c);
+        scales.push(s);
     }
+    Encoded { codes, scales }
 }
 
 /// Decodes one vector into `out` (`out.len() == e.codes.len()`).
 pub fn decode(e: &Encoded, out: &mut [f32]) {
-    decode_into(&e.codes, e.scale, out)
+    for ((o, q), s) in out
+        .chunks_mut(GROUP)
+        .zip(e.codes.chunks(GROUP))
+        .zip(&e.scales)
+    {
+        let s = s.to_f32();
+        for (o, &q) in o.iter_mut().zip(q) {
+            *o = q as f32 * s;
+        }
+    }
 }
 
 /// Encodes then decodes in place, without allocating; bit for bit `decode(encode(x))`.
 pub fn roundtrip(x: &mut [f32]) {
-    let scale = scale_of(x);
-    let nonzero = scale != 0.0;
-    for v in x.iter_mut() {
-        *v = clamp_finite(quantize(*v, scale, nonzero) as f32 * scale);
+    for g in x.chunks_mut(GROUP) {
+        let s = scale_of(g).to_f32();
+        if s == 0.0 {
+            g.iter_mut().for_each(|v| *v = 0.0);
+            continue;
+        }
+        let r = 1.0 / s;
+        for v in g.iter_mut() {
+            *v = round_clamp(*v * r) as f32 * s;
+        }
     }
 }
 
@@ -151,10 +167,54 @@ mod tests {
             encode(&x),
             Encoded {
                 codes: vec![0; 3],
-                scale: 0.0
+                scales: vec![f16::ZERO]
             }
         );
         roundtrip(&mut x);
         assert!(x.iter().all(|v| v.to_bits() == 0));
+    }
+
+    /// Hand-computed: amax 127 gives scale 1 (exact), codes are the rounded values, ties to
+    /// even; a second group of 64 has its own scale.
+    #[test]
+    fn groups_of_64_with_fp16_scales() {
+        let mut x = vec![0.0f32; 130];
+        x[0] = 127.0;
+        x[1] = 2.5; // tie: 2
+        x[2] = -3.5; // tie: -4
+        x[64] = 0.5; // second group: amax 0.5, scale fp16(0.5/127)
+        x[65] = 0.25;
+        x[128] = 1e-9; // third (partial) group: the scale rounds to 0 in fp16
+        let e = encode(&x);
+        assert_eq!(e.scales.len(), 3);
+        assert_eq!(e.scales[0], f16::ONE);
+        assert_eq!(&e.codes[..3], &[127, 2, -4]);
+        let s1 = f16::from_f32(0.5 / 127.0);
+        assert_eq!(e.scales[1], s1);
+        assert_ne!(s1.to_f32(), 0.5 / 127.0, "the scale is rounded to fp16");
+        let r = 1.0 / s1.to_f32();
+        assert_eq!(e.codes[64], (0.5 * r).round_ties_even() as i8);
+        assert_eq!(e.codes[65], (0.25 * r).round_ties_even() as i8);
+        assert_eq!(e.scales[2], f16::ZERO);
+        assert_eq!(e.codes[128], 0);
+        assert_eq!(e.to_bytes().len(), bytes_per_vector(130));
+        assert_eq!(bytes_per_vector(256), 264);
+        let mut y = x.clone();
+        roundtrip(&mut y);
+        let mut z = vec![0.0; 130];
+        decode(&e, &mut z);
+        assert_eq!(y, z);
+        assert_eq!(y[64], e.codes[64] as f32 * s1.to_f32());
+    }
+
+    /// The scale is not clamped: past 127 · 65504 it is infinite and decodes to NaN, which the
+    /// engine reports as a non-finite error.
+    #[test]
+    fn an_amax_past_the_fp16_range_decodes_to_nan() {
+        let mut x = vec![1.0f32; 64];
+        x[3] = 1e7;
+        assert!(scale_of(&x).is_infinite());
+        roundtrip(&mut x);
+        assert!(x.iter().all(|v| v.is_nan()));
     }
 }

@@ -1,26 +1,34 @@
 //! Main KV representations.
 //!
-//! A representation says how post-RoPE keys and values are stored in the KV cache. The
-//! CPU code in this module is the specification: the CUDA path must store the same bits.
-//! The engine applies [`KvDtype::roundtrip_k`] / [`KvDtype::roundtrip_v`] to every
-//! (token, KV head) vector of `head_dim` values as it is written, and attention then reads
-//! only the dequantized values, the current token's own included.
+//! A representation says how post-RoPE keys and values are stored in the KV cache. The five
+//! names the seed spec uses (`bf16`, `int8`, `fp8`, `nvfp4`, `k8v4`) mean exactly the formats
+//! of the seed's engine, NInfer (`BFloat16`, `Int8Group64`, `Fp8E4M3Row256`, `Nvfp4Group16`,
+//! `Fp8KeyNvfp4Value`); `f32` is this project's exact reference. See `docs/kv-formats.md`.
 //!
-//! Each quantized element format has its own module holding the exact definition (rounding,
-//! order of f32 operations, zero and subnormal handling, stored layout): [`int8`], [`fp8`],
-//! [`nvfp4`]. Each offers `encode` (the stored payload and scales), `decode`, allocation-free
-//! `encode_into`/`decode_into`, and an in-place `roundtrip` that is, for finite input, bit for
-//! bit `decode(encode(x))`. Inputs must be finite: the engine calls [`find_non_finite`] first
-//! (non-finite input gives unspecified values, never a panic). Finite input always decodes
-//! to finite values.
-//! Every format accepts any `head_dim >= 1`; `nvfp4` treats a trailing partial block like a
-//! full one.
+//! The CPU code in this module is the specification: the CUDA path stores the same bits.
+//! Per (token, KV head) vector of `head_dim` values, the engine
+//! 1. rotates keys (every quantized representation) and values (`nvfp4`, `k8v4`) with the
+//!    normalized Hadamard matrix ([`hadamard`]; queries are rotated the same way, and the
+//!    attention output back where values were),
+//! 2. replaces the vector by what the cache gives back ([`Elem::roundtrip`]), so attention
+//!    reads only decoded values, the current token's own included.
+//!
+//! Each element format has its own module holding the exact definition (grouping, scale
+//! type and rounding, order of f32 operations, zero handling, stored layout): [`int8`],
+//! [`fp8`], [`nvfp4`], [`bf16`], [`f16`]. Each offers `encode` (the stored payload and
+//! scales), `decode`, and an allocation-free in-place `roundtrip` that is, for finite input,
+//! bit for bit `decode(encode(x))`. Inputs must be finite: the engine calls
+//! [`find_non_finite`] first (non-finite input gives unspecified values, never a panic).
+//! Every format accepts any `head_dim >= 1`; a trailing partial group or block is treated
+//! like a full one.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 pub mod bf16;
+pub mod f16;
 pub mod fp8;
+pub mod hadamard;
 pub mod int8;
 pub mod nvfp4;
 
@@ -36,14 +44,6 @@ pub fn find_non_finite(x: &[f32]) -> Option<usize> {
     } else {
         None
     }
-}
-
-/// Clamps a decoded product to the finite range: `q · scale` overflows to ±inf only when the
-/// vector's amax is within a few ulps of `f32::MAX` (the scale rounded up); it is then stored
-/// as ±`f32::MAX`, so finite input always decodes to finite output.
-#[inline(always)]
-pub(crate) fn clamp_finite(v: f32) -> f32 {
-    v.clamp(-f32::MAX, f32::MAX)
 }
 
 /// `max |x_i|`, exact, 0 for an empty slice. Compares the magnitude bits as integers (their
@@ -66,11 +66,20 @@ pub enum KvDtype {
     K8v4,
 }
 
+/// Which stored tensors a representation rotates ([`KvDtype::rotation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Rotation {
+    pub keys: bool,
+    pub values: bool,
+}
+
 /// How one tensor (K or V) is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
     F32,
     Bf16,
+    /// IEEE half precision: the values of `bf16` (NInfer stores V in FP16).
+    F16,
     Int8,
     Fp8,
     Nvfp4,
@@ -111,8 +120,8 @@ impl KvDtype {
         match self {
             KvDtype::F32 => Elem::F32,
             KvDtype::Bf16 => Elem::Bf16,
-            KvDtype::Int8 | KvDtype::K8v4 => Elem::Int8,
-            KvDtype::Fp8 => Elem::Fp8,
+            KvDtype::Int8 => Elem::Int8,
+            KvDtype::Fp8 | KvDtype::K8v4 => Elem::Fp8,
             KvDtype::Nvfp4 => Elem::Nvfp4,
         }
     }
@@ -120,10 +129,33 @@ impl KvDtype {
     pub fn value_elem(self) -> Elem {
         match self {
             KvDtype::F32 => Elem::F32,
-            KvDtype::Bf16 => Elem::Bf16,
+            KvDtype::Bf16 => Elem::F16,
             KvDtype::Int8 => Elem::Int8,
             KvDtype::Fp8 => Elem::Fp8,
             KvDtype::Nvfp4 | KvDtype::K8v4 => Elem::Nvfp4,
+        }
+    }
+
+    /// Which stored tensors are rotated by the normalized Hadamard matrix before they are
+    /// quantized, for vectors of `head_dim` values: keys in every quantized representation,
+    /// values in those whose values are NVFP4; nothing when `head_dim` is not a power of two
+    /// (NInfer defines its formats for 256 only; this project's rule for other sizes).
+    pub fn rotation(self, head_dim: usize) -> Rotation {
+        let quantized = !matches!(self, KvDtype::F32 | KvDtype::Bf16);
+        let fits = hadamard::applies(head_dim);
+        Rotation {
+            keys: quantized && fits,
+            values: self.value_elem() == Elem::Nvfp4 && fits,
+        }
+    }
+
+    /// The representation's name in NInfer's reports: `bf16`, `int8-g64`,
+    /// `fp8-e4m3-r<head_dim>` (`r256` at NInfer's head_dim), `nvfp4`, `k8v4`; `f32`.
+    pub fn format_name(self, head_dim: usize) -> String {
+        match self {
+            KvDtype::Int8 => "int8-g64".into(),
+            KvDtype::Fp8 => format!("fp8-e4m3-r{head_dim}"),
+            other => other.name().into(),
         }
     }
 
@@ -159,6 +191,7 @@ impl Elem {
         match self {
             Elem::F32 => "f32",
             Elem::Bf16 => "bf16",
+            Elem::F16 => "f16",
             Elem::Int8 => "int8",
             Elem::Fp8 => "fp8",
             Elem::Nvfp4 => "nvfp4",
@@ -181,7 +214,7 @@ impl Elem {
     pub fn bytes_per_vector(self, head_dim: usize) -> usize {
         match self {
             Elem::F32 => 4 * head_dim,
-            Elem::Bf16 => 2 * head_dim,
+            Elem::Bf16 | Elem::F16 => 2 * head_dim,
             Elem::Int8 => int8::bytes_per_vector(head_dim),
             Elem::Fp8 => fp8::bytes_per_vector(head_dim),
             Elem::Nvfp4 => nvfp4::bytes_per_vector(head_dim),
@@ -193,6 +226,7 @@ impl Elem {
         match self {
             Elem::F32 => {}
             Elem::Bf16 => bf16::roundtrip(x),
+            Elem::F16 => f16::roundtrip(x),
             Elem::Int8 => int8::roundtrip(x),
             Elem::Fp8 => fp8::roundtrip(x),
             Elem::Nvfp4 => nvfp4::roundtrip(x),
@@ -207,6 +241,10 @@ impl Elem {
             Elem::Bf16 => x
                 .iter()
                 .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            Elem::F16 => x
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
                 .collect(),
             Elem::Int8 => int8::encode(x).to_bytes(),
             Elem::Fp8 => fp8::encode(x).to_bytes(),

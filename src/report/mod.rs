@@ -90,6 +90,10 @@ pub struct Settings {
     pub context: usize,
     pub stride: usize,
     pub kv_dtype: String,
+    /// How that representation stores keys and values for this model's head_dim: NInfer's
+    /// name for it and the rotations. Absent from reports older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_format: Option<KvFormat>,
     pub kv_bytes_per_token_per_layer: usize,
     /// Layers with a Main KV (all of them, except a hybrid model's Gated DeltaNet layers).
     #[serde(default)]
@@ -115,6 +119,42 @@ pub struct Settings {
     /// The reference pass every position was compared with (`--reference-*`); absent without.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<ReferenceSettings>,
+}
+
+/// The Main KV representation as stored ([`crate::kv::KvDtype::format_name`],
+/// [`crate::kv::KvDtype::rotation`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvFormat {
+    /// NInfer's report name: `bf16`, `int8-g64`, `fp8-e4m3-r<head_dim>`, `nvfp4`, `k8v4`
+    /// (`f32`: this project's exact reference).
+    pub name: String,
+    /// Element formats of keys and values (`bf16`, `f16`, `int8`, `fp8`, `nvfp4`, `f32`).
+    pub key_elem: String,
+    pub value_elem: String,
+    /// The rotation applied before quantizing (queries turn with keys; the attention output
+    /// turns back where values were rotated): `hadamard-<head_dim>` or `none`.
+    pub key_rotation: String,
+    pub value_rotation: String,
+}
+
+impl KvFormat {
+    pub fn of(kv: crate::kv::KvDtype, head_dim: usize) -> KvFormat {
+        let r = kv.rotation(head_dim);
+        let name = |on: bool| {
+            if on {
+                format!("hadamard-{head_dim}")
+            } else {
+                "none".to_string()
+            }
+        };
+        KvFormat {
+            name: kv.format_name(head_dim),
+            key_elem: kv.key_elem().name().into(),
+            value_elem: kv.value_elem().name().into(),
+            key_rotation: name(r.keys),
+            value_rotation: name(r.values),
+        }
+    }
 }
 
 /// What the reference pass ran.

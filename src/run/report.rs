@@ -54,6 +54,7 @@ pub fn build(
             context: cfg.protocol.context,
             stride: cfg.protocol.stride,
             kv_dtype: cfg.kv.name().into(),
+            kv_format: Some(report::KvFormat::of(cfg.kv, c.head_dim)),
             kv_bytes_per_token_per_layer: cfg
                 .kv
                 .bytes_per_token_per_layer(c.num_kv_heads, c.head_dim),

@@ -71,8 +71,7 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 3, "title + header + one row: {stdout}");
     assert!(
-        lines[0].starts_with("# weights ")
-            && lines[0].contains(" | kv bf16 | context 32 stride 16"),
+        lines[0].starts_with("# weights ") && lines[0].contains(" | kv fp8 | context 32 stride 16"),
         "{stdout}"
     );
     assert!(
@@ -84,7 +83,7 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     for needle in [
         "artifact",
         "digest sha256:",
-        "kv         bf16 (768 bytes per token per layer)",
+        "kv         fp8 (396 bytes per token per layer)",
         "stream     t.txt",
         "done",
     ] {

@@ -104,10 +104,7 @@ fn a_run_compared_with_itself_is_zero_with_a_zero_width_interval() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("identical"), "{err}");
     let table = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        table.starts_with("# base: weights f32 | kv bf16"),
-        "{table}"
-    );
+    assert!(table.starts_with("# base: weights f32 | kv fp8"), "{table}");
     assert!(table.lines().any(|l| l.starts_with("overall")), "{table}");
 }
 

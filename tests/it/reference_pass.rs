@@ -253,7 +253,7 @@ fn bad_references_are_refused() {
     assert!(common::error_line(&o).contains("--reference-artifact"));
     assert!(!out.exists());
     // The same KV as the run is allowed and says so.
-    let o = run(&["--reference-kv", "bf16", "--plot"]);
+    let o = run(&["--reference-kv", "fp8", "--plot"]);
     assert!(o.status.success());
     let svg = std::fs::read_to_string(out.join("plot.svg")).unwrap();
     assert!(
@@ -286,7 +286,7 @@ fn bad_references_are_refused() {
     );
     let table = String::from_utf8_lossy(&o.stdout);
     assert!(
-        table.contains("# reference: weights f32 | kv bf16"),
+        table.contains("# reference: weights f32 | kv fp8"),
         "{table}"
     );
     let r: serde_json::Value =
@@ -298,5 +298,5 @@ fn bad_references_are_refused() {
         .unwrap();
     assert_eq!(h.len(), 9);
     assert_eq!(h[0], r["overall"]["reference"]["positions"]);
-    assert_eq!(r["settings"]["reference"]["kv_dtype"], "bf16");
+    assert_eq!(r["settings"]["reference"]["kv_dtype"], "fp8");
 }

@@ -82,6 +82,7 @@ fn fixed_report() -> Report {
             context: 8,
             stride: 4,
             kv_dtype: "bf16".into(),
+            kv_format: None,
             kv_bytes_per_token_per_layer: 768,
             kv_layers: 30,
             kv_bytes_per_token: 30 * 768,

@@ -298,7 +298,7 @@ fn shards_of_different_runs_are_refused() {
     refused(
         &t,
         &[&a, &int8],
-        &["are shards of different runs", "KV format bf16 vs int8"],
+        &["are shards of different runs", "KV format fp8 vs int8"],
     );
     refused(
         &t,

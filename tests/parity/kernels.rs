@@ -14,7 +14,7 @@ use ninfer_perplexity::backend::cuda::device::{DevBuf, Gpu};
 use ninfer_perplexity::backend::cuda::launch::{self, Arg, KernelParam, KvArg, Launch, Ptr};
 use ninfer_perplexity::backend::cuda::model::decode_nonfinite;
 use ninfer_perplexity::backend::cuda::plan::{self, AttnKernel, Precision};
-use ninfer_perplexity::kv::{Elem, KvDtype};
+use ninfer_perplexity::kv::{hadamard, Elem, KvDtype};
 use ninfer_perplexity::model::{ForwardError, Part};
 use std::sync::OnceLock;
 
@@ -316,9 +316,10 @@ fn swiglu_is_within_expf_rounding() {
 fn kv_exact(elem: Elem, n: usize, d: usize) -> (usize, usize, usize) {
     match elem {
         Elem::F32 => (4 * n * d, 0, 0),
-        Elem::Bf16 => (2 * n * d, 0, 0),
-        Elem::Int8 | Elem::Fp8 => (n * d, 4 * n, 0),
-        Elem::Nvfp4 => (n * d.div_ceil(2), 4 * n, n * d.div_ceil(16)),
+        Elem::Bf16 | Elem::F16 => (2 * n * d, 0, 0),
+        Elem::Int8 => (n * d, 2 * n * d.div_ceil(64), 0),
+        Elem::Fp8 => (n * d, 2 * n, 0),
+        Elem::Nvfp4 => (n * d.div_ceil(2), 0, n * d.div_ceil(16)),
     }
 }
 
@@ -351,21 +352,19 @@ impl Stored {
             bscale: self.bscale.ptr,
         }
     }
-    /// Vector i's bytes in the CPU's `encode_bytes` layout: payload, block scales, scale.
+    /// Vector i's bytes in the CPU's `encode_bytes` layout: payload, block scales, scales.
     fn bytes(&self) -> Vec<Vec<u8>> {
         let (a, s, b) = kv_exact(self.elem, self.n, self.d);
         let g = gpu();
         let data: Vec<u8> = g.read(&self.data, 0, a).unwrap();
         let scale: Vec<u8> = g.read(&self.scale, 0, s).unwrap();
         let bscale: Vec<u8> = g.read(&self.bscale, 0, b).unwrap();
-        let (pa, pb) = (a / self.n, b / self.n);
+        let (pa, ps, pb) = (a / self.n, s / self.n, b / self.n);
         (0..self.n)
             .map(|i| {
                 let mut v = data[i * pa..(i + 1) * pa].to_vec();
                 v.extend_from_slice(&bscale[i * pb..(i + 1) * pb]);
-                if s > 0 {
-                    v.extend_from_slice(&scale[4 * i..4 * i + 4]);
-                }
+                v.extend_from_slice(&scale[i * ps..(i + 1) * ps]);
                 v
             })
             .collect()
@@ -407,9 +406,10 @@ struct QkvCase {
 }
 
 /// qkv_prep against the CPU forward's own steps (bias add, per-head q/k RMSNorm, RoPE
-/// with the CPU's table, whole or partial, the Main KV codec), rows with and without a gate
-/// after v: q bit for bit in f32, its bf16 rounding in bf16; K and V stored bytes bit for
-/// bit, every KV representation, every register width.
+/// with the CPU's table, whole or partial, the representation's Hadamard rotation of q, k
+/// and v, the Main KV codec), rows with and without a gate after v: q bit for bit in f32,
+/// its bf16 rounding in bf16; K and V stored bytes bit for bit, every KV representation,
+/// every register width.
 #[test(gxx)]
 fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
     let case = |hq, hkv, d, bias, qk_norm, rot, gate| QkvCase {
@@ -477,6 +477,17 @@ fn qkv_prep_reproduces_the_cpu_steps_bit_for_bit() {
         }
         for kv in KvDtype::ALL {
             let n = m * c.hkv;
+            // The rotation of this representation (keys and queries; values for nvfp4 V).
+            let rotation = kv.rotation(c.d);
+            let (mut q_want, mut k_want, mut v_want) =
+                (q_want.clone(), k_want.clone(), v_want.clone());
+            if rotation.keys {
+                hadamard::rotate_each(&mut q_want, c.d);
+                hadamard::rotate_each(&mut k_want, c.d);
+            }
+            if rotation.values {
+                hadamard::rotate_each(&mut v_want, c.d);
+            }
             let (ks, vs) = (
                 Stored::new(kv.key_elem(), n, c.d),
                 Stored::new(kv.value_elem(), n, c.d),
@@ -970,10 +981,15 @@ fn here() -> &'static str {
     module_path!().trim_start_matches("parity::")
 }
 
-/// Runs this module's test `test` in a child process with `env` set; returns (passed,
-/// output).
+/// Runs this module's test `test` (or, when it names a module path, that test of the
+/// binary) in a child process with `env` set; returns (passed, output).
 fn child(test: &str, env: &[(&str, String)]) -> (bool, String) {
-    child_with(&[format!("{}::{test}", here()), "--exact".into()], env)
+    let name = if test.contains("::") {
+        test.to_string()
+    } else {
+        format!("{}::{test}", here())
+    };
+    child_with(&[name, "--exact".into()], env)
 }
 
 /// Runs this module's tests except `skip` in a child process with `env` set.
@@ -1046,6 +1062,24 @@ fn planted_kernel_faults_fail_these_checks() {
         (
             "moe-shared-gate-silu",
             "the_expert_combine_reproduces_the_cpu_sums_bit_for_bit",
+        ),
+        // One per rule of the seed engine's KV formats (src/kv): the device codecs must
+        // then store other bytes than the CPU specification.
+        ("f16-round-truncate", "kv::codecs_store_the_cpu_bits::emu"),
+        ("int8-scale-divisor", "kv::codecs_store_the_cpu_bits::emu"),
+        ("fp8-scale-unclamped", "kv::codecs_store_the_cpu_bits::emu"),
+        ("fp8-not-saturating", "kv::codecs_store_the_cpu_bits::emu"),
+        (
+            "nvfp4-scale-unclamped",
+            "kv::codecs_store_the_cpu_bits::emu",
+        ),
+        (
+            "hadamard-sign",
+            "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
+        ),
+        (
+            "hadamard-unnormalized",
+            "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
         ),
     ] {
         let (ok, out) = child(test, &[("NINFER_EMU_FAULT", fault.to_string())]);

@@ -544,7 +544,15 @@ fn reruns_case(run: &Run, tokens: usize, config: ModelConfig) {
             .unwrap();
     let ids: Vec<u32> = text.bytes().take(tokens).map(u32::from).collect();
     let p = run.protocol;
-    for (precision, bound) in [(Precision::F32, 1e-4), (Precision::Bf16, 1e-2)] {
+    // On a GPU, cuBLAS picks its GEMM algorithm by row count, so one window per pass rounds
+    // differently from packed passes: the f32 bound there is the largest difference measured
+    // on an H200 (6.1e-4, the small hybrid at 3000 tokens; 1.2e-4 dense) times about 3. The
+    // emulated GEMM computes each row alone, so there the bound is tight.
+    let f32_bound = match run.target {
+        Target::Cuda(_) => 2e-3,
+        Target::Emulated => 1e-4,
+    };
+    for (precision, bound) in [(Precision::F32, f32_bound), (Precision::Bf16, 1e-2)] {
         let m = CudaModel::load(&a, run.target, precision, &mut |_, _| {}).unwrap();
         for kv in [KvDtype::Bf16, KvDtype::K8v4] {
             let first = gpu_logprobs(&m, &ids, p, kv);

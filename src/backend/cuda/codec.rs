@@ -88,13 +88,19 @@ pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Res
     let decoded: Vec<f32> = gpu.read(&out, 0, n * d)?;
     let payload_per = match elem {
         Elem::F32 => 4 * d,
-        Elem::Bf16 => 2 * d,
+        Elem::Bf16 | Elem::F16 => 2 * d,
         Elem::Int8 | Elem::Fp8 => d,
         Elem::Nvfp4 => d.div_ceil(2),
     };
+    // FP16 scales per vector: one per 64 elements (int8), one (fp8).
+    let scale_per = match elem {
+        Elem::Int8 => 2 * crate::kv::int8::groups(d),
+        Elem::Fp8 => 2,
+        _ => 0,
+    };
     let payload: Vec<u8> = gpu.read(&data, 0, n * payload_per)?;
-    let scales: Vec<u8> = if matches!(elem, Elem::Int8 | Elem::Fp8 | Elem::Nvfp4) {
-        gpu.read(&scale, 0, 4 * n)?
+    let scales: Vec<u8> = if scale_per > 0 {
+        gpu.read(&scale, 0, n * scale_per)?
     } else {
         vec![]
     };
@@ -110,9 +116,7 @@ pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Res
             if elem == Elem::Nvfp4 {
                 v.extend_from_slice(&bscales[i * nb..(i + 1) * nb]);
             }
-            if !scales.is_empty() {
-                v.extend_from_slice(&scales[4 * i..4 * i + 4]);
-            }
+            v.extend_from_slice(&scales[i * scale_per..(i + 1) * scale_per]);
             v
         })
         .collect();

@@ -62,7 +62,7 @@ pub const MODULES: [KernelModule; 8] = [
 /// KV representation names as they appear in entry points (`KvDtype::name`).
 pub const KV_NAMES: [&str; 6] = ["f32", "bf16", "int8", "fp8", "nvfp4", "k8v4"];
 /// Element formats of the standalone codecs (`Elem::name`).
-const ELEM_NAMES: [&str; 5] = ["f32", "bf16", "int8", "fp8", "nvfp4"];
+const ELEM_NAMES: [&str; 6] = ["f32", "bf16", "f16", "int8", "fp8", "nvfp4"];
 
 /// What NVRTC compiles: a module, for one KV representation when the module is per-KV.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,6 +129,7 @@ impl Program {
                 "residual_add",
                 "cast_f32_bf16",
                 "attn_output_gate",
+                "hadamard_rows",
                 "nonfinite_scan",
             ]
             .iter()

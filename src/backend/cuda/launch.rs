@@ -494,6 +494,17 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `hadamard_rows`: each vector of `D` values of `x[n, D]` rotated in place by the
+    /// normalized Hadamard matrix (the attention output back from rotated values).
+    HadamardRows = ("elementwise", ["hadamard_rows"]) {
+        x: Ptr<Any>,
+        x_bf16: i32,
+        n: i64,
+        D: i32,
+    }
+}
+
+kernel_args! {
     /// `nonfinite_scan`: the first non-finite value of `x[rows, cols]` as a record in `err`
     /// (see `model::decode_state_nonfinite`).
     NonfiniteScan = ("elementwise", ["nonfinite_scan"]) {
@@ -565,6 +576,7 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<KvDecode>(),
         one::<ElementEncode>(),
         one::<AttnOutputGate>(),
+        one::<HadamardRows>(),
         one::<NonfiniteScan>(),
         one::<DequantNvfp4>(),
         one::<DequantFp8>(),

@@ -157,18 +157,19 @@ pub fn pack_batches(
 }
 
 /// Bytes of every array a stored K or V tensor of `n` vectors needs, each rounded up to
-/// 256 bytes: (payload, f32 scales, u8 block scales).
+/// 256 bytes: (payload, FP16 scales, e4m3 block scales).
 pub fn kv_arrays(elem: Elem, n: usize, head_dim: usize) -> (usize, usize, usize) {
     let r = |b: usize| b.div_ceil(256) * 256;
     match elem {
         Elem::F32 => (r(4 * n * head_dim), 0, 0),
-        Elem::Bf16 => (r(2 * n * head_dim), 0, 0),
-        Elem::Int8 | Elem::Fp8 => (r(n * head_dim), r(4 * n), 0),
-        Elem::Nvfp4 => (
-            r(n * head_dim.div_ceil(2)),
-            r(4 * n),
-            r(n * head_dim.div_ceil(16)),
+        Elem::Bf16 | Elem::F16 => (r(2 * n * head_dim), 0, 0),
+        Elem::Int8 => (
+            r(n * head_dim),
+            r(2 * n * crate::kv::int8::groups(head_dim)),
+            0,
         ),
+        Elem::Fp8 => (r(n * head_dim), r(2 * n), 0),
+        Elem::Nvfp4 => (r(n * head_dim.div_ceil(2)), 0, r(n * head_dim.div_ceil(16))),
     }
 }
 
@@ -588,7 +589,14 @@ mod tests {
 
     #[test]
     fn kv_arrays_hold_the_cpu_byte_counts() {
-        for elem in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
+        for elem in [
+            Elem::F32,
+            Elem::Bf16,
+            Elem::F16,
+            Elem::Int8,
+            Elem::Fp8,
+            Elem::Nvfp4,
+        ] {
             for hd in [8, 33, 64, 80, 128] {
                 let n = 1000;
                 let (a, b, c) = kv_arrays(elem, n, hd);

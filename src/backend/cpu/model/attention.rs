@@ -1,6 +1,8 @@
 //! Softmax attention on the CPU, for one layer over a window's rows: the qkv projection,
-//! bias, q/k norms and RoPE, keys and values stored through the Main KV representation and
-//! read back, causal attention, the output gate, the output projection. CUDA twin:
+//! bias, q/k norms and RoPE, the representation's Hadamard rotation of queries and keys (and
+//! values), keys and values stored through the Main KV representation and read back, causal
+//! attention, the output rotated back where values were rotated, the output gate, the output
+//! projection. CUDA twin:
 //! `backend/cuda/model/attention.rs`.
 
 use super::fault::Pitfall;
@@ -13,6 +15,7 @@ use super::CpuModel;
 use crate::backend::cpu::attention::{causal_attention, AttnShape};
 use crate::backend::cpu::matmul::matmul_wt;
 use crate::backend::cpu::norm::rms_norm_inplace;
+use crate::kv::hadamard;
 use crate::model::error::{check_finite, Part};
 use rayon::prelude::*;
 
@@ -77,6 +80,12 @@ impl CpuModel {
         if norm_after_rope {
             qk_norm(q, k);
         }
+        // Keys are stored rotated (kv_store), so queries turn with them; the scores are the
+        // same up to rounding and quantization.
+        let rotation = pass.kv.rotation(hd);
+        if rotation.keys {
+            q.par_chunks_mut(hd).for_each(hadamard::rotate);
+        }
         check_finite(q, hq, hd, Part::Query, li, lo)?;
         kv_store::store(k, hkv, hd, pass.kv, Stored::Key, li, lo)?;
         kv_store::store(v, hkv, hd, pass.kv, Stored::Value, li, lo)?;
@@ -97,6 +106,12 @@ impl CpuModel {
             head_dim: hd,
         };
         causal_attention(&b.q, &b.k, &b.v, &shape, r0, &mut b.attn);
+        if rotation.values {
+            // Values were stored rotated: each head's output goes back.
+            b.attn[r0 * qd..hi * qd]
+                .par_chunks_mut(hd)
+                .for_each(hadamard::rotate);
+        }
         check_finite(
             &b.attn[r0 * qd..hi * qd],
             hq,

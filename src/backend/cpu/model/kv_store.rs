@@ -1,12 +1,15 @@
 //! Writing a layer's keys and values through the Main KV representation.
 //!
-//! Every (token, KV head) vector of `head_dim` values is replaced by what the selected
-//! representation stores and gives back ([`KvDtype::roundtrip_k`] / [`KvDtype::roundtrip_v`]),
-//! so attention reads exactly what a KV cache in that format would hold. Quantized formats
+//! Every (token, KV head) vector of `head_dim` values is rotated where the representation
+//! rotates it ([`KvDtype::rotation`]: keys in every quantized one, values in `nvfp4` and
+//! `k8v4`), then replaced by what the representation stores and gives back
+//! ([`KvDtype::roundtrip_k`] / [`KvDtype::roundtrip_v`]), so attention reads exactly what a
+//! KV cache in that format would hold, in the rotated basis (queries are rotated the same way
+//! and the output back by the attention block). Quantized formats
 //! are defined for finite input only, so a non-finite value is an error naming where it is
 //! (a broken model must not be silently quantized into finite numbers).
 
-use crate::kv::KvDtype;
+use crate::kv::{hadamard, KvDtype};
 use crate::model::error::{check_finite, ForwardError, Part};
 use rayon::prelude::*;
 
@@ -17,8 +20,10 @@ pub enum Stored {
     Value,
 }
 
-/// Passes `x[T, Hkv, D]` through `kv`'s representation of `part`. `first` is the window
-/// position of the first row and `layer` the layer, for the error.
+/// Passes `x[T, Hkv, D]` through `kv`'s representation of `part`, rotated first where the
+/// representation rotates it (the check for non-finite values comes after the rotation, as
+/// on the device). `first` is the window position of the first row and `layer` the layer,
+/// for the error.
 pub fn store(
     x: &mut [f32],
     kv_heads: usize,
@@ -32,6 +37,14 @@ pub fn store(
         Stored::Key => Part::Key,
         Stored::Value => Part::Value,
     };
+    let rotation = kv.rotation(head_dim);
+    let rotated = match part {
+        Stored::Key => rotation.keys,
+        Stored::Value => rotation.values,
+    };
+    if rotated {
+        x.par_chunks_mut(head_dim).for_each(hadamard::rotate);
+    }
     check_finite(x, kv_heads, head_dim, checked, layer, first)?;
     x.par_chunks_mut(head_dim).for_each(|vec| match part {
         Stored::Key => kv.roundtrip_k(vec),

@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 10] = [
+pub const FAULTS: [Fault; 17] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -117,6 +117,48 @@ pub const FAULTS: [Fault; 10] = [
         what: "the shared expert is scaled by silu(gate) instead of sigmoid(gate)",
         from: "float sg = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z)));",
         to: "float sg = __fmul_rn(z, __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-z))));",
+    },
+    Fault {
+        name: "f16-round-truncate",
+        what: "f32 to FP16 (the int8/fp8 scales, bf16's V) truncates instead of rounding to nearest even",
+        from: "u32 m = a + 0x0fffu + ((a >> 13) & 1u);",
+        to: "u32 m = a;",
+    },
+    Fault {
+        name: "int8-scale-divisor",
+        what: "the int8 group scale is amax / 128 instead of amax / 127",
+        from: "u16 sh = f32_to_f16(__fdiv_rn(__uint_as_float(am), 127.0f));",
+        to: "u16 sh = f32_to_f16(__fdiv_rn(__uint_as_float(am), 128.0f));",
+    },
+    Fault {
+        name: "fp8-scale-unclamped",
+        what: "the fp8 row scale is not clamped to the smallest FP16 (2^-24) before rounding",
+        from: "fminf(fmaxf(__fdiv_rn(amax, 448.0f), 5.9604644775390625e-8f), 65504.0f)",
+        to: "fminf(__fdiv_rn(amax, 448.0f), 65504.0f)",
+    },
+    Fault {
+        name: "fp8-not-saturating",
+        what: "e4m3 codes past 448 become NaN (0x7F) instead of saturating at 448",
+        from: "u32 mag = abs >= 0x43E00000u ? 0x7Eu :",
+        to: "u32 mag = abs >= 0x43E00000u ? 0x7Fu :",
+    },
+    Fault {
+        name: "nvfp4-scale-unclamped",
+        what: "the nvfp4 block scale is not clamped to the smallest e4m3 (2^-9) before rounding",
+        from: "fminf(fmaxf(__fdiv_rn(bam, 6.0f), 0.001953125f), 448.0f)",
+        to: "fminf(__fdiv_rn(bam, 6.0f), 448.0f)",
+    },
+    Fault {
+        name: "hadamard-sign",
+        what: "the Hadamard butterfly's upper element is x_{i+s} - x_i instead of x_i - x_{i+s}",
+        from: "v[k] = (lane & s) ? __fsub_rn(o, v[k]) : __fadd_rn(v[k], o);",
+        to: "v[k] = (lane & s) ? __fsub_rn(v[k], o) : __fadd_rn(v[k], o);",
+    },
+    Fault {
+        name: "hadamard-unnormalized",
+        what: "the Hadamard rotation leaves out its 1/sqrt(D) normalization",
+        from: "for (int k = 0; k < NK; ++k) v[k] = __fmul_rn(v[k], c);",
+        to: "for (int k = 0; k < NK; ++k) v[k] = __fmul_rn(v[k], 1.0f);",
     },
 ];
 

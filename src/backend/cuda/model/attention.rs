@@ -1,6 +1,7 @@
 //! Softmax attention on CUDA, for one layer over every packed row: the qkv GEMM,
-//! `qkv_prep` (bias, q/k norms, RoPE, K/V stored through the Main KV representation),
-//! causal attention reading the stored K/V per window tile, the output gate, and the
+//! `qkv_prep` (bias, q/k norms, RoPE, the Hadamard rotation of the representation, K/V
+//! stored through the Main KV representation), causal attention reading the stored K/V per
+//! window tile, the output rotated back where values were rotated, the output gate, and the
 //! output projection accumulating into the residual stream. CPU twin:
 //! `backend/cpu/model/attention.rs`.
 
@@ -68,6 +69,21 @@ impl CudaModel {
             },
         )?;
         self.launch_attention(b, p)?;
+        if p.kv.rotation(hd).values {
+            // Values were stored rotated: the attention output goes back, head by head.
+            g.launch(
+                "hadamard_rows",
+                (plan::blocks_for(m * hq, 8), 1, 1),
+                256,
+                0,
+                &launch::HadamardRows {
+                    x: Ptr::new(b.attn.ptr),
+                    x_bf16: self.bf16_out(),
+                    n: (m * hq) as i64,
+                    D: hd as i32,
+                },
+            )?;
+        }
         if at.gated {
             g.launch(
                 "attn_output_gate",
