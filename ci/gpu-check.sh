@@ -36,7 +36,8 @@
 # LD_LIBRARY_PATH and to NINFER_CUDA_LIB_DIR (colon separated, after any value already
 # set); stderr says which directory provided which library.
 #
-# Environment: GPU_CHECK_DEADLINE_S (540), GPU_CHECK_LAYERS (36: layers of the
+# Environment: GPU_CHECK_ONLY (step-name prefixes to run, space separated, e.g.
+# "kv-codecs parity sanitize"; default every step), GPU_CHECK_DEADLINE_S (540), GPU_CHECK_LAYERS (36: layers of the
 # Qwen3-8B-shaped model), GPU_CHECK_WINDOWS (16), GPU_CHECK_PARITY_TOKENS (1024), OUT
 # (where gpu-check.tar.gz and summary.txt go; default eval/.cache/gpu-check-out).
 set -uo pipefail
@@ -336,6 +337,14 @@ echo "setup done in $(elapsed_s)s" >>"$steps"
 step() { # name, timeout seconds, command...
   local name="$1" limit="$2"; shift 2
   local left note="" t0 rc
+  if [ -n "${GPU_CHECK_ONLY:-}" ]; then
+    local p chosen=""
+    for p in $GPU_CHECK_ONLY; do case "$name" in "$p"*) chosen=1 ;; esac; done
+    if [ -z "$chosen" ]; then
+      echo "$name skipped (not in GPU_CHECK_ONLY)" >>"$steps"
+      return 0
+    fi
+  fi
   left=$(left_s)
   if [ "$left" -lt "$min_step_s" ]; then
     echo "$name skipped (deadline): ${left}s left, planned ${limit}s" >>"$steps"
@@ -404,10 +413,10 @@ fi
 #    50 times slower, over the KV codecs only.
 sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)"
 if [ -n "$sanitizer" ]; then
-  NINFER_PARITY_TOKENS=128 step sanitize-memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
+  NINFER_PARITY_OUT="$work/sanitize.jsonl" NINFER_PARITY_TOKENS=128 step sanitize-memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
     "$(tb parity)" ::cuda --skip model::tiny --skip smollm2 --skip reruns --skip batching --skip bad_token \
     --nocapture --test-threads 1
-  step sanitize-racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 9 \
+  NINFER_PARITY_OUT="$work/sanitize.jsonl" step sanitize-racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 9 \
     "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
 else
   echo "sanitize skipped: no compute-sanitizer" >>"$steps"
