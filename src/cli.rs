@@ -57,7 +57,7 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub stream_dir: Option<PathBuf>,
 
-    /// Score one UTF-8 text file as a single stream.
+    /// Score one UTF-8 text file as a single stream (`-`: standard input, up to 1 GiB).
     #[arg(long, value_name = "FILE")]
     pub text: Option<PathBuf>,
 

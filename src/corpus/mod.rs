@@ -228,19 +228,41 @@ pub fn decode_utf8(bytes: Vec<u8>) -> Result<String> {
     })
 }
 
-/// Reads a `--text` file as one stream.
+/// Standard input, at most `limit` bytes (one more is read to tell a longer input apart).
+fn read_stdin_bounded(limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| anyhow!("-: cannot read standard input: {e}"))?;
+    if bytes.len() as u64 > limit {
+        bail!("-: standard input is longer than the {limit} bytes --text reads");
+    }
+    Ok(bytes)
+}
+
+/// Reads a `--text` file as one stream; `-` is standard input (a pipe or a file), read up to
+/// the same cap as a file ([`MAX_TEXT_BYTES`]).
 pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
-    let bytes =
-        read_bounded(path, "text", MAX_TEXT_BYTES).with_context(|| path.display().to_string())?;
+    let bytes = if path == Path::new("-") {
+        read_stdin_bounded(MAX_TEXT_BYTES)?
+    } else {
+        read_bounded(path, "text", MAX_TEXT_BYTES).with_context(|| path.display().to_string())?
+    };
     if bytes.is_empty() {
         bail!("{}: text file is empty", path.display());
     }
     let sha256 = sha256_hex(&bytes);
     let text = decode_utf8(bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let id = path
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "text".into());
+    let id = if path == Path::new("-") {
+        "stdin".into()
+    } else {
+        path.file_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "text".into())
+    };
     Ok(LoadedStream {
         id,
         domain: "text".into(),

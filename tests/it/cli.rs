@@ -509,3 +509,41 @@ fn the_long_context_profile_runs_end_to_end_on_the_tiny_hybrid() {
         r["warnings"]
     );
 }
+
+/// `--text -` reads standard input, from a pipe too, as one stream named `stdin`, with the
+/// same result as the same bytes in a file; empty input is refused with one line and no
+/// output.
+#[test]
+fn text_from_standard_input() {
+    use std::io::Write;
+    let d = common::tempdir();
+    let art = tiny_artifact(d.path());
+    let text = "Standard input is a text like any other. ".repeat(8);
+    let file = text_file(d.path(), "t.txt", text.as_bytes());
+    let run = |input: &[u8], out: &Path| {
+        let mut c = std::process::Command::new(common::bin("ninfer-perplexity"))
+            .args([s(&art), "--text", "-", "--context", "32", "--stride", "16"])
+            .args(["--output", s(out)])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let piped = d.path().join("piped");
+    let o = run(text.as_bytes(), &piped);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let from_file = d.path().join("file");
+    let o = common::score_text(&art, &file, &from_file, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) = (common::report(&piped), common::report(&from_file));
+    assert_eq!(a["streams"][0]["id"], "stdin");
+    assert_eq!(a["overall"]["nll_sum"], b["overall"]["nll_sum"]);
+    assert_eq!(a["streams"][0]["sha256"], b["streams"][0]["sha256"]);
+    let empty = d.path().join("empty");
+    let o = run(b"", &empty);
+    assert_error(&o, &["-: text file is empty"]);
+    assert!(!empty.exists());
+}
