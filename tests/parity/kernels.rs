@@ -310,6 +310,78 @@ fn swiglu_is_within_expf_rounding() {
     assert!(worst <= 4.8e-7, "swiglu max relative difference {worst:e}");
 }
 
+// ------------------------------------------------------------------ matrix products
+
+/// A product run as blocks of rows (what `Blas::gemm` does past 2^31 elements per operand,
+/// here with a limit of a few rows) gives every row's bits of the one-call product, both
+/// precisions, plain and accumulating: the blocks address the right rows of x and y.
+#[test(gxx)]
+fn a_product_split_into_row_blocks_gives_the_same_rows() {
+    use ninfer_perplexity::backend::cuda::gemm::{Blas, Mat};
+    let g = gpu();
+    let (m, n, k) = (37usize, 24usize, 40usize);
+    let mut r = Rng(17);
+    let (x, w, y0) = (r.vec(m * k, 1.0), r.vec(n * k, 1.0), r.vec(m * n, 1.0));
+    for precision in [Precision::F32, Precision::Bf16] {
+        let input = |v: &[f32]| match precision {
+            Precision::F32 => up(v),
+            Precision::Bf16 => up(&v
+                .iter()
+                .map(|&a| bf16::from_f32(a).to_bits())
+                .collect::<Vec<u16>>()),
+        };
+        let (xb, wb) = (input(&x), input(&w));
+        for accumulate in [false, true] {
+            let run = |blas: &Blas| {
+                let yb = up(&y0);
+                let mat = |b: &DevBuf, ld| Mat { ptr: b.ptr, ld };
+                blas.gemm(
+                    g,
+                    m,
+                    n,
+                    k,
+                    mat(&xb, k),
+                    mat(&wb, k),
+                    mat(&yb, n),
+                    accumulate,
+                )
+                .unwrap();
+                read_f32(&yb, m * n)
+            };
+            let whole = run(&Blas::new(g, precision).unwrap());
+            // At most 5 rows of 40 elements per call: 8 blocks, the last of 2 rows.
+            let split = run(&Blas::new(g, precision).unwrap().with_operand_limit(5 * k));
+            assert_eq!(
+                whole.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                split.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{precision:?} accumulate {accumulate}"
+            );
+            assert!(
+                whole.iter().zip(&y0).any(|(a, b)| a != b),
+                "the product ran"
+            );
+        }
+    }
+    // A weight past 2^31 elements is refused with one line before any call (the pointers
+    // are never read), not split into a wrong product.
+    let blas = Blas::new(g, Precision::F32).unwrap();
+    let huge_n = (i32::MAX as usize) / k + 1;
+    let e = blas
+        .gemm(
+            g,
+            m,
+            huge_n,
+            k,
+            Mat { ptr: 0, ld: k },
+            Mat { ptr: 0, ld: k },
+            Mat { ptr: 0, ld: huge_n },
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exceeds one call"), "{e}");
+}
+
 // ------------------------------------------------------------------ q/k/v preparation
 
 /// Exact byte sizes of a stored K or V tensor (no padding: the sanitizer sees overruns).
