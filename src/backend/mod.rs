@@ -218,6 +218,7 @@ mod tests {
                 compute_capability: (9, 0),
                 memory_bytes: 150_000_000_000,
                 multiprocessors: 132,
+                max_dynamic_smem: 227 << 10,
             })
         } else {
             Err(format!("CUDA device {n} does not exist (1 present: 0..0)"))

@@ -46,6 +46,9 @@ pub struct GpuInfo {
     pub compute_capability: (i32, i32),
     pub memory_bytes: u64,
     pub multiprocessors: u32,
+    /// The most dynamic shared memory one block may opt in to (bytes): 227 KiB on sm_90,
+    /// 163 KiB on sm_80, 99 KiB on sm_86/89. The load refuses shapes that need more.
+    pub max_dynamic_smem: usize,
 }
 
 /// Which device the CUDA model opens.
@@ -95,6 +98,7 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
     let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let smem = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     let name = result::device::get_name(dev).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
     // SAFETY: a valid device handle.
     let mem = unsafe { result::device::total_mem(dev) }
@@ -110,6 +114,7 @@ pub fn probe(ordinal: usize) -> Result<GpuInfo, String> {
         compute_capability: (major, minor),
         memory_bytes: mem as u64,
         multiprocessors: sms.max(0) as u32,
+        max_dynamic_smem: smem.max(0) as usize,
     })
 }
 

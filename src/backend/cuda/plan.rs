@@ -447,18 +447,28 @@ pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
 /// Most dynamic shared memory a kernel may take (sm_90: 227 KiB per block).
 pub const MAX_DYNAMIC_SMEM: usize = 227 << 10;
 
-/// Refuses Gated DeltaNet shapes the model's kernels cannot take: the chunked rule holds
-/// each window's State `S[Dk, Dv]` in shared memory with the chunk's work arrays (Dk = Dv =
-/// 128, every released Qwen3.5 / Qwen3-Next, takes 194 KiB), and the gated norm one warp
-/// per head. Also keeps the non-finite records' flat index (`pos · width`, at most
-/// [`MAX_ROWS_CAP`] positions) inside its 37 bits.
-pub fn check_delta_net(h: &crate::model::config::HybridConfig) -> Result<()> {
+/// Refuses Gated DeltaNet shapes the model's kernels cannot take on a device whose blocks
+/// may opt in to `device_smem` bytes of dynamic shared memory: the chunked rule holds each
+/// window's State `S[Dk, Dv]` in shared memory with the chunk's work arrays (Dk = Dv = 128,
+/// every released Qwen3.5 / Qwen3-Next, takes 194 KiB: an sm_90 GPU, not an A100's 163 KiB
+/// or an sm_89's 99 KiB), and the gated norm one warp per head. Also keeps the non-finite
+/// records' flat index (`pos · width`, at most [`MAX_ROWS_CAP`] positions) inside its 37
+/// bits.
+pub fn check_delta_net(h: &crate::model::config::HybridConfig, device_smem: usize) -> Result<()> {
     let (dk, dv) = (h.linear_key_head_dim, h.linear_value_head_dim);
+    let need = super::launch::delta_chunked_smem_with(dk, dv, true) as usize;
     if !super::launch::delta_chunked_state_in_shared(dk, dv) {
         bail!(
             "Gated DeltaNet heads of {dk} x {dv}: the State and the chunk's work arrays need {} KiB of shared memory, more than the CUDA kernels take ({} KiB)",
-            super::launch::delta_chunked_smem_with(dk, dv, true) >> 10,
+            need >> 10,
             MAX_DYNAMIC_SMEM >> 10
+        );
+    }
+    if need > device_smem {
+        bail!(
+            "Gated DeltaNet heads of {dk} x {dv}: the State and the chunk's work arrays need {} KiB of shared memory per block, more than this GPU allows ({} KiB; sm_90 allows 227)",
+            need >> 10,
+            device_smem >> 10
         );
     }
     let width = h.conv_dim() + h.value_dim() + 2 * h.linear_num_value_heads;
@@ -694,9 +704,20 @@ mod tests {
             .unwrap()
             .hybrid
             .unwrap();
-        check_delta_net(&h).unwrap(); // 128 x 128
+        check_delta_net(&h, MAX_DYNAMIC_SMEM).unwrap(); // 128 x 128 on an H200
+                                                        // The same model on an A100 (163 KiB per block) or an sm_89 GPU (99 KiB): refused
+                                                        // at load with the device's limit, not at the first launch.
+        for kib in [163usize, 99] {
+            let e = check_delta_net(&h, kib << 10).unwrap_err().to_string();
+            assert!(
+                e.contains("128 x 128") && e.contains(&format!("({kib} KiB")),
+                "{e}"
+            );
+        }
         (h.linear_key_head_dim, h.linear_value_head_dim) = (256, 256);
-        let e = check_delta_net(&h).unwrap_err().to_string();
+        let e = check_delta_net(&h, MAX_DYNAMIC_SMEM)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("256 x 256") && e.contains("227 KiB"), "{e}");
     }
 

@@ -10,7 +10,7 @@ use super::GpuInfo;
 use anyhow::{anyhow, Context, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result, sys, CudaContext};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -85,7 +85,8 @@ pub struct RealGpu {
     modules: Mutex<HashMap<Program, ModuleHandle>>,
     functions: Mutex<HashMap<String, FunctionHandle>>,
     /// Kernels already allowed more than 48 KiB of dynamic shared memory.
-    smem_set: Mutex<HashSet<String>>,
+    /// Per kernel, the dynamic shared memory it was allowed (raised when a launch needs more).
+    smem_set: Mutex<HashMap<String, usize>>,
     /// Synchronize and check after every launch (NINFER_CUDA_SYNC=1): slow, localizes faults.
     sync_each: bool,
     blas: BlasHandle,
@@ -146,7 +147,7 @@ impl RealGpu {
             arch,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
-            smem_set: Mutex::new(HashSet::new()),
+            smem_set: Mutex::new(HashMap::new()),
             sync_each: std::env::var("NINFER_CUDA_SYNC").is_ok_and(|v| v == "1"),
             blas: BlasHandle(handle),
             ctx,
@@ -194,10 +195,11 @@ impl RealGpu {
         Ok(f)
     }
 
-    /// Allows a kernel more than 48 KiB of dynamic shared memory (once per kernel).
+    /// Allows a kernel more than 48 KiB of dynamic shared memory: the first time, and again
+    /// whenever a launch needs more than it was allowed.
     fn allow_smem(&self, entry: &str, f: FunctionHandle, bytes: usize) -> Result<()> {
         let mut set = self.smem_set.lock().unwrap();
-        if set.contains(entry) {
+        if set.get(entry).is_some_and(|&allowed| allowed >= bytes) {
             return Ok(());
         }
         // SAFETY: a valid function handle.
@@ -211,7 +213,7 @@ impl RealGpu {
             },
             "set shared memory limit",
         )?;
-        set.insert(entry.to_string());
+        set.insert(entry.to_string(), bytes);
         Ok(())
     }
 

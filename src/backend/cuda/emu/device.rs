@@ -52,6 +52,8 @@ impl EmuGpu {
                 compute_capability: (9, 0),
                 memory_bytes: total as u64,
                 multiprocessors: 1,
+                // sm_90's opt-in limit, what the kernels are planned for.
+                max_dynamic_smem: crate::backend::cuda::plan::MAX_DYNAMIC_SMEM,
             },
             lib,
             live: Mutex::new(Live::default()),

@@ -95,10 +95,10 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel> {
         let c = a.config().clone();
-        if let Some(h) = &c.hybrid {
-            plan::check_delta_net(h)?;
-        }
         let gpu = Gpu::open_target(target)?;
+        if let Some(h) = &c.hybrid {
+            plan::check_delta_net(h, gpu.info.max_dynamic_smem)?;
+        }
         if c.head_dim > plan::MAX_HEAD_DIM {
             bail!(
                 "head_dim {} is larger than the CUDA kernels take ({})",
