@@ -4,7 +4,7 @@
 //! quick flag, its byte count and sha256. Streams are built by
 //! `eval/corpora/perplexity-1m/build.py` into a folder beside the manifest; this module
 //! only reads and verifies them, so a stale or hand-edited stream can never be scored
-//! under the corpus's name.
+//! under the corpus's name. The seed engine's manifest shape is read too ([`seed`]).
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -19,6 +19,8 @@ pub const MAX_TEXT_BYTES: u64 = 1 << 30;
 
 // The one way to open an input, used here for manifests and streams.
 pub use crate::input::{read_bounded, require_regular_file};
+
+pub mod seed;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Domain {
@@ -46,6 +48,10 @@ pub struct Manifest {
     pub schema_version: u32,
     pub domains: Vec<Domain>,
     pub streams: Vec<StreamEntry>,
+    /// A manifest of the seed engine's shape: its modes' stream orders. Its streams pin no
+    /// size or digest (`bytes` 0, `sha256` empty) and lie beside the manifest.
+    #[serde(skip)]
+    pub seed_modes: Option<seed::Modes>,
 }
 
 /// Supported manifest schema version.
@@ -76,8 +82,13 @@ fn sha256_hex(b: &[u8]) -> String {
 impl Manifest {
     /// Parses and validates a manifest; errors name the offending field.
     pub fn parse(text: &str) -> Result<Manifest> {
-        let m: Manifest =
+        let v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| anyhow!("invalid manifest: {e}"))?;
+        if seed::is_seed_shape(&v) {
+            return seed::parse(v);
+        }
+        let m: Manifest =
+            serde_json::from_value(v).map_err(|e| anyhow!("invalid manifest: {e}"))?;
         m.validate()?;
         Ok(m)
     }
@@ -144,12 +155,12 @@ impl Corpus {
             .map_err(|_| anyhow!("{}: manifest is not UTF-8", manifest_path.display()))?;
         let manifest =
             Manifest::parse(text).with_context(|| manifest_path.display().to_string())?;
+        let beside = manifest_path.parent().unwrap_or(Path::new("."));
         let stream_dir = match stream_dir {
             Some(d) => d.to_path_buf(),
-            None => manifest_path
-                .parent()
-                .unwrap_or(Path::new("."))
-                .join("streams"),
+            // The seed shape's paths are relative to the manifest's folder.
+            None if manifest.seed_modes.is_some() => beside.to_path_buf(),
+            None => beside.join("streams"),
         };
         Ok(Corpus {
             manifest_path: manifest_path.to_path_buf(),
@@ -161,12 +172,19 @@ impl Corpus {
 
     /// The selected streams: all, the quick ones, or the named ones.
     pub fn select(&self, quick: bool, only: &[String]) -> Result<Vec<&StreamEntry>> {
-        let mut out: Vec<&StreamEntry> = self
-            .manifest
-            .streams
-            .iter()
-            .filter(|s| !quick || s.quick)
-            .collect();
+        let mut out: Vec<&StreamEntry> = match &self.manifest.seed_modes {
+            // The seed shape: the mode's list, in its order.
+            Some(m) => (if quick { &m.quick } else { &m.full })
+                .iter()
+                .filter_map(|id| self.manifest.streams.iter().find(|s| &s.id == id))
+                .collect(),
+            None => self
+                .manifest
+                .streams
+                .iter()
+                .filter(|s| !quick || s.quick)
+                .collect(),
+        };
         if quick && out.is_empty() {
             bail!(
                 "{}: --quick selects nothing: no stream is marked quick",
@@ -193,6 +211,9 @@ impl Corpus {
     /// Reads one stream file and checks its size, sha256 and UTF-8.
     pub fn load(&self, s: &StreamEntry) -> Result<LoadedStream> {
         let path = self.stream_dir.join(&s.file);
+        if self.manifest.seed_modes.is_some() {
+            return load_unpinned(s, path);
+        }
         let rebuild = "build it with `python3 eval/corpora/perplexity-1m/build.py`";
         // One byte more than the manifest says is enough to know the file is wrong.
         let bytes = read_bounded(&path, "stream", s.bytes.saturating_add(1))
@@ -218,6 +239,33 @@ impl Corpus {
             text,
         })
     }
+}
+
+/// A stream of a seed-shaped manifest: no pinned size or digest, so the seed loader's
+/// rules: non-empty, valid UTF-8, no NUL; read up to [`MAX_TEXT_BYTES`].
+fn load_unpinned(s: &StreamEntry, path: PathBuf) -> Result<LoadedStream> {
+    let bytes = read_bounded(&path, "stream", MAX_TEXT_BYTES)
+        .map_err(|e| anyhow!("stream `{}`: {}: {e:#}", s.id, path.display()))?;
+    if bytes.is_empty() {
+        bail!("stream `{}`: {} is empty", s.id, path.display());
+    }
+    if let Some(at) = bytes.iter().position(|&b| b == 0) {
+        bail!(
+            "stream `{}`: {} has a NUL byte at offset {at}",
+            s.id,
+            path.display()
+        );
+    }
+    let sha256 = sha256_hex(&bytes);
+    let text =
+        decode_utf8(bytes).map_err(|e| anyhow!("stream `{}`: {}: {e}", s.id, path.display()))?;
+    Ok(LoadedStream {
+        id: s.id.clone(),
+        domain: s.domain.clone(),
+        path,
+        sha256,
+        text,
+    })
 }
 
 /// UTF-8 decoding whose error gives the byte offset.
