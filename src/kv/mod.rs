@@ -187,6 +187,16 @@ impl KvDtype {
 }
 
 impl Elem {
+    /// Every element format.
+    pub const ALL: [Elem; 6] = [
+        Elem::F32,
+        Elem::Bf16,
+        Elem::F16,
+        Elem::Int8,
+        Elem::Fp8,
+        Elem::Nvfp4,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Elem::F32 => "f32",

@@ -14,14 +14,7 @@ use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_with, STORE_
 use ninfer_perplexity::backend::cuda::device::Gpu;
 use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
 
-const ELEMS: [Elem; 6] = [
-    Elem::F32,
-    Elem::Bf16,
-    Elem::F16,
-    Elem::Int8,
-    Elem::Fp8,
-    Elem::Nvfp4,
-];
+const ELEMS: [Elem; 6] = Elem::ALL;
 
 use crate::common::rng::Rng;
 

@@ -599,14 +599,7 @@ mod tests {
 
     #[test]
     fn kv_arrays_hold_the_cpu_byte_counts() {
-        for elem in [
-            Elem::F32,
-            Elem::Bf16,
-            Elem::F16,
-            Elem::Int8,
-            Elem::Fp8,
-            Elem::Nvfp4,
-        ] {
+        for elem in Elem::ALL {
             for hd in [8, 33, 64, 80, 128] {
                 let n = 1000;
                 let (a, b, c) = kv_arrays(elem, n, hd);
