@@ -67,7 +67,7 @@ pub enum KvDtype {
 }
 
 /// Which stored tensors a representation rotates ([`KvDtype::rotation`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rotation {
     pub keys: bool,
     pub values: bool,

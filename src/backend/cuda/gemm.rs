@@ -26,13 +26,18 @@ pub const MAX_OPERAND_ELEMS: usize = i32::MAX as usize;
 /// Blocks of the `m` rows of a product whose rows of `x` (stride `ld_x`) and `y` (stride
 /// `ld_y`) each span at most `limit` elements per block: one block when the whole product
 /// fits, else as few equal blocks as fit (the last shorter).
-pub fn row_blocks(m: usize, ld_x: usize, ld_y: usize, limit: usize) -> Result<Vec<Range<usize>>> {
+pub fn row_blocks(
+    m: usize,
+    ld_x: usize,
+    ld_y: usize,
+    limit: usize,
+) -> Result<impl Iterator<Item = Range<usize>>> {
     let widest = ld_x.max(ld_y).max(1);
     let rows = limit / widest;
     if rows == 0 {
         bail!("GEMM rows of {widest} elements exceed one call's {limit}");
     }
-    Ok((0..m).step_by(rows).map(|r| r..(r + rows).min(m)).collect())
+    Ok((0..m).step_by(rows).map(move |r| r..(r + rows).min(m)))
 }
 
 /// The products of one precision on one device.
@@ -172,7 +177,7 @@ mod tests {
 
     /// Blocks cover every row once, in order, and each spans at most the limit.
     fn check(m: usize, ld_x: usize, ld_y: usize, limit: usize) -> usize {
-        let b = row_blocks(m, ld_x, ld_y, limit).unwrap();
+        let b: Vec<_> = row_blocks(m, ld_x, ld_y, limit).unwrap().collect();
         assert_eq!(b.first().unwrap().start, 0);
         assert_eq!(b.last().unwrap().end, m);
         for w in b.windows(2) {
