@@ -80,8 +80,9 @@ pub struct Args {
     #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = count)]
     pub max_tokens: Option<usize>,
 
-    /// Directory for report.json; must be absent or empty
-    /// (default: profiles/perplexity/RUN_ID/, RUN_ID = start time, artifact digest, KV dtype).
+    /// Directory for report.json; must be absent or empty (default, the seed engine's layout:
+    /// profiles/perplexity/MODEL/WEIGHTS/KV/CORPUS/MODE/YYYYMMDD-HHMMSS, `-2`, `-3`, ...
+    /// added when another run has that one).
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
 

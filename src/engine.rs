@@ -304,6 +304,7 @@ impl Engine {
         // Some(..) as long as every window came with entropy and top-1 (one backend per run).
         let mut calibration = Some(Calibration::default());
         let mut reference = self.reference.as_ref().map(|_| ReferenceAcc::default());
+        let mut last_finish = std::time::Instant::now();
         // Accounts one finished window (the same for every backend).
         let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
@@ -364,7 +365,12 @@ impl Engine {
             }
             totals.add(&s);
             processed += w.len() as u64;
+            let now = std::time::Instant::now();
+            let seconds = now.duration_since(last_finish).as_secs_f64();
+            last_finish = now;
             let ws = WindowScore {
+                index: wi,
+                seconds,
                 begin: w.begin,
                 first_target: w.first_target,
                 end: w.end,

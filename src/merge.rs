@@ -30,7 +30,11 @@ fn identity(r: &Report, s: &ShardInfo) -> Vec<(&'static str, String)> {
         (
             "corpus",
             r.corpus.as_ref().map_or("none (a --text run)".into(), |c| {
-                format!("{} (manifest sha256 {})", c.name, c.manifest_sha256)
+                format!(
+                    "{} (manifest sha256 {})",
+                    c.name,
+                    c.manifest_sha256.as_deref().unwrap_or("none")
+                )
             }),
         ),
         ("mode", st.mode.clone()),
@@ -327,6 +331,7 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
             sha256: head.sha256.clone(),
             tokens: head.tokens,
             input_tokens: head.input_tokens,
+            unscored_tokens: head.input_tokens.saturating_sub(sum.scored as usize),
             processed_tokens: processed,
             totals: Totals::new(&sum, head.totals.bytes),
             seconds,
@@ -358,7 +363,11 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
     let domains = first_info
         .run_domains
         .iter()
-        .map(|d| aggregate(&d.id, &d.title, streams.iter().filter(|s| s.domain == d.id)))
+        .map(|d| {
+            let mut a = aggregate(&d.id, &d.title, streams.iter().filter(|s| s.domain == d.id));
+            a.domain = Some(d.id.clone());
+            a
+        })
         .collect();
     let overall = aggregate("overall", "overall", streams.iter());
 
@@ -376,6 +385,12 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         }
     }
     let score_s: f64 = reports.iter().map(|r| r.timings.score_s).sum();
+    let load_s = reports.iter().map(|r| r.timings.load_s).fold(0.0, f64::max);
+    let tokenize_s = reports
+        .iter()
+        .map(|r| r.timings.tokenize_s)
+        .fold(0.0, f64::max);
+    let total_s: f64 = reports.iter().map(|r| r.timings.total_s).sum();
     let processed = first_info.run_processed_tokens;
     let mut settings = first.report.settings.clone();
     settings.device = devices.join(", ");
@@ -383,6 +398,15 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
     Ok(Report {
         schema: rep0.schema.clone(),
         schema_version: rep0.schema_version,
+        metric: rep0.metric.clone(),
+        execution: rep0.execution.clone(),
+        timing: crate::report::Timing {
+            load_seconds: load_s,
+            read_and_tokenize_seconds: tokenize_s,
+            score_seconds: score_s,
+            total_seconds: total_s,
+            scored_tokens_per_second: overall.totals.scored as f64 / score_s.max(1e-9),
+        },
         run_id: format!("{}-merged-{n}", rep0.run_id),
         tool: rep0.tool.clone(),
         invocation: None,
@@ -393,7 +417,10 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         settings,
         artifact: rep0.artifact.clone(),
         tokenizer: rep0.tokenizer.clone(),
-        corpus: rep0.corpus.clone(),
+        corpus: rep0.corpus.clone().map(|mut c| {
+            c.stream_count = streams.len();
+            c
+        }),
         throughput: crate::report::Throughput {
             processed_tokens: processed,
             processed_tokens_per_s: processed as f64 / score_s.max(1e-9),
@@ -403,13 +430,10 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         domains,
         overall,
         timings: crate::report::Timings {
-            load_s: reports.iter().map(|r| r.timings.load_s).fold(0.0, f64::max),
-            tokenize_s: reports
-                .iter()
-                .map(|r| r.timings.tokenize_s)
-                .fold(0.0, f64::max),
+            load_s,
+            tokenize_s,
             score_s,
-            total_s: reports.iter().map(|r| r.timings.total_s).sum(),
+            total_s,
         },
         peak_rss_bytes: reports.iter().filter_map(|r| r.peak_rss_bytes).max(),
         warnings,

@@ -148,7 +148,10 @@ pub fn check_comparable(base: &Loaded, new: &Loaded) -> Result<()> {
         (Some(x), Some(y)) if x.manifest_sha256 != y.manifest_sha256 => {
             return refuse(format!(
                 "different corpora ({} manifest sha256 {} vs {} {})",
-                x.name, x.manifest_sha256, y.name, y.manifest_sha256
+                x.name,
+                x.manifest_sha256.as_deref().unwrap_or("none"),
+                y.name,
+                y.manifest_sha256.as_deref().unwrap_or("none")
             ))
         }
         _ => {}

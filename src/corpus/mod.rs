@@ -1,68 +1,35 @@
-//! The corpus manifest and stream loading.
+//! The corpus: its manifest ([`manifest`]) and stream loading.
 //!
-//! A manifest names a fixed set of independent UTF-8 streams, each with its domain, a
-//! quick flag, its byte count and sha256. Streams are built by
-//! `eval/corpora/perplexity-1m/build.py` into a folder beside the manifest; this module
-//! only reads and verifies them, so a stale or hand-edited stream can never be scored
-//! under the corpus's name. The seed engine's manifest shape is read too ([`seed`]).
+//! Streams are built by `eval/corpora/perplexity-1m/build.py` beside the manifest; this
+//! module only reads and verifies them: a pinned stream (manifest `bytes` + `sha256`) must
+//! match its pin, and every stream must be non-empty, NUL-free UTF-8 (the seed loader's
+//! rules).
 
 use anyhow::{anyhow, bail, Context, Result};
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 /// Largest manifest read.
 pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
-/// Largest `--text` file read.
+/// Largest `--text` file, and largest unpinned stream, read.
 pub const MAX_TEXT_BYTES: u64 = 1 << 30;
 
 // The one way to open an input, used here for manifests and streams.
 pub use crate::input::{read_bounded, require_regular_file};
 
-pub mod seed;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Domain {
-    pub id: String,
-    pub title: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct StreamEntry {
-    pub id: String,
-    pub domain: String,
-    pub title: String,
-    #[serde(default)]
-    pub quick: bool,
-    #[serde(default)]
-    pub licence: Option<String>,
-    pub file: String,
-    pub bytes: u64,
-    pub sha256: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Manifest {
-    pub name: String,
-    pub schema_version: u32,
-    pub domains: Vec<Domain>,
-    pub streams: Vec<StreamEntry>,
-    /// A manifest of the seed engine's shape: its modes' stream orders. Its streams pin no
-    /// size or digest (`bytes` 0, `sha256` empty) and lie beside the manifest.
-    #[serde(skip)]
-    pub seed_modes: Option<seed::Modes>,
-}
-
-/// Supported manifest schema version.
-pub const MANIFEST_SCHEMA: u32 = 1;
+pub mod manifest;
+pub use manifest::{Domain, Manifest, Modes, StreamEntry};
 
 /// A stream read from disk, verified and ready to tokenize.
 #[derive(Clone, Debug)]
 pub struct LoadedStream {
     pub id: String,
     pub domain: String,
+    /// The file read.
     pub path: PathBuf,
+    /// The path as the report names it: the manifest's (relative to its folder), or the
+    /// `--text` file's absolute path.
+    pub report_path: String,
     pub sha256: String,
     pub text: String,
 }
@@ -71,80 +38,14 @@ pub struct Corpus {
     pub manifest_path: PathBuf,
     pub manifest_sha256: String,
     pub manifest: Manifest,
-    /// Where the stream files live (`streams/` beside the manifest unless overridden).
-    pub stream_dir: PathBuf,
+    /// The manifest's folder: stream paths are relative to it.
+    pub root: PathBuf,
+    /// `--stream-dir`: the folder holding the stream files instead (each by its file name).
+    pub stream_dir: Option<PathBuf>,
 }
 
 fn sha256_hex(b: &[u8]) -> String {
     hex::encode(Sha256::digest(b))
-}
-
-impl Manifest {
-    /// Parses and validates a manifest; errors name the offending field.
-    pub fn parse(text: &str) -> Result<Manifest> {
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| anyhow!("invalid manifest: {e}"))?;
-        if seed::is_seed_shape(&v) {
-            return seed::parse(v);
-        }
-        let m: Manifest =
-            serde_json::from_value(v).map_err(|e| anyhow!("invalid manifest: {e}"))?;
-        m.validate()?;
-        Ok(m)
-    }
-
-    pub fn validate(&self) -> Result<()> {
-        if self.schema_version != MANIFEST_SCHEMA {
-            bail!(
-                "`schema_version` is {}, this build reads {MANIFEST_SCHEMA}",
-                self.schema_version
-            );
-        }
-        if self.name.trim().is_empty() {
-            bail!("`name` is empty");
-        }
-        if self.domains.is_empty() {
-            bail!("`domains` is empty");
-        }
-        let mut domains = HashSet::new();
-        for d in &self.domains {
-            if !domains.insert(d.id.as_str()) {
-                bail!("`domains`: id `{}` appears twice", d.id);
-            }
-        }
-        if self.streams.is_empty() {
-            bail!("`streams` is empty");
-        }
-        let mut ids = HashSet::new();
-        for (i, s) in self.streams.iter().enumerate() {
-            if s.id.is_empty() {
-                bail!("`streams[{i}].id` is empty");
-            }
-            if !ids.insert(s.id.as_str()) {
-                bail!("`streams[{i}].id`: `{}` appears twice", s.id);
-            }
-            if !domains.contains(s.domain.as_str()) {
-                bail!(
-                    "`streams[{i}].domain`: unknown domain `{}` for stream `{}`",
-                    s.domain,
-                    s.id
-                );
-            }
-            if s.sha256.len() != 64 || !s.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                bail!(
-                    "`streams[{i}].sha256` of stream `{}` is not a sha256 hex digest",
-                    s.id
-                );
-            }
-            if s.file.is_empty() || s.file.contains("..") || Path::new(&s.file).is_absolute() {
-                bail!(
-                    "`streams[{i}].file` of stream `{}` must be a relative file name",
-                    s.id
-                );
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Corpus {
@@ -155,117 +56,96 @@ impl Corpus {
             .map_err(|_| anyhow!("{}: manifest is not UTF-8", manifest_path.display()))?;
         let manifest =
             Manifest::parse(text).with_context(|| manifest_path.display().to_string())?;
-        let beside = manifest_path.parent().unwrap_or(Path::new("."));
-        let stream_dir = match stream_dir {
-            Some(d) => d.to_path_buf(),
-            // The seed shape's paths are relative to the manifest's folder.
-            None if manifest.seed_modes.is_some() => beside.to_path_buf(),
-            None => beside.join("streams"),
-        };
         Ok(Corpus {
             manifest_path: manifest_path.to_path_buf(),
             manifest_sha256: sha256_hex(&bytes),
             manifest,
-            stream_dir,
+            root: manifest_path
+                .parent()
+                .unwrap_or(Path::new("."))
+                .to_path_buf(),
+            stream_dir: stream_dir.map(Path::to_path_buf),
         })
     }
 
-    /// The selected streams: all, the quick ones, or the named ones.
+    /// The selected streams: the mode's list in its order (`--quick`: `modes.quick`, else
+    /// `modes.full`), narrowed to the named ones.
     pub fn select(&self, quick: bool, only: &[String]) -> Result<Vec<&StreamEntry>> {
-        let mut out: Vec<&StreamEntry> = match &self.manifest.seed_modes {
-            // The seed shape: the mode's list, in its order.
-            Some(m) => (if quick { &m.quick } else { &m.full })
-                .iter()
-                .filter_map(|id| self.manifest.streams.iter().find(|s| &s.id == id))
-                .collect(),
-            None => self
-                .manifest
-                .streams
-                .iter()
-                .filter(|s| !quick || s.quick)
-                .collect(),
-        };
-        if quick && out.is_empty() {
-            bail!(
-                "{}: --quick selects nothing: no stream is marked quick",
-                self.manifest_path.display()
-            );
-        }
+        let mut out: Vec<&StreamEntry> = self
+            .manifest
+            .mode(quick)
+            .iter()
+            .filter_map(|id| self.manifest.stream(id))
+            .collect();
         if !only.is_empty() {
             for id in only {
-                if !self.manifest.streams.iter().any(|s| &s.id == id) {
+                if self.manifest.stream(id).is_none() {
                     bail!("{}: no stream named `{id}`", self.manifest_path.display());
                 }
             }
             out.retain(|s| only.contains(&s.id));
             if out.is_empty() {
                 bail!(
-                    "{}: the --stream selection and --quick leave no stream",
-                    self.manifest_path.display()
+                    "{}: the --stream selection is not in the {} mode",
+                    self.manifest_path.display(),
+                    if quick { "quick" } else { "full" }
                 );
             }
         }
         Ok(out)
     }
 
-    /// Reads one stream file and checks its size, sha256 and UTF-8.
+    /// Where stream `s` is read from.
+    pub fn file_of(&self, s: &StreamEntry) -> PathBuf {
+        match &self.stream_dir {
+            Some(d) => d.join(Path::new(&s.path).file_name().unwrap_or_default()),
+            None => self.root.join(&s.path),
+        }
+    }
+
+    /// Reads one stream and checks it: its pin when it has one, then non-empty, NUL-free
+    /// UTF-8.
     pub fn load(&self, s: &StreamEntry) -> Result<LoadedStream> {
-        let path = self.stream_dir.join(&s.file);
-        if self.manifest.seed_modes.is_some() {
-            return load_unpinned(s, path);
+        let path = self.file_of(s);
+        let fail =
+            |e: &dyn std::fmt::Display| anyhow!("stream `{}`: {}: {e}", s.id, path.display());
+        let bytes = match s.pin() {
+            Some((n, sha)) => {
+                let rebuild = "build it with `python3 eval/corpora/perplexity-1m/build.py`";
+                // One byte more than the manifest says is enough to know the file is wrong.
+                let bytes = read_bounded(&path, "stream", n.saturating_add(1))
+                    .map_err(|e| fail(&format!("{e:#}; {rebuild}")))?;
+                let got = sha256_hex(&bytes);
+                if got != sha || bytes.len() as u64 != n {
+                    bail!(
+                        "stream `{}`: {} does not match the manifest (sha256 {got}, {} bytes; expected {sha}, {n} bytes); re{rebuild}",
+                        s.id,
+                        path.display(),
+                        bytes.len(),
+                    );
+                }
+                bytes
+            }
+            None => read_bounded(&path, "stream", MAX_TEXT_BYTES)
+                .map_err(|e| fail(&format!("{e:#}")))?,
+        };
+        if bytes.is_empty() {
+            return Err(fail(&"is empty"));
         }
-        let rebuild = "build it with `python3 eval/corpora/perplexity-1m/build.py`";
-        // One byte more than the manifest says is enough to know the file is wrong.
-        let bytes = read_bounded(&path, "stream", s.bytes.saturating_add(1))
-            .map_err(|e| anyhow!("stream `{}`: {}: {e:#}; {rebuild}", s.id, path.display()))?;
-        let sha = sha256_hex(&bytes);
-        if sha != s.sha256 || bytes.len() as u64 != s.bytes {
-            bail!(
-                "stream `{}`: {} does not match the manifest (sha256 {sha}, {} bytes; expected {}, {} bytes); rebuild it with `python3 eval/corpora/perplexity-1m/build.py`",
-                s.id,
-                path.display(),
-                bytes.len(),
-                s.sha256,
-                s.bytes
-            );
+        if let Some(at) = bytes.iter().position(|&b| b == 0) {
+            return Err(fail(&format!("has a NUL byte at offset {at}")));
         }
-        let text = decode_utf8(bytes)
-            .map_err(|e| anyhow!("stream `{}`: {}: {e}", s.id, path.display()))?;
+        let sha256 = sha256_hex(&bytes);
+        let text = decode_utf8(bytes).map_err(|e| fail(&e))?;
         Ok(LoadedStream {
             id: s.id.clone(),
             domain: s.domain.clone(),
             path,
-            sha256: sha,
+            report_path: s.path.clone(),
+            sha256,
             text,
         })
     }
-}
-
-/// A stream of a seed-shaped manifest: no pinned size or digest, so the seed loader's
-/// rules: non-empty, valid UTF-8, no NUL; read up to [`MAX_TEXT_BYTES`].
-fn load_unpinned(s: &StreamEntry, path: PathBuf) -> Result<LoadedStream> {
-    let bytes = read_bounded(&path, "stream", MAX_TEXT_BYTES)
-        .map_err(|e| anyhow!("stream `{}`: {}: {e:#}", s.id, path.display()))?;
-    if bytes.is_empty() {
-        bail!("stream `{}`: {} is empty", s.id, path.display());
-    }
-    if let Some(at) = bytes.iter().position(|&b| b == 0) {
-        bail!(
-            "stream `{}`: {} has a NUL byte at offset {at}",
-            s.id,
-            path.display()
-        );
-    }
-    let sha256 = sha256_hex(&bytes);
-    let text =
-        decode_utf8(bytes).map_err(|e| anyhow!("stream `{}`: {}: {e}", s.id, path.display()))?;
-    Ok(LoadedStream {
-        id: s.id.clone(),
-        domain: s.domain.clone(),
-        path,
-        sha256,
-        text,
-    })
 }
 
 /// UTF-8 decoding whose error gives the byte offset.
@@ -302,19 +182,27 @@ pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
     if bytes.is_empty() {
         bail!("{}: text file is empty", path.display());
     }
+    if let Some(at) = bytes.iter().position(|&b| b == 0) {
+        bail!("{}: text has a NUL byte at offset {at}", path.display());
+    }
     let sha256 = sha256_hex(&bytes);
     let text = decode_utf8(bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let id = if path == Path::new("-") {
-        "stdin".into()
+    let (id, report_path) = if path == Path::new("-") {
+        ("stdin".to_string(), "-".to_string())
     } else {
-        path.file_name()
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        let id = path
+            .file_name()
             .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "text".into())
+            .unwrap_or_else(|| "text".into());
+        (id, abs.display().to_string())
     };
     Ok(LoadedStream {
         id,
-        domain: "text".into(),
+        // The seed engine's domain (and mode) for a `--text` run.
+        domain: "custom".into(),
         path: path.to_path_buf(),
+        report_path,
         sha256,
         text,
     })
@@ -324,46 +212,140 @@ pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
 mod tests {
     use super::*;
 
-    fn manifest(streams: &str) -> String {
-        format!(
-            r#"{{"name":"t","schema_version":1,"domains":[{{"id":"a","title":"A"}},{{"id":"b","title":"B"}}],"streams":[{streams}]}}"#
-        )
-    }
-    const SHA: &str = "0000000000000000000000000000000000000000000000000000000000000000";
-
-    #[test]
-    fn valid_manifest_parses() {
-        let s = format!(
-            r#"{{"id":"a-1","domain":"a","title":"x","quick":true,"file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#
-        );
-        let m = Manifest::parse(&manifest(&s)).unwrap();
-        assert_eq!(m.streams.len(), 1);
+    /// A corpus with its streams under `data/`.
+    fn corpus(dir: &Path, manifest: &str) -> Result<Corpus> {
+        std::fs::create_dir_all(dir.join("data/wiki")).unwrap();
+        std::fs::write(dir.join("data/wiki/00.txt"), "Wiki zero.").unwrap();
+        std::fs::write(dir.join("data/wiki/01.txt"), "Wiki one.").unwrap();
+        std::fs::write(dir.join("data/code.txt"), "int main() {}").unwrap();
+        std::fs::write(dir.join("data/nul.txt"), "a\0b").unwrap();
+        let m = dir.join("manifest.json");
+        std::fs::write(&m, manifest).unwrap();
+        Corpus::open(&m, None)
     }
 
+    /// The seed engine's shape, nothing more.
+    const SEED: &str = r#"{"corpus_id": "tiny-v1",
+      "streams": [
+        {"id": "wiki-00", "domain": "english_reference", "path": "data/wiki/00.txt"},
+        {"id": "wiki-01", "domain": "english_reference", "path": "data/wiki/01.txt"},
+        {"id": "code-00", "domain": "code", "path": "data/code.txt"}],
+      "modes": {"quick": ["code-00", "wiki-00"], "full": ["wiki-01", "wiki-00", "code-00"]}}"#;
+
     #[test]
-    fn errors_name_the_field() {
-        let bad_domain = format!(
-            r#"{{"id":"a-1","domain":"zz","title":"x","file":"a-1.txt","bytes":3,"sha256":"{SHA}"}}"#
+    fn the_seed_shape_loads_in_its_modes_order() {
+        let d = tempfile::tempdir().unwrap();
+        let c = corpus(d.path(), SEED).unwrap();
+        assert_eq!(c.manifest.corpus_id, "tiny-v1");
+        let ids = |quick| -> Vec<String> {
+            c.select(quick, &[])
+                .unwrap()
+                .iter()
+                .map(|s| s.id.clone())
+                .collect()
+        };
+        assert_eq!(ids(true), ["code-00", "wiki-00"]);
+        assert_eq!(ids(false), ["wiki-01", "wiki-00", "code-00"]);
+        let domains: Vec<&str> = c.manifest.domains.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(domains, ["english_reference", "code"]);
+        let s = c.load(c.select(true, &[]).unwrap()[0]).unwrap();
+        assert_eq!(s.text, "int main() {}");
+        assert_eq!(s.domain, "code");
+        assert_eq!(s.report_path, "data/code.txt");
+        assert_eq!(s.sha256.len(), 64);
+    }
+
+    #[test]
+    fn the_seed_loaders_rules_hold() {
+        let d = tempfile::tempdir().unwrap();
+        let bad = |m: &str, needle: &str| {
+            let e = match corpus(d.path(), m) {
+                Ok(_) => panic!("accepted: {m}"),
+                Err(e) => format!("{e:#}"),
+            };
+            assert!(e.contains(needle), "`{needle}` not in: {e}");
+        };
+        bad(
+            &SEED.replace(r#""quick": ["code-00", "wiki-00"], "#, ""),
+            "missing field `quick`",
         );
-        let e = Manifest::parse(&manifest(&bad_domain))
-            .unwrap_err()
-            .to_string();
+        bad(
+            &SEED.replace(r#"["code-00", "wiki-00"]"#, "[]"),
+            "`modes.quick` is empty",
+        );
+        bad(
+            &SEED.replace(r#"["code-00", "wiki-00"]"#, r#"["code-00", "code-00"]"#),
+            "twice",
+        );
+        bad(
+            &SEED.replace(r#"["code-00", "wiki-00"]"#, r#"["nope"]"#),
+            "`nope`, which is not a stream",
+        );
+        bad(
+            &SEED.replace("data/code.txt", "../code.txt"),
+            "without `..`",
+        );
+        bad(
+            &SEED.replace("data/code.txt", "/etc/passwd"),
+            "without `..`",
+        );
+        bad(
+            &SEED.replace(r#""corpus_id": "tiny-v1""#, r#""corpus_id": " ""#),
+            "`corpus_id` is empty",
+        );
+        bad(
+            r#"{"name": "t", "schema_version": 1, "domains": [], "streams": []}"#,
+            "retired shape",
+        );
+        // A NUL byte in a stream is refused when the stream is read.
+        let c = corpus(d.path(), &SEED.replace("data/code.txt", "data/nul.txt")).unwrap();
+        let e = format!("{:#}", c.load(c.select(true, &[]).unwrap()[0]).unwrap_err());
+        assert!(e.contains("NUL byte at offset 1"), "{e}");
+    }
+
+    /// This project's extras beside the seed's fields: domain titles and order, pins.
+    #[test]
+    fn extras_order_domains_and_pin_streams() {
+        let d = tempfile::tempdir().unwrap();
+        let code_sha = sha256_hex(b"int main() {}");
+        let with = SEED
+            .replace(
+                r#""corpus_id": "tiny-v1","#,
+                r#""corpus_id": "tiny-v1", "domains": [{"id": "code", "title": "Code"}, {"id": "english_reference", "title": "English"}],"#,
+            )
+            .replace(
+                r#""path": "data/code.txt"}"#,
+                &format!(r#""path": "data/code.txt", "bytes": 13, "sha256": "{code_sha}", "recipe": {{}}}}"#),
+            );
+        let c = corpus(d.path(), &with).unwrap();
+        let titles: Vec<&str> = c
+            .manifest
+            .domains
+            .iter()
+            .map(|d| d.title.as_str())
+            .collect();
+        assert_eq!(titles, ["Code", "English"]);
+        c.load(c.manifest.stream("code-00").unwrap()).unwrap();
+        // A stream that differs from its pin is refused, naming both.
+        std::fs::write(d.path().join("data/code.txt"), "int main() {;}").unwrap();
+        let e = format!(
+            "{:#}",
+            c.load(c.manifest.stream("code-00").unwrap()).unwrap_err()
+        );
         assert!(
-            e.contains("unknown domain `zz`") && e.contains("streams[0].domain"),
+            e.contains("does not match the manifest") && e.contains(&code_sha),
             "{e}"
         );
-        let dup = format!(
-            r#"{{"id":"a","domain":"a","title":"x","file":"a.txt","bytes":3,"sha256":"{SHA}"}},{{"id":"a","domain":"b","title":"y","file":"b.txt","bytes":3,"sha256":"{SHA}"}}"#
+        let bad = |m: String, needle: &str| {
+            let e = format!("{:#}", Manifest::parse(&m).unwrap_err());
+            assert!(e.contains(needle), "`{needle}` not in: {e}");
+        };
+        bad(with.replace(r#""bytes": 13, "#, ""), "pins only one of");
+        bad(with.replace(&code_sha, "00"), "`streams[2].sha256`");
+        bad(
+            with.replace(r#"{"id": "code", "title": "Code"}, "#, ""),
+            "domain `code` of stream `code-00` is not in `domains`",
         );
-        let e = Manifest::parse(&manifest(&dup)).unwrap_err().to_string();
-        assert!(e.contains("streams[1].id"), "{e}");
-        let missing = r#"{"id":"a","domain":"a","title":"x","file":"a.txt","sha256":"00"}"#;
-        let e = Manifest::parse(&manifest(missing)).unwrap_err().to_string();
-        assert!(e.contains("bytes"), "{e}");
-        let badsha =
-            r#"{"id":"a","domain":"a","title":"x","file":"a.txt","bytes":1,"sha256":"00"}"#;
-        let e = Manifest::parse(&manifest(badsha)).unwrap_err().to_string();
-        assert!(e.contains("streams[0].sha256"), "{e}");
     }
 
     #[test]

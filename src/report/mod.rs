@@ -17,7 +17,18 @@ pub const SCHEMA_VERSION: u32 = 1;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub schema: String,
+    /// The seed engine's `schema_version` (1): its fields below keep its names and meanings;
+    /// this project's own fields sit beside them.
     pub schema_version: u32,
+    /// What is measured (the seed engine's `metric`).
+    #[serde(default)]
+    pub metric: Metric,
+    /// How the run executed (the seed engine's `execution`).
+    #[serde(default)]
+    pub execution: Execution,
+    /// The seed engine's `timing` (the same clocks as `timings`, in its names).
+    #[serde(default)]
+    pub timing: Timing,
     pub run_id: String,
     pub tool: Tool,
     /// The command line, host, CPU and OS of the run; absent from a merged report (its
@@ -55,6 +66,52 @@ pub struct Report {
     /// A report `merge` assembled: the shard runs it came from, in shard order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_from: Option<Vec<MergedShard>>,
+}
+
+/// The seed engine's `metric`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Metric {
+    pub name: String,
+    pub log_base: String,
+}
+
+impl Default for Metric {
+    fn default() -> Metric {
+        Metric {
+            name: "fixed-window truncated-context causal perplexity".into(),
+            log_base: "natural".into(),
+        }
+    }
+}
+
+/// The seed engine's `execution`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Execution {
+    /// Always `causal_scoring`.
+    pub purpose: String,
+    /// The CUDA device ordinal; `null` on the CPU and the emulated device (the seed engine
+    /// runs on GPUs only).
+    pub device: Option<usize>,
+    pub context_tokens: usize,
+    pub stride_tokens: usize,
+    /// Tokens fed to the model in one pass: a whole window (this engine does not split a
+    /// window's prefill), so `context_tokens`.
+    pub prefill_chunk_tokens: usize,
+    /// Positions whose scores one head pass produces: a whole window, as above (the CUDA
+    /// head may cut the vocabulary into chunks; that changes no position's inputs).
+    pub score_tile_tokens: usize,
+    /// NInfer's report name of the Main KV format (`settings.kv_format.name`).
+    pub kv_dtype: String,
+}
+
+/// The seed engine's `timing`, in seconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    pub load_seconds: f64,
+    pub read_and_tokenize_seconds: f64,
+    pub score_seconds: f64,
+    pub total_seconds: f64,
+    pub scored_tokens_per_second: f64,
 }
 
 /// One shard run of a merged report.
@@ -173,7 +230,19 @@ fn default_precision() -> String {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ArtifactInfo {
+    /// Absolute.
     pub path: String,
+    /// What the run's code targeted (NInfer's artifacts are built for one GPU target; this
+    /// project's are portable): the device class, `cpu`, `emu` or `cuda-smXY`.
+    #[serde(default)]
+    pub target: String,
+    /// The artifact's file name without `.ninfer`.
+    #[serde(default)]
+    pub model_id: String,
+    /// The storage formats of its matrices, most bytes first, joined by `+` (`bf16`,
+    /// `nvfp4+bf16`).
+    #[serde(default)]
+    pub weights_id: String,
     pub digest: String,
     pub digest_verified: bool,
     pub file_bytes: u64,
@@ -221,14 +290,37 @@ pub struct TokenizerInfo {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CorpusInfo {
+    /// The seed engine's fields: the manifest's `corpus_id` (`custom-<file name>` for
+    /// `--text`), `quick`/`full` (`custom`), the absolute manifest or text path, and the
+    /// streams scored.
+    #[serde(default)]
+    pub id: String,
+    #[serde(default)]
+    pub mode: String,
+    #[serde(default)]
+    pub source: String,
+    #[serde(default)]
+    pub stream_count: usize,
+    /// The corpus id again (this project's name for it); the manifest as given and its
+    /// sha256, absent for `--text`.
     pub name: String,
-    pub manifest: String,
-    pub manifest_sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_sha256: Option<String>,
 }
 
 /// Totals for a stream, a domain or the whole run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Totals {
+    /// The seed engine's aggregate: `scored_tokens`, `total_nll`, `mean_nll` (below),
+    /// `perplexity` (`null` past f64's range).
+    #[serde(default)]
+    pub scored_tokens: u64,
+    #[serde(default)]
+    pub total_nll: f64,
+    #[serde(default)]
+    pub perplexity: Option<f64>,
     pub scored: u64,
     pub nll_sum: f64,
     pub nll_sq_sum: f64,
@@ -246,6 +338,9 @@ impl Totals {
     pub fn new(s: &NllSum, bytes: u64) -> Totals {
         let (lo, hi) = s.ppl_interval();
         Totals {
+            scored_tokens: s.scored,
+            total_nll: s.nll_sum,
+            perplexity: Some(s.ppl()).filter(|p| p.is_finite()),
             scored: s.scored,
             nll_sum: s.nll_sum,
             nll_sq_sum: s.nll_sq_sum,
@@ -297,6 +392,7 @@ impl CalibrationReport {
 pub struct StreamReport {
     pub id: String,
     pub domain: String,
+    /// As the manifest names it (relative to its folder); a `--text` file's absolute path.
     pub path: String,
     pub sha256: String,
     /// Tokens of the whole stream; `null` when a `--max-tokens` run tokenized only the
@@ -304,6 +400,9 @@ pub struct StreamReport {
     pub tokens: Option<usize>,
     /// Tokens scored over (after a `--max-tokens` cap).
     pub input_tokens: usize,
+    /// Input tokens not scored: the first (the seed's 1), or more in a shard's report.
+    #[serde(default)]
+    pub unscored_tokens: usize,
     pub processed_tokens: usize,
     #[serde(flatten)]
     pub totals: Totals,
@@ -363,6 +462,9 @@ impl RoutingReport {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Aggregate {
+    /// The seed engine's name of a domain row's id; absent from `overall`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
     pub id: String,
     pub title: String,
     pub streams: usize,
@@ -416,6 +518,7 @@ pub fn aggregate<'a>(
         n += 1;
     }
     Aggregate {
+        domain: None,
         id: id.into(),
         title: title.into(),
         streams: n,

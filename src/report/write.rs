@@ -2,7 +2,9 @@
 //!
 //! A run claims its output directory before anything else is done ([`OutputDir::claim`]):
 //! `--output DIR` must be absent (then it is created) or an empty directory, the default
-//! directory (`profiles/perplexity/<run-id>/`) must not exist, and in every case a lock file
+//! directory (the seed engine's `profiles/perplexity/<model>/<weights>/<kv>/<corpus>/<mode>/
+//! <UTC time>`, or the first free `<UTC time>-N`, [`OutputDir::claim_new_under`]) must not
+//! exist, and in every case a lock file
 //! is created in it with `O_EXCL`. Two runs aimed at the same directory therefore cannot both
 //! proceed: the second fails in its first second, not after an hour of scoring, and so does
 //! an unwritable or over-long path. The report is written to a temporary file beside its
@@ -26,8 +28,7 @@ pub const REPORT: &str = "report.json";
 pub enum Claim {
     /// `--output DIR`: absent (created) or an empty directory.
     AbsentOrEmpty,
-    /// A directory of the run's own (the default `profiles/perplexity/<run-id>`): must not
-    /// exist yet.
+    /// A directory of the run's own (a run's default, `merge`'s default): must not exist yet.
     New,
 }
 
@@ -80,7 +81,59 @@ pub fn safe_component(s: &str) -> String {
     out
 }
 
+/// One component of the seed engine's default output path: ASCII letters, digits, `-`, `_`
+/// and `.` kept, anything else `-`, empty `unknown` (its rule); and, beyond it, no leading
+/// dot (so never `.` or `..`) and at most 160 bytes.
+pub fn seed_component(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(160)
+        .collect();
+    while out.starts_with('.') {
+        out.replace_range(..1, "-");
+    }
+    if out.is_empty() {
+        out.push_str("unknown");
+    }
+    out
+}
+
 impl OutputDir {
+    /// Claims a new directory `base/name`, or `base/name-2`, `base/name-3`, ... when another
+    /// run has that one: two runs never share a directory.
+    pub fn claim_new_under(base: &Path, name: &str) -> Result<OutputDir> {
+        let mut last = None;
+        for n in 1..=1000 {
+            let dir = if n == 1 {
+                base.join(name)
+            } else {
+                base.join(format!("{name}-{n}"))
+            };
+            if std::fs::symlink_metadata(&dir).is_ok() {
+                continue;
+            }
+            match OutputDir::claim(&dir, Claim::New) {
+                Ok(o) => return Ok(o),
+                // Lost a race for this name: try the next.
+                Err(e) if std::fs::symlink_metadata(&dir).is_ok() => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            anyhow!(
+                "{}: 1000 runs already have a directory named {name}",
+                base.display()
+            )
+        }))
+    }
+
     /// Claims `dir` (see the module docs). Errors name the directory.
     pub fn claim(dir: &Path, how: Claim) -> Result<OutputDir> {
         let shown = dir.display();

@@ -24,6 +24,8 @@ pub struct Prepared {
     pub bytes: u64,
     /// The protocol's windows over `tokens`, computed once.
     pub windows: Vec<Window>,
+    /// Index of `windows[0]` in the stream's plan (non-zero in a shard).
+    pub first_window: usize,
     /// Tokens fed through the model over all windows.
     pub processed: usize,
 }
@@ -181,6 +183,7 @@ fn tokenize(engine: &Engine, cfg: &RunConfig, s: LoadedStream) -> Result<Prepare
         full_tokens,
         bytes,
         windows,
+        first_window: 0,
         processed,
     })
 }

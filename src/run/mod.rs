@@ -43,6 +43,53 @@ pub fn utc_stamp(unix: u64) -> String {
     )
 }
 
+/// `YYYYMMDD-HHMMSS` (UTC): the seed engine's name for a run's directory.
+pub fn seed_stamp(unix: u64) -> String {
+    let s = utc_stamp(unix);
+    format!("{}-{}", &s[..8], &s[9..15])
+}
+
+/// The seed engine's default output folder, without its last (time) component:
+/// `profiles/perplexity/<model_id>/<weights_id>/<kv_name>/<corpus_id>/<mode>`, each component
+/// made safe ([`write::seed_component`]).
+pub fn default_output_base(
+    model_id: &str,
+    weights_id: &str,
+    kv_name: &str,
+    corpus_id: &str,
+    mode: &str,
+) -> PathBuf {
+    let mut p = PathBuf::from("profiles/perplexity");
+    for c in [model_id, weights_id, kv_name, corpus_id, mode] {
+        p.push(write::seed_component(c));
+    }
+    p
+}
+
+/// The corpus id and mode a run will report, known before its streams are read.
+fn corpus_id_and_mode(cfg: &RunConfig) -> Result<(String, String)> {
+    use crate::cli::Input;
+    Ok(match &cfg.input {
+        Input::Corpus {
+            manifest, quick, ..
+        } => {
+            let c = crate::corpus::Corpus::open(manifest, None)?;
+            let mode = if *quick { "quick" } else { "full" };
+            (c.manifest.corpus_id, mode.to_string())
+        }
+        Input::Text(p) => {
+            let name = if p.as_os_str() == "-" {
+                "stdin".to_string()
+            } else {
+                p.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "text".into())
+            };
+            (format!("custom-{name}"), "custom".to_string())
+        }
+    })
+}
+
 /// A run's id: its UTC start to the millisecond, the artifact digest's first 8 hex digits,
 /// the KV format and the process id, so two runs never share one.
 pub fn run_id(started_unix_s: f64, digest: &str, kv: &str, pid: u32) -> String {
@@ -66,16 +113,25 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     // The output directory is claimed first, so a bad or busy one fails before any work.
     let resolved = crate::registry::resolve_artifact(&cfg.artifact)?;
     let artifact_path = resolved.path.clone();
-    let digest = crate::artifact::Artifact::open(&artifact_path)?.digest;
+    let art = crate::artifact::Artifact::open(&artifact_path)?;
+    let digest = art.digest.clone();
     resolved.check_digest(&digest)?;
     let run_id = run_id(started_unix, &digest, cfg.kv.name(), std::process::id());
     let out = match &cfg.output {
         Some(dir) => write::OutputDir::claim(dir, write::Claim::AbsentOrEmpty)?,
-        None => write::OutputDir::claim(
-            &PathBuf::from("profiles/perplexity").join(&run_id),
-            write::Claim::New,
-        )?,
+        None => {
+            let (corpus_id, mode) = corpus_id_and_mode(cfg)?;
+            let base = default_output_base(
+                &report::model_id(&artifact_path),
+                &report::weights_id(&art),
+                &cfg.kv.format_name(art.config.head_dim),
+                &corpus_id,
+                &mode,
+            );
+            write::OutputDir::claim_new_under(&base, &seed_stamp(started_unix as u64))?
+        }
     };
+    drop(art);
     let mut inputs = inputs::prepare(cfg, &artifact_path)?;
     let shard = match cfg.shard {
         Some(s) => Some(shard::narrow(&mut inputs, s, cfg.protocol)?),
@@ -294,7 +350,7 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
     match &inputs.corpus {
         Some(corpus) => ui::info(format!(
             "corpus     {} ({}): {} streams, {bytes} bytes, {tokens}{}",
-            corpus.manifest.name,
+            corpus.manifest.corpus_id,
             corpus.manifest_path.display(),
             inputs.streams.len(),
             cfg.max_tokens

@@ -27,7 +27,11 @@ pub fn build(
     let domains: Vec<_> = inputs
         .domains
         .iter()
-        .map(|(id, title)| aggregate(id, title, streams.iter().filter(|s| &s.domain == id)))
+        .map(|(id, title)| {
+            let mut d = aggregate(id, title, streams.iter().filter(|s| &s.domain == id));
+            d.domain = Some(id.clone());
+            d
+        })
         .collect();
     let overall = aggregate("overall", "overall", streams.iter());
     let processed = inputs.processed_tokens();
@@ -35,6 +39,26 @@ pub fn build(
     Report {
         schema: report::SCHEMA.into(),
         schema_version: report::SCHEMA_VERSION,
+        metric: report::Metric::default(),
+        execution: report::Execution {
+            purpose: "causal_scoring".into(),
+            device: match engine.device {
+                crate::backend::Device::Cuda { ordinal, .. } => Some(ordinal),
+                _ => None,
+            },
+            context_tokens: cfg.protocol.context,
+            stride_tokens: cfg.protocol.stride,
+            prefill_chunk_tokens: cfg.protocol.context,
+            score_tile_tokens: cfg.protocol.context,
+            kv_dtype: cfg.kv.format_name(c.head_dim),
+        },
+        timing: report::Timing {
+            load_seconds: inputs.load_s,
+            read_and_tokenize_seconds: inputs.tokenize_s,
+            score_seconds: clock.score_s,
+            total_seconds: clock.total_s,
+            scored_tokens_per_second: overall.totals.scored as f64 / score_s,
+        },
         run_id,
         tool: report::Tool {
             name: "ninfer-perplexity".into(),
@@ -77,7 +101,13 @@ pub fn build(
             }),
         },
         artifact: report::ArtifactInfo {
-            path: a.path().display().to_string(),
+            path: std::path::absolute(a.path())
+                .unwrap_or_else(|_| a.path().to_path_buf())
+                .display()
+                .to_string(),
+            target: engine.device.class(),
+            model_id: model_id(a.path()),
+            weights_id: weights_id(a),
             digest: a.digest.clone(),
             digest_verified: cfg.verify_artifact,
             file_bytes: a.file_bytes,
@@ -106,11 +136,7 @@ pub fn build(
             sha256: engine.tokenizer.sha256().into(),
             vocab_size: engine.tokenizer.vocab_size(),
         },
-        corpus: inputs.corpus.as_ref().map(|c| report::CorpusInfo {
-            name: c.manifest.name.clone(),
-            manifest: c.manifest_path.display().to_string(),
-            manifest_sha256: c.manifest_sha256.clone(),
-        }),
+        corpus: Some(corpus_info(cfg, inputs, streams.len())),
         throughput: report::Throughput {
             processed_tokens: processed,
             processed_tokens_per_s: processed as f64 / score_s,
@@ -132,5 +158,67 @@ pub fn build(
         cpu_memory: engine.memory_plan.clone(),
         shard: None,
         merged_from: None,
+    }
+}
+
+/// The seed engine's `model_id`: the artifact's file name without `.ninfer`.
+pub fn model_id(path: &std::path::Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    name.strip_suffix(".ninfer").unwrap_or(&name).to_string()
+}
+
+/// The seed engine's `weights_id`: the matrices' storage formats, most bytes first, joined
+/// by `+`.
+pub fn weights_id(a: &crate::artifact::Artifact) -> String {
+    let mut uses = a.weight_formats();
+    uses.sort_by(|x, y| y.bytes.cmp(&x.bytes).then(x.format.cmp(y.format)));
+    let mut out: Vec<&str> = Vec::new();
+    for u in &uses {
+        if !out.contains(&u.format) {
+            out.push(u.format);
+        }
+    }
+    out.join("+")
+}
+
+/// The seed engine's `corpus` block (and this project's fields beside it).
+fn corpus_info(cfg: &RunConfig, inputs: &Inputs, stream_count: usize) -> report::CorpusInfo {
+    let abs = |p: &std::path::Path| {
+        std::path::absolute(p)
+            .unwrap_or_else(|_| p.to_path_buf())
+            .display()
+            .to_string()
+    };
+    match &inputs.corpus {
+        Some(c) => report::CorpusInfo {
+            id: c.manifest.corpus_id.clone(),
+            mode: if matches!(cfg.input, Input::Corpus { quick: true, .. }) {
+                "quick"
+            } else {
+                "full"
+            }
+            .into(),
+            source: abs(&c.manifest_path),
+            stream_count,
+            name: c.manifest.corpus_id.clone(),
+            manifest: Some(c.manifest_path.display().to_string()),
+            manifest_sha256: Some(c.manifest_sha256.clone()),
+        },
+        None => {
+            let s = inputs.streams.first().map(|p| &p.stream);
+            let id = format!("custom-{}", s.map_or("text", |s| s.id.as_str()));
+            report::CorpusInfo {
+                id: id.clone(),
+                mode: "custom".into(),
+                source: s.map(|s| s.report_path.clone()).unwrap_or_default(),
+                stream_count,
+                name: id,
+                manifest: None,
+                manifest_sha256: None,
+            }
+        }
     }
 }

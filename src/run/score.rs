@@ -51,10 +51,11 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
         reports.push(StreamReport {
             id: p.stream.id.clone(),
             domain: p.stream.domain.clone(),
-            path: p.stream.path.display().to_string(),
+            path: p.stream.report_path.clone(),
             sha256: p.stream.sha256.clone(),
             tokens: p.full_tokens,
             input_tokens: p.tokens.len(),
+            unscored_tokens: p.tokens.len().saturating_sub(totals.scored as usize),
             processed_tokens: score.processed_tokens,
             totals,
             seconds: secs,
@@ -69,7 +70,14 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
                 .routing
                 .as_deref()
                 .and_then(crate::report::RoutingReport::new),
-            windows: score.windows,
+            windows: score
+                .windows
+                .into_iter()
+                .map(|mut w| {
+                    w.index += p.first_window;
+                    w
+                })
+                .collect(),
         });
     }
     progress.finish();

@@ -41,6 +41,7 @@ pub fn narrow(inputs: &mut Inputs, shard: Shard, protocol: Protocol) -> Result<S
         if r.is_empty() {
             continue;
         }
+        p.first_window = r.start;
         p.windows = p.windows[r].to_vec();
         p.processed = p.windows.iter().map(|w| w.len()).sum();
         kept.push(p);

@@ -67,6 +67,14 @@ impl NllSum {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(into = "WindowOut")]
 pub struct WindowScore {
+    /// The window's place in its stream's plan (a shard's windows keep the whole plan's).
+    #[serde(default)]
+    pub index: usize,
+    /// Wall time from the previous window's end (or the stream's start) to this one's: the
+    /// windows' seconds add up to the stream's. With several windows in flight (CPU threads)
+    /// or packed into one pass (CUDA) this is not one window's own latency.
+    #[serde(default)]
+    pub seconds: f64,
     pub begin: usize,
     /// The first scored target (`start` in report.json).
     #[serde(rename = "start")]
@@ -88,6 +96,19 @@ pub struct WindowScore {
 /// (its exp; `null` past f64's range, as for every row).
 #[derive(Serialize)]
 struct WindowOut {
+    // The seed engine's window fields.
+    index: usize,
+    input_begin: usize,
+    input_end: usize,
+    target_begin: usize,
+    target_end: usize,
+    /// Index of the first target within the window.
+    first_target: usize,
+    scored_tokens: u64,
+    total_nll: f64,
+    perplexity: Option<f64>,
+    seconds: f64,
+    // This project's.
     begin: usize,
     start: usize,
     end: usize,
@@ -105,7 +126,18 @@ struct WindowOut {
 impl From<WindowScore> for WindowOut {
     fn from(w: WindowScore) -> Self {
         let mean_nll = w.nll_sum / w.scored as f64;
+        let ppl = Some(mean_nll.exp()).filter(|p| p.is_finite());
         WindowOut {
+            index: w.index,
+            input_begin: w.begin,
+            input_end: w.end,
+            target_begin: w.first_target,
+            target_end: w.end,
+            first_target: w.first_target - w.begin,
+            scored_tokens: w.scored,
+            total_nll: w.nll_sum,
+            perplexity: ppl,
+            seconds: w.seconds,
             begin: w.begin,
             start: w.first_target,
             end: w.end,
@@ -113,7 +145,7 @@ impl From<WindowScore> for WindowOut {
             nll_sum: w.nll_sum,
             nll_sq_sum: w.nll_sq_sum,
             mean_nll,
-            ppl: Some(mean_nll.exp()).filter(|p| p.is_finite()),
+            ppl,
             logprobs: w.logprobs,
             calibration: w.calibration,
         }

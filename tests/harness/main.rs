@@ -196,7 +196,7 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
                 )
             });
             for stream in &corpus.manifest.streams {
-                if tier == Tier::Emu && !stream.quick {
+                if tier == Tier::Emu && !corpus.manifest.modes.quick.contains(&stream.id) {
                     continue;
                 }
                 for kv in KvDtype::ALL {
@@ -483,7 +483,7 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
         context: spec.protocol.context,
         stride: spec.protocol.stride,
         max_tokens: spec.max_tokens,
-        corpus: ctx.corpus.manifest.name.clone(),
+        corpus: ctx.corpus.manifest.corpus_id.clone(),
         stream_sha256: stream.sha256.clone(),
         tokenizer_sha256: engine.tokenizer.sha256().to_string(),
         stream_tokens: stream.tokens.len(),

@@ -246,12 +246,53 @@ fn a_second_run_never_replaces_the_first_report() {
     let (x, y) = (spawn(), spawn());
     assert!(x.wait_with_output().unwrap().status.success());
     assert!(y.wait_with_output().unwrap().status.success());
-    let runs: Vec<_> = std::fs::read_dir(cwd.join("profiles/perplexity"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
+    // The seed engine's layout: <model>/<weights>/<kv>/<corpus>/<mode>/<UTC time>[-N].
+    let mut runs = Vec::new();
+    let mut todo = vec![cwd.join("profiles/perplexity")];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.file_name().unwrap() == "report.json" {
+                runs.push(
+                    p.parent()
+                        .unwrap()
+                        .strip_prefix(&cwd)
+                        .unwrap()
+                        .to_path_buf(),
+                );
+            }
+        }
+    }
     assert_eq!(runs.len(), 2, "{runs:?}");
-    assert!(runs.iter().all(|d| d.join("report.json").exists()));
+    for r in &runs {
+        let parts: Vec<String> = r.iter().map(|c| c.to_string_lossy().into_owned()).collect();
+        let r: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(cwd.join(r).join("report.json")).unwrap())
+                .unwrap();
+        let a = &r["artifact"];
+        assert_eq!(
+            parts[..7],
+            [
+                "profiles",
+                "perplexity",
+                a["model_id"].as_str().unwrap(),
+                a["weights_id"].as_str().unwrap(),
+                r["execution"]["kv_dtype"].as_str().unwrap(),
+                r["corpus"]["id"].as_str().unwrap(),
+                r["corpus"]["mode"].as_str().unwrap()
+            ]
+        );
+        let stamp = &parts[7];
+        assert!(
+            stamp.len() >= 15
+                && stamp.as_bytes()[8] == b'-'
+                && stamp[..8].bytes().all(|b| b.is_ascii_digit()),
+            "{stamp}"
+        );
+    }
+    assert_ne!(runs[0], runs[1]);
 }
 
 #[test(prepared)]
@@ -415,12 +456,12 @@ fn pipes_and_devices_are_refused_without_blocking_or_reading_forever() {
     let corpus = tmp.path().join("corpus");
     std::fs::create_dir_all(corpus.join("streams")).unwrap();
     let manifest = serde_json::json!({
-        "name": "mini", "schema_version": 1,
-        "domains": [{"id": "a", "title": "A"}],
+        "corpus_id": "mini",
         "streams": [
-            {"id": "p", "domain": "a", "title": "p", "quick": true, "file": "p.txt", "bytes": 5,
+            {"id": "p", "domain": "a", "path": "streams/p.txt", "bytes": 5,
              "sha256": "0".repeat(64)},
         ],
+        "modes": {"quick": ["p"], "full": ["p"]},
     });
     std::fs::write(corpus.join("m.json"), manifest.to_string()).unwrap();
     assert!(Command::new("mkfifo")

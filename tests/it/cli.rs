@@ -109,6 +109,37 @@ fn smollm2_text_run_prints_table_and_writes_report() {
     for k in ["bytes", "bits_per_byte", "mean_nll_std_err", "ppl_ci95"] {
         assert!(!st[k].is_null(), "stream lacks {k}");
     }
+    // The seed engine's schema-1 fields, with its meanings.
+    assert_eq!(crate::report::seed_schema_errors(&r), Vec::<String>::new());
+    let abs_txt = std::path::absolute(&txt).unwrap().display().to_string();
+    assert_eq!(r["corpus"]["id"], "custom-t.txt");
+    assert_eq!(r["corpus"]["mode"], "custom");
+    assert_eq!(r["corpus"]["source"], abs_txt.as_str());
+    assert_eq!(
+        (st["id"].as_str(), st["domain"].as_str()),
+        (Some("t.txt"), Some("custom"))
+    );
+    assert_eq!(st["path"], abs_txt.as_str());
+    assert_eq!(st["unscored_tokens"], 1);
+    assert_eq!(r["execution"]["kv_dtype"], "fp8-e4m3-r64");
+    assert_eq!(r["artifact"]["model_id"], "smollm2-135m-bf16");
+    assert_eq!(r["artifact"]["weights_id"], "bf16");
+    assert_eq!(st["scored_tokens"], st["scored"]);
+    assert_eq!(st["total_nll"], st["nll_sum"]);
+    let mut seconds = 0.0;
+    for (i, w) in windows.iter().enumerate() {
+        assert_eq!(w["index"], i);
+        let n = |k: &str| w[k].as_u64().unwrap();
+        assert_eq!(n("first_target"), n("target_begin") - n("input_begin"));
+        assert_eq!(n("target_end") - n("target_begin"), n("scored_tokens"));
+        assert!(n("input_end") - n("input_begin") <= 32);
+        seconds += w["seconds"].as_f64().unwrap();
+    }
+    let stream_s = st["seconds"].as_f64().unwrap();
+    assert!(
+        seconds <= stream_s && seconds > 0.5 * stream_s,
+        "{seconds} vs {stream_s}"
+    );
     // The build and the invocation: what --version says, and the command line as given.
     let v = perplexity(&["--version"]);
     let version = String::from_utf8_lossy(&v.stdout).trim().to_string();

@@ -27,18 +27,28 @@ fn mini(streams: &[(&str, &str, bool, &str)], tamper: Option<&str>) -> Mini {
     let root = dir.path().to_path_buf();
     std::fs::create_dir(root.join("streams")).unwrap();
     let mut entries = Vec::new();
+    let (mut quick_ids, mut all) = (Vec::new(), Vec::new());
     for (id, domain, quick, text) in streams {
         std::fs::write(root.join("streams").join(format!("{id}.txt")), text).unwrap();
         let sha = hex::encode(Sha256::digest(text.as_bytes()));
         entries.push(serde_json::json!({
-            "id": id, "domain": domain, "title": id, "quick": quick, "file": format!("{id}.txt"),
+            "id": id, "domain": domain, "path": format!("streams/{id}.txt"), "title": id,
             "bytes": text.len(), "sha256": sha, "licence": "test text written for this test"
         }));
+        all.push(*id);
+        if *quick {
+            quick_ids.push(*id);
+        }
+    }
+    if quick_ids.is_empty() {
+        // The seed's shape needs a non-empty quick mode.
+        quick_ids.push(all[0]);
     }
     let mut m = serde_json::json!({
-        "name": "mini", "schema_version": 1,
+        "corpus_id": "mini", "schema_version": 1,
         "domains": [{"id": "prose", "title": "Prose"}, {"id": "code", "title": "Code"}],
         "streams": entries,
+        "modes": {"quick": quick_ids, "full": all},
     })
     .to_string();
     if let Some(t) = tamper {
@@ -189,14 +199,15 @@ fn corpus_bad_input() {
     let m = mini(&good, Some("\"bytes\"=>\"bites\""));
     let e = err_line(&run(&m, &[]));
     assert!(
-        e.contains("manifest.json") && e.contains("missing field `bytes`"),
+        e.contains("manifest.json") && e.contains("pins only one of `bytes` and `sha256`"),
         "{e}"
     );
 
     let m = mini(&good, Some("\"domain\":\"code\"=>\"domain\":\"poetry\""));
     let e = err_line(&run(&m, &[]));
     assert!(
-        e.contains("unknown domain `poetry`") && e.contains("streams[1].domain"),
+        e.contains("domain `poetry` of stream `c1` is not in `domains`")
+            && e.contains("streams[1].domain"),
         "{e}"
     );
 
@@ -218,12 +229,9 @@ fn corpus_bad_input() {
         "{e}"
     );
 
-    let m = mini(
-        &[("p1", "prose", false, PROSE), ("c1", "code", false, CODE)],
-        None,
-    );
+    let m = mini(&good, Some("\"quick\":[\"p1\"]=>\"quick\":[]"));
     let e = err_line(&run(&m, &["--quick"]));
-    assert!(e.contains("--quick selects nothing"), "{e}");
+    assert!(e.contains("`modes.quick` is empty"), "{e}");
 
     let m = mini(
         &[("p1", "prose", true, PROSE), ("c1", "code", false, "x")],

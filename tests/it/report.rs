@@ -1,5 +1,6 @@
 //! report.json round-trips through its schema, and the stdout table renders as reviewed.
 
+use crate::common;
 use ninfer_perplexity::model::config::{Family, ModelConfig};
 use ninfer_perplexity::report::*;
 use ninfer_perplexity::score::{Calibration, NllSum, WindowScore};
@@ -16,6 +17,7 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         sha256: "ab".repeat(32),
         tokens: Some(nlls.len() + 1),
         input_tokens: nlls.len() + 1,
+        unscored_tokens: 1,
         processed_tokens: nlls.len() + 1,
         totals: Totals::new(&s, bytes),
         seconds: 1.5,
@@ -32,6 +34,8 @@ fn stream(id: &str, domain: &str, nlls: &[f32], bytes: u64) -> StreamReport {
         reference_acc: None,
         routing: None,
         windows: vec![WindowScore {
+            index: 0,
+            seconds: 1.5,
             begin: 0,
             first_target: 1,
             end: nlls.len() + 1,
@@ -50,18 +54,33 @@ fn fixed_report() -> Report {
         stream("en-2", "en", &[1.0, 4.0], 20),
         stream("code-1", "code", &[0.5, 0.25, 1.25, 0.75, 0.5, 1.0], 30),
     ];
-    let domains = vec![
-        aggregate("en", "English", streams.iter().filter(|s| s.domain == "en")),
-        aggregate(
-            "code",
-            "Code",
-            streams.iter().filter(|s| s.domain == "code"),
-        ),
-    ];
+    let domain = |id: &str, title: &str| {
+        let mut a = aggregate(id, title, streams.iter().filter(|s| s.domain == id));
+        a.domain = Some(id.into());
+        a
+    };
+    let domains = vec![domain("en", "English"), domain("code", "Code")];
     let overall = aggregate("overall", "overall", streams.iter());
     Report {
         schema: SCHEMA.into(),
         schema_version: SCHEMA_VERSION,
+        metric: Metric::default(),
+        execution: Execution {
+            purpose: "causal_scoring".into(),
+            device: None,
+            context_tokens: 8,
+            stride_tokens: 4,
+            prefill_chunk_tokens: 8,
+            score_tile_tokens: 8,
+            kv_dtype: "bf16".into(),
+        },
+        timing: Timing {
+            load_seconds: 0.1,
+            read_and_tokenize_seconds: 0.2,
+            score_seconds: 0.3,
+            total_seconds: 0.6,
+            scored_tokens_per_second: 40.0,
+        },
         run_id: "20261130T000000Z-00000000-bf16".into(),
         tool: Tool {
             name: "ninfer-perplexity".into(),
@@ -97,7 +116,10 @@ fn fixed_report() -> Report {
             reference: None,
         },
         artifact: ArtifactInfo {
-            path: "m.ninfer".into(),
+            path: "/m.ninfer".into(),
+            target: "cpu".into(),
+            model_id: "m".into(),
+            weights_id: "bf16".into(),
             digest: format!("sha256:{}", "0".repeat(64)),
             digest_verified: false,
             file_bytes: 1,
@@ -133,9 +155,13 @@ fn fixed_report() -> Report {
             vocab_size: 10,
         },
         corpus: Some(CorpusInfo {
+            id: "t".into(),
+            mode: "full".into(),
+            source: "/m.json".into(),
+            stream_count: 3,
             name: "t".into(),
-            manifest: "m.json".into(),
-            manifest_sha256: "ef".repeat(32),
+            manifest: Some("m.json".into()),
+            manifest_sha256: Some("ef".repeat(32)),
         }),
         streams,
         domains,
@@ -248,4 +274,148 @@ fn the_run_plot_is_bounded_by_what_it_draws() {
     assert!(svg.len() < 8 << 20, "{} bytes", svg.len());
     // 16 panels of at most 32 lines, the long stream decimated to at most 2048 points.
     assert!(svg.matches("<polyline").count() <= 16 * 32, "lines drawn");
+}
+
+/// The seed engine's report schema 1 (`docs/report-seed-schema.json`).
+pub fn seed_schema() -> serde_json::Value {
+    let p = common::repo().join("docs/report-seed-schema.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// Where `v` breaks `schema`: the JSON Schema keywords that file uses (`$ref` into `$defs`,
+/// `allOf`, `type`, `required`, `properties`, `items`, `const`, `enum`, `minimum`).
+pub fn schema_errors(
+    root: &serde_json::Value,
+    schema: &serde_json::Value,
+    v: &serde_json::Value,
+    at: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    if let Some(r) = schema.get("$ref").and_then(Value::as_str) {
+        let name = r.strip_prefix("#/$defs/").expect("a local $ref");
+        return schema_errors(root, &root["$defs"][name], v, at, out);
+    }
+    for s in schema
+        .get("allOf")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        schema_errors(root, s, v, at, out);
+    }
+    if let Some(t) = schema.get("type") {
+        let types: Vec<&str> = match t {
+            Value::String(s) => vec![s.as_str()],
+            Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+            _ => panic!("bad type"),
+        };
+        let is = |t: &str| match t {
+            "object" => v.is_object(),
+            "array" => v.is_array(),
+            "string" => v.is_string(),
+            "number" => v.is_number(),
+            "integer" => v.is_u64() || v.is_i64(),
+            "null" => v.is_null(),
+            "boolean" => v.is_boolean(),
+            _ => panic!("type {t}"),
+        };
+        if !types.iter().any(|t| is(t)) {
+            out.push(format!("{at}: {v} is not {types:?}"));
+            return;
+        }
+    }
+    if let Some(c) = schema.get("const") {
+        if c != v {
+            out.push(format!("{at}: {v} is not {c}"));
+        }
+    }
+    if let Some(e) = schema.get("enum").and_then(Value::as_array) {
+        if !e.contains(v) {
+            out.push(format!("{at}: {v} is not one of {e:?}"));
+        }
+    }
+    if let (Some(m), Some(x)) = (schema.get("minimum").and_then(Value::as_f64), v.as_f64()) {
+        if x < m {
+            out.push(format!("{at}: {x} < {m}"));
+        }
+    }
+    if let Some(obj) = v.as_object() {
+        for k in schema
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let k = k.as_str().unwrap();
+            if !obj.contains_key(k) {
+                out.push(format!("{at}: `{k}` missing"));
+            }
+        }
+        if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+            for (k, s) in props {
+                if let Some(x) = obj.get(k) {
+                    schema_errors(root, s, x, &format!("{at}.{k}"), out);
+                }
+            }
+        }
+    }
+    if let (Some(items), Some(arr)) = (schema.get("items"), v.as_array()) {
+        for (i, x) in arr.iter().enumerate() {
+            schema_errors(root, items, x, &format!("{at}[{i}]"), out);
+        }
+    }
+}
+
+/// The errors of a report against the seed's schema 1.
+pub fn seed_schema_errors(report: &serde_json::Value) -> Vec<String> {
+    let schema = seed_schema();
+    let mut out = Vec::new();
+    schema_errors(&schema, &schema, report, "report", &mut out);
+    out
+}
+
+/// A report carries the seed engine's schema-1 fields, and the check notices each kind of
+/// break: a missing block, a renamed window field, a wrong constant, a wrong type.
+#[test]
+fn a_report_validates_against_the_seed_schema() {
+    let v = serde_json::to_value(fixed_report()).unwrap();
+    assert_eq!(seed_schema_errors(&v), Vec::<String>::new());
+    let broken = |f: &dyn Fn(&mut serde_json::Value), needle: &str| {
+        let mut b = v.clone();
+        f(&mut b);
+        let e = seed_schema_errors(&b);
+        assert!(
+            e.iter().any(|e| e.contains(needle)),
+            "`{needle}` not in {e:?}"
+        );
+    };
+    broken(
+        &|b| drop(b.as_object_mut().unwrap().remove("timing")),
+        "`timing` missing",
+    );
+    broken(
+        &|b| {
+            let w = b["streams"][1]["windows"][0].as_object_mut().unwrap();
+            let x = w.remove("input_begin").unwrap();
+            w.insert("begin_input".into(), x);
+        },
+        "report.streams[1].windows[0]: `input_begin` missing",
+    );
+    broken(
+        &|b| b["metric"]["log_base"] = "2".into(),
+        "report.metric.log_base",
+    );
+    broken(
+        &|b| b["execution"]["device"] = "cpu".into(),
+        "report.execution.device",
+    );
+    broken(
+        &|b| b["domains"][0]["scored_tokens"] = (-1).into(),
+        "report.domains[0].scored_tokens",
+    );
+    broken(
+        &|b| drop(b["domains"][1].as_object_mut().unwrap().remove("domain")),
+        "report.domains[1]: `domain` missing",
+    );
 }

@@ -40,7 +40,7 @@ import tempfile
 import time
 import zipfile
 import zlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -48,6 +48,8 @@ DEFAULT_MANIFEST = HERE / "manifest.json"
 DEFAULT_OUT = HERE / "streams"
 DEFAULT_CACHE = REPO / "eval" / ".cache" / "packages"
 
+CORPUS_ID = "ninfer-ppl-1m-v1"
+MODES = ("quick", "full")
 CLIENTS = ("apt", "pip-sdist", "pip-wheel", "cargo")
 NORMALIZERS = ("info", "html", "man", "code", "text")  # plus "rdata:<object>"
 
@@ -92,7 +94,7 @@ def validate_manifest(m: dict) -> None:
             raise BuildError(f"manifest: {msg}")
 
     need(isinstance(m, dict), "top level must be an object")
-    need(m.get("name") == "ninfer-ppl-1m-v1", "name must be ninfer-ppl-1m-v1")
+    need(m.get("corpus_id") == CORPUS_ID, f"corpus_id must be {CORPUS_ID}")
     need(m.get("schema_version") == 1, "schema_version must be 1")
     domains = m.get("domains")
     need(isinstance(domains, list) and len(domains) == 4, "expected 4 domains")
@@ -108,8 +110,8 @@ def validate_manifest(m: dict) -> None:
     for s in streams:
         sid = s["id"]
         need(s.get("domain") in dom_ids, f"stream {sid}: unknown domain {s.get('domain')!r}")
-        need(s.get("file") == sid + ".txt", f"stream {sid}: file must be {sid}.txt")
-        need(isinstance(s.get("quick"), bool), f"stream {sid}: quick must be true or false")
+        need(s.get("path") == f"streams/{sid}.txt",
+             f"stream {sid}: path must be streams/{sid}.txt")
         need(isinstance(s.get("licence"), str) and s["licence"], f"stream {sid}: licence missing")
         need(isinstance(s.get("bytes"), int) and s["bytes"] > 0, f"stream {sid}: bytes missing")
         need(isinstance(s.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"]),
@@ -131,11 +133,34 @@ def validate_manifest(m: dict) -> None:
         need(isinstance(cut, dict) and isinstance(cut.get("bytes"), int) and cut["bytes"] > 0,
              f"stream {sid}: recipe.cut.bytes missing")
         need(cut["bytes"] == s["bytes"], f"stream {sid}: cut.bytes differs from bytes")
+    modes = m.get("modes")
+    need(isinstance(modes, dict), "modes missing")
+    for name in MODES:
+        lst = modes.get(name)
+        need(isinstance(lst, list) and lst, f"modes.{name} missing or empty")
+        for i in lst:
+            need(i in ids, f"modes.{name}: unknown stream {i!r}")
+        dup = sorted({i for i in lst if lst.count(i) > 1})
+        need(not dup, f"modes.{name}: duplicate stream id {', '.join(dup)}")
+    absent = [i for i in ids if i not in modes["full"]]
+    need(not absent, f"modes.full must list all 16 streams (lacks {', '.join(absent)})")
+    domain_of = {s["id"]: s["domain"] for s in streams}
     for d in dom_ids:
-        q = [s["id"] for s in streams if s["domain"] == d and s["quick"]]
-        need(len(q) == 1, f"domain {d} must have exactly one quick stream (has {len(q)})")
+        q = [i for i in modes["quick"] if domain_of[i] == d]
+        need(len(q) == 1, f"domain {d} must have exactly one quick stream in modes.quick "
+                          f"(has {len(q)})")
         n = sum(1 for s in streams if s["domain"] == d)
         need(n == 4, f"domain {d} must have 4 streams (has {n})")
+
+
+def stream_file(stream: dict) -> str:
+    """The file name of a stream in the output directory (the last part of its path)."""
+    return PurePosixPath(stream["path"]).name
+
+
+def quick_ids(manifest: dict) -> list[str]:
+    """The ids of the quick streams, in the order of modes.quick."""
+    return list(manifest["modes"]["quick"])
 
 
 def unique_packages(streams: list[dict]) -> list[dict]:
@@ -1179,7 +1204,7 @@ def check_stream_bytes(stream: dict, data: bytes) -> None:
 
 
 def stream_ok(stream: dict, out_dir: Path) -> bool:
-    f = out_dir / stream["file"]
+    f = out_dir / stream_file(stream)
     return (f.is_file() and f.stat().st_size == stream["bytes"]
             and sha256_file(f) == stream["sha256"])
 
@@ -1226,7 +1251,8 @@ def build(manifest: dict, out_dir: Path, cache: Path, packages: Path | None, off
                 raise BuildError(f"unknown stream {sid!r}")
         streams = [s for s in streams if s["id"] in only]
     if quick:
-        streams = [s for s in streams if s["quick"]]
+        by_id = {s["id"]: s for s in streams}
+        streams = [by_id[i] for i in quick_ids(manifest) if i in by_id]
     todo = [s for s in streams if force or not stream_ok(s, out_dir)]
     for s in streams:
         if s not in todo:
@@ -1237,7 +1263,7 @@ def build(manifest: dict, out_dir: Path, cache: Path, packages: Path | None, off
         for s in todo:
             data = cut_stream(s, normalize_stream(s, stream_members(s, contents)))
             check_stream_bytes(s, data)
-            write_atomic(out_dir / s["file"], data)
+            write_atomic(out_dir / stream_file(s), data)
             log(f"{s['id']}: built ({len(data)} bytes)")
     return streams
 
@@ -1274,7 +1300,8 @@ def main(argv=None) -> int:
         return 1
     if not args.quiet:
         print()
-        print(f"{manifest['name']}: {len(streams)} streams in {args.out}")
+        print(f"{manifest['corpus_id']}: {len(streams)} streams in {args.out}")
+        quick = set(quick_ids(manifest))
         w = max(len(s["id"]) for s in streams)
         total_b = total_t = 0
         for s in streams:
@@ -1283,7 +1310,7 @@ def main(argv=None) -> int:
             total_b += s["bytes"]
             total_t += tok or 0
             print(f"  {s['id']:<{w}}  {s['bytes']:>7} bytes  {tok or '?':>6} qwen3  "
-                  f"{smol or '?':>6} smollm2  {'quick ' if s['quick'] else '      '}"
+                  f"{smol or '?':>6} smollm2  {'quick ' if s['id'] in quick else '      '}"
                   f"licence: {s['licence']}")
         print(f"  total {total_b} bytes, {total_t} qwen3 tokens, "
               f"{time.monotonic() - t0:.1f} s")

@@ -78,6 +78,11 @@ def find_cut(text: str, code: bool, count, encode_offsets, budget: int) -> tuple
     raise SystemExit("no cut point fits the budget")
 
 
+def manifest_text(manifest: dict) -> str:
+    """manifest.json as --write writes it (the form it is committed in)."""
+    return json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--qwen3", type=Path, required=True, help="Qwen3 tokenizer.json")
@@ -111,8 +116,10 @@ def main() -> int:
         smol = AutoTokenizer.from_pretrained(str(args.smollm2_gguf.parent),
                                              gguf_file=args.smollm2_gguf.name)
 
-    with open(args.manifest, encoding="utf-8") as f:
-        manifest = json.load(f)
+    try:
+        manifest = build.load_manifest(args.manifest)  # checked before minutes of work
+    except build.BuildError as e:
+        raise SystemExit(f"error: {e}")
     streams = [s for s in manifest["streams"] if not args.stream or s["id"] in args.stream]
     paths = build.obtain_packages(build.unique_packages(streams), args.cache, args.packages,
                                   args.offline, print)
@@ -121,7 +128,7 @@ def main() -> int:
         full = build.normalize_stream(s, build.stream_members(s, contents))
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
-            (args.dump / s["file"]).write_text(full, encoding="utf-8")
+            (args.dump / build.stream_file(s)).write_text(full, encoding="utf-8")
         code = s["recipe"]["normalize"] == "code"
         pos, n = find_cut(full, code, q_count, q_offsets, args.budget)
         data = full[:pos].encode("utf-8")
@@ -138,9 +145,10 @@ def main() -> int:
         print(f"{s['id']:<10} {len(data):>8} bytes  qwen3 {n:>6} (full text {total})"
               f"  smollm2 {s['tokens'].get('smollm2')}", flush=True)
     if args.write:
-        text = json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
-        build.write_atomic(args.manifest, text.encode("utf-8"))
+        # Only the fields above change: every other key (corpus_id, path, modes, ...) and
+        # the key order are written back as they were read.
         build.validate_manifest(manifest)
+        build.write_atomic(args.manifest, manifest_text(manifest).encode("utf-8"))
         print(f"wrote {args.manifest}")
     return 0
 

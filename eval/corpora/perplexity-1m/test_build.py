@@ -295,28 +295,35 @@ DOC_A = "First paragraph of a made-up document.\n\nSecond paragraph.\n\nThird pa
 CODE_B = "// made-up kernel\nint f(int x) {\n  return x + 1;\n}\n"
 
 
+# (domain id, stream id prefix), as in the real manifest
+DOMAINS = [("english_reference", "en-ref"), ("english_long_form", "en-long"),
+           ("chinese_reference", "zh-ref"), ("cuda_cpp_code", "code")]
+
+
 def synthetic_manifest(pkg_bytes: bytes) -> dict:
     """A valid 16-stream manifest whose streams all come from one fake crate."""
     files = {f"demo-1.0/doc{i}.txt": (DOC_A.replace("made-up", f"made-up #{i}")).encode()
              for i in range(16)}
-    domains = ["en-ref", "en-long", "zh-ref", "code"]
     streams = []
     for i in range(16):
-        dom = domains[i // 4]
+        dom, prefix = DOMAINS[i // 4]
+        sid = f"{prefix}-{i % 4 + 1}"
         member = f"demo-1.0/doc{i}.txt"
         text = files[member].decode()
         cut = text.split("\n\nThird")[0] + "\n"
         data = cut.encode()
         streams.append({
-            "id": f"{dom}-{i % 4 + 1}", "domain": dom, "title": f"demo {i}", "quick": i % 4 == 0,
-            "licence": "CC0-1.0", "file": f"{dom}-{i % 4 + 1}.txt", "bytes": len(data),
+            "id": sid, "domain": dom, "path": f"streams/{sid}.txt", "title": f"demo {i}",
+            "licence": "CC0-1.0", "bytes": len(data),
             "sha256": sha(data), "tokens": {"qwen3": None, "smollm2": None},
             "recipe": {"packages": [{"key": "Z", "name": "demo", "version": "1.0", "client": "cargo",
                                      "sha256": sha(pkg_bytes), "file": "demo-1.0.crate",
                                      "members": [member]}],
                        "normalize": "text", "cut": {"bytes": len(data)}}})
-    return {"name": "ninfer-ppl-1m-v1", "schema_version": 1, "description": "test",
-            "domains": [{"id": d, "title": d} for d in domains], "streams": streams}
+    ids = [s["id"] for s in streams]
+    return {"corpus_id": "ninfer-ppl-1m-v1", "schema_version": 1, "description": "test",
+            "domains": [{"id": d, "title": d} for d, _ in DOMAINS], "streams": streams,
+            "modes": {"quick": ids[0::4], "full": ids}}
 
 
 def synthetic_package() -> bytes:
@@ -358,8 +365,11 @@ class EndToEndTests(unittest.TestCase):
         self.assertEqual((self.out / "en-ref-1.txt").read_text(),
                          "First paragraph of a made-up #0 document.\n\nSecond paragraph.\n")
         self.assertIn("licence: CC0-1.0", out)
+        self.assertIn("ninfer-ppl-1m-v1: 16 streams in", out)
         self.assertEqual(sorted(p.name for p in self.out.iterdir()),
-                         sorted(s["file"] for s in self.manifest["streams"]))
+                         sorted(f"{s['id']}.txt" for s in self.manifest["streams"]))
+        quick_lines = [l.split()[0] for l in out.splitlines() if " quick " in l]
+        self.assertEqual(quick_lines, ["en-ref-1", "en-long-1", "zh-ref-1", "code-1"])
         # second run: nothing to do, and no package needed at all
         (self.pkgs / "demo-1.0.crate").unlink()
         rc, out, err = self.run_main("--offline")
@@ -370,7 +380,26 @@ class EndToEndTests(unittest.TestCase):
         (self.pkgs / "demo-1.0.crate").rename(self.pkgs / "renamed.gz")
         rc, _, err = self.run_main("--packages", str(self.pkgs), "--offline", "--quick")
         self.assertEqual(rc, 0, err)
-        self.assertEqual(len(list(self.out.iterdir())), 4)
+        self.assertEqual(sorted(p.name for p in self.out.iterdir()),
+                         ["code-1.txt", "en-long-1.txt", "en-ref-1.txt", "zh-ref-1.txt"])
+
+    def test_quick_follows_modes_quick_order(self):
+        m = copy.deepcopy(self.manifest)
+        m["modes"]["quick"] = ["code-2", "zh-ref-3", "en-ref-1", "en-long-4"]
+        build.validate_manifest(m)
+        self.write_manifest(m)
+        rc, out, err = self.run_main("--packages", str(self.pkgs), "--offline", "--quick")
+        self.assertEqual(rc, 0, err)
+        built = [l.split(":")[0] for l in out.splitlines() if l.endswith(" bytes)")]
+        self.assertEqual(built, m["modes"]["quick"])
+        self.assertEqual(sorted(p.name for p in self.out.iterdir()),
+                         sorted(f"{i}.txt" for i in m["modes"]["quick"]))
+        got = build.build(m, self.out, self.cache, None, True, quick=True, log=lambda *a: None)
+        self.assertEqual([s["id"] for s in got], m["modes"]["quick"])
+        # --stream narrows the quick streams, still in modes.quick order
+        got = build.build(m, self.out, self.cache, None, True, only=["en-ref-1", "code-2", "code-1"],
+                          quick=True, log=lambda *a: None)
+        self.assertEqual([s["id"] for s in got], ["code-2", "en-ref-1"])
 
     def test_package_sha_mismatch(self):
         (self.pkgs / "demo-1.0.crate").write_bytes(self.pkg + b"tampered")
@@ -452,17 +481,35 @@ class ManifestTests(unittest.TestCase):
 
     def test_real_manifest_is_valid(self):
         build.validate_manifest(self.m)
+        self.assertEqual(self.m["corpus_id"], "ninfer-ppl-1m-v1")
         self.assertEqual(len(self.m["streams"]), 16)
-        self.assertEqual([d["id"] for d in self.m["domains"]], ["en-ref", "en-long", "zh-ref", "code"])
+        self.assertEqual([d["id"] for d in self.m["domains"]], [d for d, _ in DOMAINS])
+        domain_of = {s["id"]: s["domain"] for s in self.m["streams"]}
         for d in self.m["domains"]:
-            quick = [s for s in self.m["streams"] if s["domain"] == d["id"] and s["quick"]]
+            quick = [i for i in self.m["modes"]["quick"] if domain_of[i] == d["id"]]
             self.assertEqual(len(quick), 1, d["id"])
         ids = [s["id"] for s in self.m["streams"]]
         self.assertEqual(len(set(ids)), 16)
+        self.assertEqual(self.m["modes"]["full"], ids)
+        for s in self.m["streams"]:
+            self.assertEqual(s["path"], f"streams/{s['id']}.txt")
+            self.assertEqual(build.stream_file(s), f"{s['id']}.txt")
+            prefix = dict(DOMAINS)[s["domain"]]
+            self.assertRegex(s["id"], f"^{prefix}-[1-4]$")
+
+    def test_written_in_find_cuts_form(self):
+        # find_cuts.py --write rewrites the manifest; it must come out as committed
+        import find_cuts
+        text = (HERE / "manifest.json").read_text(encoding="utf-8")
+        self.assertEqual(find_cuts.manifest_text(self.m), text)
+        self.assertEqual(list(self.m), ["corpus_id", "schema_version", "description", "domains",
+                                        "streams", "modes"])
+        for s in self.m["streams"]:
+            self.assertEqual(list(s), ["id", "domain", "path", "title", "licence", "bytes",
+                                       "sha256", "tokens", "recipe"], s["id"])
 
     def test_plan(self):
-        quick = sorted(s["id"] for s in self.m["streams"] if s["quick"])
-        self.assertEqual(quick, ["code-1", "en-long-1", "en-ref-1", "zh-ref-1"])
+        self.assertEqual(self.m["modes"]["quick"], ["en-ref-1", "en-long-1", "zh-ref-1", "code-1"])
         for s in self.m["streams"]:
             self.assertLessEqual(s["tokens"]["qwen3"], 60000, s["id"])
             self.assertEqual(s["recipe"]["cut"]["bytes"], s["bytes"])
@@ -490,21 +537,86 @@ class ManifestTests(unittest.TestCase):
     def test_rejects_duplicate_ids(self):
         def dup(m):
             m["streams"][1]["id"] = m["streams"][0]["id"]
-            m["streams"][1]["file"] = m["streams"][0]["file"]
+            m["streams"][1]["path"] = m["streams"][0]["path"]
         self.assert_invalid(self.mutated(dup), "duplicate stream id en-ref-1")
 
     def test_rejects_two_quick_in_a_domain(self):
-        self.assert_invalid(self.mutated(lambda m: m["streams"][1].update(quick=True)),
-                            "exactly one quick")
+        def two(m):
+            m["modes"]["quick"][3] = "en-ref-2"
+        self.assert_invalid(self.mutated(two),
+                            "domain english_reference must have exactly one quick stream "
+                            r"in modes.quick \(has 2\)")
 
     def test_rejects_no_quick_in_a_domain(self):
-        self.assert_invalid(self.mutated(lambda m: m["streams"][0].update(quick=False)),
-                            "exactly one quick")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["quick"].remove("code-1")),
+                            r"domain cuda_cpp_code must have exactly one quick .*\(has 0\)")
+
+    def test_rejects_old_shape_and_wrong_corpus_id(self):
+        def old(m):
+            m["name"] = m.pop("corpus_id")
+        self.assert_invalid(self.mutated(old), "corpus_id must be ninfer-ppl-1m-v1")
+        self.assert_invalid(self.mutated(lambda m: m.update(corpus_id="other")),
+                            "corpus_id must be ninfer-ppl-1m-v1")
+
+    def test_rejects_bad_path(self):
+        msg = "stream en-ref-1: path must be streams/en-ref-1.txt"
+        for bad in ("en-ref-1.txt", "streams/en-ref-2.txt", "./streams/en-ref-1.txt",
+                    "streams/../en-ref-1.txt", "/streams/en-ref-1.txt", None):
+            with self.subTest(path=bad):
+                self.assert_invalid(self.mutated(lambda m: m["streams"][0].update(path=bad)), msg)
+
+        def old(m):
+            m["streams"][0]["file"] = m["streams"][0].pop("path").split("/")[1]
+        self.assert_invalid(self.mutated(old), msg)
+
+    def test_rejects_bad_modes(self):
+        def drop(*keys):
+            def fn(m):
+                d = m
+                for k in keys[:-1]:
+                    d = d[k]
+                del d[keys[-1]]
+            return fn
+        self.assert_invalid(self.mutated(drop("modes")), "manifest: modes missing")
+        self.assert_invalid(self.mutated(lambda m: m.update(modes=["quick"])), "modes missing")
+        self.assert_invalid(self.mutated(drop("modes", "quick")), "modes.quick missing or empty")
+        self.assert_invalid(self.mutated(drop("modes", "full")), "modes.full missing or empty")
+        self.assert_invalid(self.mutated(lambda m: m["modes"].update(quick=[])),
+                            "modes.quick missing or empty")
+        self.assert_invalid(self.mutated(lambda m: m["modes"].update(full="en-ref-1")),
+                            "modes.full missing or empty")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["full"].append("nope")),
+                            "modes.full: unknown stream 'nope'")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["quick"].__setitem__(0, "en-ref-9")),
+                            "modes.quick: unknown stream 'en-ref-9'")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["quick"].__setitem__(0, 1)),
+                            "modes.quick: unknown stream 1")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["quick"].append("code-1")),
+                            "modes.quick: duplicate stream id code-1")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["full"].append("zh-ref-2")),
+                            "modes.full: duplicate stream id zh-ref-2")
+        self.assert_invalid(self.mutated(lambda m: m["modes"]["full"].remove("zh-ref-2")),
+                            r"modes.full must list all 16 streams \(lacks zh-ref-2\)")
+
+    def test_refusal_is_one_line_from_main(self):
+        m = self.mutated(lambda m: m["modes"].pop("quick"))
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "manifest.json"
+            path.write_text(json.dumps(m), encoding="utf-8")
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                rc = build.main(["--manifest", str(path), "--out", str(Path(d) / "out"),
+                                 "--offline", "--quick"])
+        self.assertEqual(rc, 1)
+        self.assertEqual(err.getvalue(), "error: manifest: modes.quick missing or empty\n")
 
     def test_rejects_wrong_domains(self):
         self.assert_invalid(self.mutated(lambda m: m["domains"].pop()), "4 domains")
         self.assert_invalid(self.mutated(lambda m: m["streams"][0].update(domain="fr-ref")),
                             "unknown domain")
+        # the old domain ids are no longer known
+        self.assert_invalid(self.mutated(lambda m: m["streams"][0].update(domain="en-ref")),
+                            "stream en-ref-1: unknown domain 'en-ref'")
 
     def test_rejects_bad_recipe(self):
         self.assert_invalid(
