@@ -128,8 +128,8 @@ fn main() {
             "kv roundtrip",
             per_layer
                 * time(reps, || {
-                    kk.par_chunks_mut(HD).for_each(|c| kv.roundtrip_k(c));
-                    vv.par_chunks_mut(HD).for_each(|c| kv.roundtrip_v(c));
+                    kk.par_chunks_mut(HD).for_each(|c| kv.roundtrip_k(0, c));
+                    vv.par_chunks_mut(HD).for_each(|c| kv.roundtrip_v(0, c));
                 }),
             0.0,
         ));

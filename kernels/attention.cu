@@ -325,3 +325,6 @@ ATTN_ENTRIES(nvfp4, E_NVFP4, E_NVFP4)
 #if defined(KV_ALL) || defined(KV_ONLY_k8v4)
 ATTN_ENTRIES(k8v4, E_FP8, E_NVFP4)
 #endif
+#if defined(KV_ALL) || defined(KV_ONLY_fp8tensor)
+ATTN_ENTRIES(fp8tensor, E_FP8T, E_FP8T)
+#endif

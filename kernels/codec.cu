@@ -51,6 +51,7 @@ CODEC_ENTRIES(f16, E_F16)
 CODEC_ENTRIES(int8, E_INT8)
 CODEC_ENTRIES(fp8, E_FP8)
 CODEC_ENTRIES(nvfp4, E_NVFP4)
+CODEC_ENTRIES(fp8tensor, E_FP8T)
 
 // Element codecs on their own: e4m3fn and e2m1 codes of n values (one thread each).
 // Grid: (ceil(n / 256)), block 256.

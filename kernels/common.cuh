@@ -47,6 +47,7 @@ __device__ __forceinline__ bool is_finite_f32(float v) {
 #define E_FP8 3
 #define E_NVFP4 4
 #define E_F16 5
+#define E_FP8T 6
 
 // ---------------------------------------------------------------- bfloat16
 
@@ -295,10 +296,13 @@ __device__ __forceinline__ void hadamard_warp(float (&v)[NK], int D) {
 //   fp8    data: u8[n*D] (e4m3fn),   scale: u16[n] (FP16, one per vector)
 //   nvfp4  data: u8[n*ceil(D/2)] (element 2j in the low nibble of byte j),
 //          bscale: u8[n*ceil(D/16)] (e4m3fn, one per 16 elements)
+//   fp8tensor data: u8[n*D] (e4m3fn) under `tscale`, this tensor's f32 scale for the layer
+//          (vLLM's per-tensor FP8: divide, convert saturating; decode multiplies)
 struct KvTensor {
     void* data;
     u16* scale;
     u8* bscale;
+    float tscale;
 };
 
 // Dequantized value of element `j` of vector `i`; exactly the CPU decoder.
@@ -315,6 +319,8 @@ __device__ __forceinline__ float kv_load(const KvTensor& t, i64 i, int j, int D)
         return int8_decode(((const i8*)t.data)[i * D + j], f16_to_f32(t.scale[i * ng + (j >> 6)]));
     } else if (E == E_FP8) {
         return fp8_decode(((const u8*)t.data)[i * D + j], f16_to_f32(t.scale[i]));
+    } else if (E == E_FP8T) {
+        return fp8_decode(((const u8*)t.data)[i * D + j], t.tscale);
     } else {
         int half = (D + 1) >> 1, nb = (D + 15) >> 4;
         u32 byte = ((const u8*)t.data)[i * half + (j >> 1)];
@@ -351,6 +357,10 @@ __device__ __forceinline__ float2 kv_load2(const KvTensor& t, i64 i, int j, int 
         float s = f16_to_f32(t.scale[i]);
         r.x = fp8_decode(p[0], s);
         r.y = fp8_decode(p[1], s);
+    } else if (E == E_FP8T) {
+        const u8* p = (const u8*)t.data + i * D + j;
+        r.x = fp8_decode(p[0], t.tscale);
+        r.y = fp8_decode(p[1], t.tscale);
     } else {
         int half = (D + 1) >> 1, nb = (D + 15) >> 4;
         u32 byte = ((const u8*)t.data)[i * half + (j >> 1)];
@@ -421,6 +431,15 @@ __device__ __forceinline__ void kv_store_warp(const KvTensor& t, i64 i, int D, c
             if (j < D) ((u8*)t.data)[i * D + j] = (u8)(s != 0.0f ? e4m3_from_f32(__fmul_rn(v[k], r)) : 0u);
         }
         if (lane == 0) t.scale[i] = sh;
+        return;
+    }
+    if (E == E_FP8T) {
+        // One f32 division, then the saturating conversion (src/kv/fp8_tensor.rs).
+#pragma unroll
+        for (int k = 0; k < NK; ++k) {
+            int j = lane + 32 * k;
+            if (j < D) ((u8*)t.data)[i * D + j] = (u8)e4m3_from_f32(__fdiv_rn(v[k], t.tscale));
+        }
         return;
     }
     // nvfp4: blocks of 16 elements, no vector scale. Element l + 32k lies in block

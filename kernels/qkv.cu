@@ -173,3 +173,6 @@ QKV_ENTRIES(nvfp4, E_NVFP4, E_NVFP4)
 #if defined(KV_ALL) || defined(KV_ONLY_k8v4)
 QKV_ENTRIES(k8v4, E_FP8, E_NVFP4)
 #endif
+#if defined(KV_ALL) || defined(KV_ONLY_fp8tensor)
+QKV_ENTRIES(fp8tensor, E_FP8T, E_FP8T)
+#endif

@@ -72,9 +72,15 @@ pub struct Args {
     /// Main KV representation, as the seed's engine defines them: fp8 (FP8 E4M3, one FP16
     /// scale per row), bf16 (V in FP16), int8 (FP16 scale per 64), nvfp4 (E4M3 scale per 16),
     /// k8v4 (fp8 keys, nvfp4 values); keys Hadamard-rotated in every quantized one, values in
-    /// nvfp4 and k8v4. f32 is the exact reference
+    /// nvfp4 and k8v4. f32 is the exact reference; fp8-tensor is vLLM's default FP8 cache
+    /// (one f32 scale per layer for K and for V, 1.0 unless --kv-scales, no rotation)
     #[arg(long, default_value = "fp8", value_name = "DTYPE")]
     pub kv_dtype: String,
+
+    /// fp8-tensor's calibrated scales: a JSON file {"k_scale": S or [S per layer],
+    /// "v_scale": ...} (vLLM's k_scale / v_scale); default 1.0 for every layer
+    #[arg(long, value_name = "FILE")]
+    pub kv_scales: Option<PathBuf>,
 
     /// Score only the first N tokens of each stream (bounded smoke runs).
     #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = count)]
@@ -230,6 +236,8 @@ pub struct RunConfig {
     pub input: Input,
     pub protocol: Protocol,
     pub kv: KvDtype,
+    /// `--kv-scales`: read once the model's layer count is known ([`crate::run`]).
+    pub kv_scales: Option<PathBuf>,
     pub max_tokens: Option<usize>,
     pub output: Option<PathBuf>,
     pub device: DeviceRequest,
@@ -260,6 +268,12 @@ impl Args {
     pub fn validate(self) -> Result<RunConfig> {
         let protocol = Protocol::new(self.context, self.stride)?;
         let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
+        if self.kv_scales.is_some() && kv.tensor_scales().is_none() {
+            bail!(
+                "--kv-scales: only --kv-dtype fp8-tensor has per-tensor scales (got --kv-dtype {})",
+                kv.name()
+            );
+        }
         let device =
             DeviceRequest::parse(&self.device).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
         let precision = self
@@ -332,6 +346,7 @@ impl Args {
             threads: self.threads,
             max_memory: self.max_memory,
             verify_artifact: self.verify_artifact,
+            kv_scales: self.kv_scales,
             show_calibration: self.show_calibration,
             plot: self.plot,
             reference,

@@ -25,7 +25,7 @@ cargo build --release --quiet --bin ninfer-perplexity --features fault-injection
   --target-dir target/fault-injection
 bin=target/fault-injection/release/ninfer-perplexity
 out="$(mktemp -d)"
-for kv in f32 bf16 fp8 int8 k8v4 nvfp4; do
+for kv in f32 bf16 fp8 fp8-tensor int8 k8v4 nvfp4; do
   for e in 0 1e-7 -1e-7; do
     dir="$out/$kv"; [ "$e" = 0 ] || dir="$out/$kv@$e"
     fault=(); [ "$e" = 0 ] || fault=(NINFER_TEST_FAULT="embed-scale=$e")
@@ -38,7 +38,7 @@ done
 python3 - "$out" "$max" "$ctx" "$stride" "$art" > "$result" <<'PY'
 import json, sys, os
 out, mx, ctx, st, art = sys.argv[1:]
-kvs = ["f32", "bf16", "fp8", "int8", "k8v4", "nvfp4"]
+kvs = ["f32", "bf16", "fp8", "fp8-tensor", "int8", "k8v4", "nvfp4"]
 reps = {k: json.load(open(os.path.join(out, k, "report.json"))) for k in kvs}
 def perturbed(k, e):
     r = json.load(open(os.path.join(out, f"{k}@{e}", "report.json")))

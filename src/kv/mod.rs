@@ -3,7 +3,9 @@
 //! A representation says how post-RoPE keys and values are stored in the KV cache. The five
 //! names the seed spec uses (`bf16`, `int8`, `fp8`, `nvfp4`, `k8v4`) mean exactly the formats
 //! of the seed's engine, NInfer (`BFloat16`, `Int8Group64`, `Fp8E4M3Row256`, `Nvfp4Group16`,
-//! `Fp8KeyNvfp4Value`); `f32` is this project's exact reference. See `docs/kv-formats.md`.
+//! `Fp8KeyNvfp4Value`); `f32` is this project's exact reference and `fp8-tensor` vLLM's
+//! deployed default (one f32 scale per layer for K and for V, [`fp8_tensor`]). See
+//! `docs/kv-formats.md`.
 //!
 //! The CPU code in this module is the specification: the CUDA path stores the same bits.
 //! Per (token, KV head) vector of `head_dim` values, the engine
@@ -23,11 +25,11 @@
 //! like a full one.
 
 use anyhow::{bail, Result};
-use serde::{Deserialize, Serialize};
 
 pub mod bf16;
 pub mod f16;
 pub mod fp8;
+pub mod fp8_tensor;
 pub mod hadamard;
 pub mod int8;
 pub mod nvfp4;
@@ -55,8 +57,7 @@ pub(crate) fn amax(x: &[f32]) -> f32 {
 }
 
 /// The storage format of keys and values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvDtype {
     F32,
     Bf16,
@@ -64,6 +65,27 @@ pub enum KvDtype {
     Fp8,
     Nvfp4,
     K8v4,
+    /// vLLM's per-tensor FP8 with the run's per-layer scales (one set per process: the
+    /// scales are read once and live as long as it).
+    Fp8Tensor(&'static fp8_tensor::TensorScales),
+}
+
+/// vLLM's default: every scale 1.0.
+static DEFAULT_TENSOR_SCALES: fp8_tensor::TensorScales = fp8_tensor::TensorScales {
+    source: None,
+    k: Vec::new(),
+    v: Vec::new(),
+};
+
+impl Eq for fp8_tensor::TensorScales {}
+
+impl std::hash::Hash for fp8_tensor::TensorScales {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.source.hash(h);
+        for x in self.k.iter().chain(&self.v) {
+            x.to_bits().hash(h);
+        }
+    }
 }
 
 /// Which stored tensors a representation rotates ([`KvDtype::rotation`]).
@@ -83,16 +105,19 @@ pub enum Elem {
     Int8,
     Fp8,
     Nvfp4,
+    /// E4M3 codes under a per-tensor f32 scale ([`fp8_tensor`]).
+    Fp8Tensor,
 }
 
 impl KvDtype {
-    pub const ALL: [KvDtype; 6] = [
+    pub const ALL: [KvDtype; 7] = [
         KvDtype::Bf16,
         KvDtype::Int8,
         KvDtype::Fp8,
         KvDtype::Nvfp4,
         KvDtype::K8v4,
         KvDtype::F32,
+        KvDtype::Fp8Tensor(&DEFAULT_TENSOR_SCALES),
     ];
 
     pub fn name(self) -> &'static str {
@@ -103,6 +128,37 @@ impl KvDtype {
             KvDtype::Fp8 => "fp8",
             KvDtype::Nvfp4 => "nvfp4",
             KvDtype::K8v4 => "k8v4",
+            KvDtype::Fp8Tensor(_) => "fp8-tensor",
+        }
+    }
+
+    /// The name as it appears in kernel entry points (a C identifier).
+    pub fn ident(self) -> &'static str {
+        match self {
+            KvDtype::Fp8Tensor(_) => "fp8tensor",
+            other => other.name(),
+        }
+    }
+
+    /// `fp8-tensor` with `scales` (given once per process: they are kept for its lifetime).
+    pub fn fp8_tensor_with(scales: fp8_tensor::TensorScales) -> KvDtype {
+        KvDtype::Fp8Tensor(Box::leak(Box::new(scales)))
+    }
+
+    /// The per-layer scales of `fp8-tensor`, `None` for every other representation.
+    pub fn tensor_scales(self) -> Option<&'static fp8_tensor::TensorScales> {
+        match self {
+            KvDtype::Fp8Tensor(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The f32 scale layer `layer`'s keys (`Stored` key) or values are divided by before
+    /// conversion: `fp8-tensor`'s, 1.0 (unused) for every other representation.
+    pub fn layer_scales(self, layer: usize) -> (f32, f32) {
+        match self {
+            KvDtype::Fp8Tensor(s) => (s.k(layer), s.v(layer)),
+            _ => (1.0, 1.0),
         }
     }
 
@@ -123,6 +179,7 @@ impl KvDtype {
             KvDtype::Int8 => Elem::Int8,
             KvDtype::Fp8 | KvDtype::K8v4 => Elem::Fp8,
             KvDtype::Nvfp4 => Elem::Nvfp4,
+            KvDtype::Fp8Tensor(_) => Elem::Fp8Tensor,
         }
     }
 
@@ -133,6 +190,7 @@ impl KvDtype {
             KvDtype::Int8 => Elem::Int8,
             KvDtype::Fp8 => Elem::Fp8,
             KvDtype::Nvfp4 | KvDtype::K8v4 => Elem::Nvfp4,
+            KvDtype::Fp8Tensor(_) => Elem::Fp8Tensor,
         }
     }
 
@@ -141,7 +199,8 @@ impl KvDtype {
     /// values in those whose values are NVFP4; nothing when `head_dim` is not a power of two
     /// (NInfer defines its formats for 256 only; this project's rule for other sizes).
     pub fn rotation(self, head_dim: usize) -> Rotation {
-        let quantized = !matches!(self, KvDtype::F32 | KvDtype::Bf16);
+        // vLLM's per-tensor FP8 rotates nothing.
+        let quantized = !matches!(self, KvDtype::F32 | KvDtype::Bf16 | KvDtype::Fp8Tensor(_));
         let fits = hadamard::applies(head_dim);
         Rotation {
             keys: quantized && fits,
@@ -155,6 +214,7 @@ impl KvDtype {
         match self {
             KvDtype::Int8 => "int8-g64".into(),
             KvDtype::Fp8 => format!("fp8-e4m3-r{head_dim}"),
+            KvDtype::Fp8Tensor(_) => "fp8-e4m3-tensor".into(),
             other => other.name().into(),
         }
     }
@@ -175,26 +235,31 @@ impl KvDtype {
                 + self.value_elem().bytes_per_vector(head_dim))
     }
 
-    /// Replaces one key vector (one token, one KV head) by what the cache gives back.
-    pub fn roundtrip_k(self, x: &mut [f32]) {
-        self.key_elem().roundtrip(x)
+    /// Replaces one key vector (one token, one KV head) of `layer` by what the cache gives
+    /// back.
+    pub fn roundtrip_k(self, layer: usize, x: &mut [f32]) {
+        self.key_elem()
+            .roundtrip_scaled(x, self.layer_scales(layer).0)
     }
 
-    /// Replaces one value vector (one token, one KV head) by what the cache gives back.
-    pub fn roundtrip_v(self, x: &mut [f32]) {
-        self.value_elem().roundtrip(x)
+    /// Replaces one value vector (one token, one KV head) of `layer` by what the cache
+    /// gives back.
+    pub fn roundtrip_v(self, layer: usize, x: &mut [f32]) {
+        self.value_elem()
+            .roundtrip_scaled(x, self.layer_scales(layer).1)
     }
 }
 
 impl Elem {
     /// Every element format.
-    pub const ALL: [Elem; 6] = [
+    pub const ALL: [Elem; 7] = [
         Elem::F32,
         Elem::Bf16,
         Elem::F16,
         Elem::Int8,
         Elem::Fp8,
         Elem::Nvfp4,
+        Elem::Fp8Tensor,
     ];
 
     pub fn name(self) -> &'static str {
@@ -205,6 +270,7 @@ impl Elem {
             Elem::Int8 => "int8",
             Elem::Fp8 => "fp8",
             Elem::Nvfp4 => "nvfp4",
+            Elem::Fp8Tensor => "fp8tensor",
         }
     }
 
@@ -228,12 +294,20 @@ impl Elem {
             Elem::Int8 => int8::bytes_per_vector(head_dim),
             Elem::Fp8 => fp8::bytes_per_vector(head_dim),
             Elem::Nvfp4 => nvfp4::bytes_per_vector(head_dim),
+            Elem::Fp8Tensor => fp8_tensor::bytes_per_vector(head_dim),
         }
     }
 
-    /// Quantize then dequantize in place (no allocation).
+    /// Quantize then dequantize in place (no allocation); `fp8tensor` under scale 1.0.
     pub fn roundtrip(self, x: &mut [f32]) {
+        self.roundtrip_scaled(x, 1.0)
+    }
+
+    /// [`Elem::roundtrip`] with `fp8tensor`'s per-tensor `scale` (ignored by the others,
+    /// whose scales come from the vector itself).
+    pub fn roundtrip_scaled(self, x: &mut [f32], scale: f32) {
         match self {
+            Elem::Fp8Tensor => fp8_tensor::roundtrip(x, scale),
             Elem::F32 => {}
             Elem::Bf16 => bf16::roundtrip(x),
             Elem::F16 => f16::roundtrip(x),
@@ -259,6 +333,7 @@ impl Elem {
             Elem::Int8 => int8::encode(x).to_bytes(),
             Elem::Fp8 => fp8::encode(x).to_bytes(),
             Elem::Nvfp4 => nvfp4::encode(x).to_bytes(),
+            Elem::Fp8Tensor => fp8_tensor::encode(x, 1.0),
         }
     }
 }

@@ -151,6 +151,10 @@ pub struct Settings {
     /// name for it and the rotations. Absent from reports older than this field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_format: Option<KvFormat>,
+    /// `fp8-tensor`'s f32 scales, per layer (keys, values) and where they came from
+    /// (`null`: vLLM's default, 1.0); absent for every other format.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_tensor_scales: Option<crate::kv::fp8_tensor::TensorScales>,
     pub kv_bytes_per_token_per_layer: usize,
     /// Layers with a Main KV (all of them, except a hybrid model's Gated DeltaNet layers).
     #[serde(default)]

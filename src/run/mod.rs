@@ -9,7 +9,7 @@ mod shard;
 use crate::cli::RunConfig;
 use crate::report::{table, write, Report};
 use crate::ui;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use inputs::Inputs;
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -66,6 +66,27 @@ pub fn default_output_base(
     p
 }
 
+/// `cfg` with `fp8-tensor`'s scales read from `path` (for the run's KV format, and the
+/// reference pass's when it is `fp8-tensor` too).
+fn with_kv_scales(cfg: &RunConfig, path: &std::path::Path, layers: usize) -> Result<RunConfig> {
+    let bytes = crate::input::read_bounded(path, "--kv-scales file", 16 << 20)
+        .with_context(|| path.display().to_string())?;
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|_| anyhow::anyhow!("{}: --kv-scales file is not UTF-8", path.display()))?;
+    let scales =
+        crate::kv::fp8_tensor::TensorScales::parse(text, layers, &path.display().to_string())
+            .map_err(|e| anyhow::anyhow!("{}: --kv-scales: {e}", path.display()))?;
+    let kv = crate::kv::KvDtype::fp8_tensor_with(scales);
+    let mut c = cfg.clone();
+    c.kv = kv;
+    if let Some(r) = c.reference.as_mut() {
+        if r.kv.tensor_scales().is_some() {
+            r.kv = kv;
+        }
+    }
+    Ok(c)
+}
+
 /// The corpus id and mode a run will report, known before its streams are read.
 fn corpus_id_and_mode(cfg: &RunConfig) -> Result<(String, String)> {
     use crate::cli::Input;
@@ -116,6 +137,14 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
     let art = crate::artifact::Artifact::open(&artifact_path)?;
     let digest = art.digest.clone();
     resolved.check_digest(&digest)?;
+    let with_scales;
+    let cfg = match &cfg.kv_scales {
+        Some(p) => {
+            with_scales = with_kv_scales(cfg, p, art.config.num_layers)?;
+            &with_scales
+        }
+        None => cfg,
+    };
     let run_id = run_id(started_unix, &digest, cfg.kv.name(), std::process::id());
     let out = match &cfg.output {
         Some(dir) => write::OutputDir::claim(dir, write::Claim::AbsentOrEmpty)?,

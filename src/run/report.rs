@@ -79,6 +79,14 @@ pub fn build(
             stride: cfg.protocol.stride,
             kv_dtype: cfg.kv.name().into(),
             kv_format: Some(report::KvFormat::of(cfg.kv, c.head_dim)),
+            kv_tensor_scales: cfg
+                .kv
+                .tensor_scales()
+                .map(|s| crate::kv::fp8_tensor::TensorScales {
+                    source: s.source.clone(),
+                    k: (0..c.num_layers).map(|l| s.k(l)).collect(),
+                    v: (0..c.num_layers).map(|l| s.v(l)).collect(),
+                }),
             kv_bytes_per_token_per_layer: cfg
                 .kv
                 .bytes_per_token_per_layer(c.num_kv_heads, c.head_dim),

@@ -86,7 +86,7 @@ impl HarnessFlags {
 
 pub const HELP: &str = "\
 Regression harness flags (given after `--`, before or among the libtest flags):
-  --kv-dtype LIST   only these KV formats: bf16, int8, fp8, nvfp4, k8v4, f32
+  --kv-dtype LIST   only these KV formats: bf16, int8, fp8, nvfp4, k8v4, f32, fp8-tensor
   --artifact LIST   only these registered artifacts (eval/registry.json)
   --device LIST     only trials on these devices: cpu, cuda (or cuda:N to pick a GPU), emu
   --tier LIST       only these tiers: cpu (short prefix, every KV format), gpu (full corpus),

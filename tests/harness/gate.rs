@@ -305,7 +305,7 @@ fn bad_flag_values_list_the_choices() {
     for (args, want) in [
         (
             &["--kv-dtype", "fp9"][..],
-            "unknown KV dtype `fp9` (valid: bf16, int8, fp8, nvfp4, k8v4, f32)",
+            "unknown KV dtype `fp9` (valid: bf16, int8, fp8, nvfp4, k8v4, f32, fp8-tensor)",
         ),
         (
             &["--tier=fast"][..],

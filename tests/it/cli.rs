@@ -330,7 +330,10 @@ fn bad_text_and_flags() {
     );
     assert_error(
         &run(&["--text", s(&ok), "--kv-dtype", "fp9"]),
-        &["fp9", "valid: bf16, int8, fp8, nvfp4, k8v4, f32"],
+        &[
+            "fp9",
+            "valid: bf16, int8, fp8, nvfp4, k8v4, f32, fp8-tensor",
+        ],
     );
     assert_error(
         &run(&["--text", s(&ok), "--device", "cuda"]),

@@ -740,3 +740,148 @@ proptest! {
         }
     }
 }
+
+/// `fp8-tensor` is vLLM's default: no rotation, E4M3 of `x / s` under one f32 scale per
+/// layer (1.0 by default), named `fp8-e4m3-tensor`.
+#[test]
+fn fp8_tensor_is_vllms_default_fp8() {
+    let k = KvDtype::parse("fp8-tensor").unwrap();
+    assert_eq!(
+        (k.key_elem(), k.value_elem()),
+        (Elem::Fp8Tensor, Elem::Fp8Tensor)
+    );
+    assert_eq!(k.format_name(256), "fp8-e4m3-tensor");
+    for d in [64, 128, 256] {
+        let r = k.rotation(d);
+        assert_eq!((r.keys, r.values), (false, false));
+    }
+    assert_eq!(k.layer_scales(5), (1.0, 1.0));
+    assert_eq!(k.bytes_per_token_per_layer(2, 256), 2 * 2 * 256);
+    // Scale 1.0 saturates past 448 and flushes below 2^-10 where the row-scaled fp8 keeps
+    // both ends.
+    for (x, tensor) in [
+        ([1000.0f32, -3.0], [448.0f32, -3.0]),
+        ([0.25, 2f32.powi(-11)], [0.25, 0.0]),
+    ] {
+        let mut t = x;
+        k.roundtrip_k(0, &mut t);
+        assert_eq!(t, tensor);
+        let mut r = x;
+        KvDtype::Fp8.roundtrip_k(0, &mut r);
+        assert!(r[0] > 0.9 * x[0] && r[1] != 0.0, "{r:?}");
+    }
+    // Per-layer scales reach their layer, keys and values apart.
+    let s = KvDtype::fp8_tensor_with(kv::fp8_tensor::TensorScales {
+        source: Some("t".into()),
+        k: vec![1.0, 4.0],
+        v: vec![0.5, 1.0],
+    });
+    let mut a = [1000.0f32];
+    s.roundtrip_k(1, &mut a);
+    assert_eq!(a, [1024.0], "1000 / 4 = 250 -> 256 (step 16) -> 1024");
+    let mut b = [300.0f32];
+    s.roundtrip_v(0, &mut b);
+    assert_eq!(b, [224.0], "300 / 0.5 saturates at 448 -> 224");
+}
+
+/// `--kv-scales` reaches the run and its report; a bad file is one line naming it, with no
+/// output left; the flag needs `--kv-dtype fp8-tensor`.
+#[test(prepared)]
+fn kv_scales_from_a_file() {
+    let tmp = crate::common::tempdir();
+    let art = crate::common::tiny_artifact(tmp.path());
+    let text = tmp.path().join("t.txt");
+    std::fs::write(
+        &text,
+        "The river rose over the old stone steps by morning. ".repeat(6),
+    )
+    .unwrap();
+    let run = |kv: &str, scales: Option<&str>, out: &str| {
+        let out = tmp.path().join(out);
+        let mut a = vec![
+            art.to_str().unwrap().to_string(),
+            "--text".into(),
+            text.to_str().unwrap().into(),
+            "--context".into(),
+            "32".into(),
+            "--stride".into(),
+            "16".into(),
+            "--kv-dtype".into(),
+            kv.into(),
+            "--output".into(),
+            out.to_str().unwrap().into(),
+        ];
+        if let Some(s) = scales {
+            let f = tmp.path().join(format!(
+                "{}.json",
+                out.file_name().unwrap().to_string_lossy()
+            ));
+            std::fs::write(&f, s).unwrap();
+            a.extend(["--kv-scales".into(), f.to_str().unwrap().into()]);
+        }
+        let args: Vec<&str> = a.iter().map(String::as_str).collect();
+        let o = crate::common::run_bin("ninfer-perplexity", &args);
+        let report = std::fs::read_to_string(out.join("report.json"))
+            .ok()
+            .map(|r| serde_json::from_str::<Value>(&r).unwrap());
+        (o, report, out)
+    };
+    let (o, plain, _) = run("fp8-tensor", None, "plain");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plain = plain.unwrap();
+    let st = &plain["settings"];
+    assert_eq!(st["kv_format"]["name"], "fp8-e4m3-tensor");
+    assert_eq!(st["kv_format"]["key_rotation"], "none");
+    let layers = plain["artifact"]["config"]["num_layers"].as_u64().unwrap() as usize;
+    assert_eq!(
+        st["kv_tensor_scales"]["k"],
+        serde_json::json!(vec![1.0; layers])
+    );
+    assert!(st["kv_tensor_scales"]["source"].is_null());
+    // Tiny scales saturate nearly everything: another result, recorded with its source.
+    let (o, scaled, _) = run(
+        "fp8-tensor",
+        Some(r#"{"k_scale": 1e-3, "v_scale": 1e-3}"#),
+        "scaled",
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let scaled = scaled.unwrap();
+    // The f32 scale, written as its shortest f32 representation.
+    assert_eq!(
+        scaled["settings"]["kv_tensor_scales"]["v"][0]
+            .as_f64()
+            .unwrap() as f32,
+        1e-3f32
+    );
+    assert!(scaled["settings"]["kv_tensor_scales"]["source"]
+        .as_str()
+        .unwrap()
+        .ends_with("scaled.json"));
+    assert_ne!(plain["overall"]["nll_sum"], scaled["overall"]["nll_sum"]);
+    // Bad files and a flag without its format.
+    for (kv, body, needle) in [
+        ("fp8-tensor", "{\"k_scale\": 1}", "missing field `v_scale`"),
+        (
+            "fp8-tensor",
+            "{\"k_scale\": [1, 1, 1, 1, 1, 1, 1, 1, 1], \"v_scale\": 1}",
+            "has 9 entries",
+        ),
+        ("fp8-tensor", "not json", "not JSON"),
+        (
+            "fp8",
+            "{\"k_scale\": 1, \"v_scale\": 1}",
+            "only --kv-dtype fp8-tensor",
+        ),
+    ] {
+        let (o, report, out) = run(kv, Some(body), "bad");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "{needle}: {err}"
+        );
+        assert!(
+            report.is_none() && !out.exists(),
+            "nothing written on failure"
+        );
+    }
+}

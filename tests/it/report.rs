@@ -102,6 +102,7 @@ fn fixed_report() -> Report {
             stride: 4,
             kv_dtype: "bf16".into(),
             kv_format: None,
+            kv_tensor_scales: None,
             kv_bytes_per_token_per_layer: 768,
             kv_layers: 30,
             kv_bytes_per_token: 30 * 768,

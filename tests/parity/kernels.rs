@@ -391,6 +391,7 @@ fn kv_exact(elem: Elem, n: usize, d: usize) -> (usize, usize, usize) {
         Elem::Bf16 | Elem::F16 => (2 * n * d, 0, 0),
         Elem::Int8 => (n * d, 2 * n * d.div_ceil(64), 0),
         Elem::Fp8 => (n * d, 2 * n, 0),
+        Elem::Fp8Tensor => (n * d, 0, 0),
         Elem::Nvfp4 => (n * d.div_ceil(2), 0, n * d.div_ceil(16)),
     }
 }
@@ -422,6 +423,7 @@ impl Stored {
             data: self.data.ptr,
             scale: self.scale.ptr,
             bscale: self.bscale.ptr,
+            tscale: 1.0,
         }
     }
     /// Vector i's bytes in the CPU's `encode_bytes` layout: payload, block scales, scales.
@@ -724,8 +726,8 @@ fn cpu_attention(
         );
         let mut kk = k[ks.clone()].to_vec();
         let mut vv = v[ks].to_vec();
-        kk.chunks_mut(d).for_each(|x| kv.roundtrip_k(x));
-        vv.chunks_mut(d).for_each(|x| kv.roundtrip_v(x));
+        kk.chunks_mut(d).for_each(|x| kv.roundtrip_k(0, x));
+        vv.chunks_mut(d).for_each(|x| kv.roundtrip_v(0, x));
         let shape = AttnShape {
             tokens: t,
             q_heads: hq,
@@ -1144,6 +1146,10 @@ fn planted_kernel_faults_fail_these_checks() {
         (
             "nvfp4-scale-unclamped",
             "kv::codecs_store_the_cpu_bits::emu",
+        ),
+        (
+            "fp8tensor-multiplies",
+            "kv::per_tensor_scales_store_the_cpu_bits::emu",
         ),
         (
             "hadamard-sign",

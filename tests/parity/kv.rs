@@ -10,11 +10,13 @@
 //! every `cargo test`), and on a CUDA GPU (`<check>::cuda`: reported ignored where there is
 //! none; `ci/gpu-check.sh` runs them).
 
-use ninfer_perplexity::backend::cuda::codec::{element_codes, encode_with, STORE_VARIANTS};
+use ninfer_perplexity::backend::cuda::codec::{
+    element_codes, encode_scaled, encode_with, STORE_VARIANTS,
+};
 use ninfer_perplexity::backend::cuda::device::Gpu;
-use ninfer_perplexity::kv::{fp8, nvfp4, Elem};
+use ninfer_perplexity::kv::{fp8, fp8_tensor, nvfp4, Elem};
 
-const ELEMS: [Elem; 6] = Elem::ALL;
+const ELEMS: [Elem; 7] = Elem::ALL;
 
 use crate::common::rng::Rng;
 
@@ -91,6 +93,42 @@ fn check_variant(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize, what: &s
 device_case!(codecs_store_the_cpu_bits, |dev| codecs_store_the_cpu_bits(
     &dev.gpu()
 ));
+
+device_case!(per_tensor_scales_store_the_cpu_bits, |dev| {
+    per_tensor_scales_store_the_cpu_bits(&dev.gpu())
+});
+
+/// `fp8tensor` under scales other than 1.0 (the standalone codecs above use 1.0): the
+/// device divides by the scale and multiplies back exactly as `kv::fp8_tensor`.
+fn per_tensor_scales_store_the_cpu_bits(g: &Gpu) {
+    for scale in [0.0123f32, 3.5, 2f32.powi(-20), 1e20] {
+        for d in [8, 64, 128, 256] {
+            for (what, x) in [
+                ("random", random_vectors(61, d, d as u64 * 17 + 3)),
+                ("edge", edge_vectors(d)),
+            ] {
+                let nk = ninfer_perplexity::backend::cuda::codec::store_variant(d);
+                let got = encode_scaled(g, Elem::Fp8Tensor, &x, d, nk, scale)
+                    .unwrap_or_else(|e| panic!("{e:#}"));
+                for (i, vec) in x.chunks(d).enumerate() {
+                    assert_eq!(
+                        got.stored[i],
+                        fp8_tensor::encode(vec, scale),
+                        "{what} scale {scale:e} d={d} vector {i} stored bytes"
+                    );
+                    let mut rt = vec.to_vec();
+                    fp8_tensor::roundtrip(&mut rt, scale);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got.decoded[i * d..(i + 1) * d]),
+                        bits(&rt),
+                        "{what} scale {scale:e} d={d} vector {i} decoded"
+                    );
+                }
+            }
+        }
+    }
+}
 
 device_case!(codecs_match_the_reference_fixtures, |dev| {
     codecs_match_the_reference_fixtures(&dev.gpu())

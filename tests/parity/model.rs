@@ -123,16 +123,15 @@ fn parity_tokens() -> usize {
 
 /// The corpus's quick streams (one per domain), tokenized and cut.
 fn quick_streams(tok: &dyn Fn(&str) -> Vec<u32>, max: usize) -> Vec<(String, Vec<u32>)> {
-    let dir = repo().join("eval/corpora/perplexity-1m");
-    let m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let c = ninfer_perplexity::corpus::Corpus::open(
+        &repo().join("eval/corpora/perplexity-1m/manifest.json"),
+        None,
+    )
+    .unwrap();
     let mut out = Vec::new();
-    for s in m["streams"].as_array().unwrap() {
-        if s["quick"].as_bool() != Some(true) {
-            continue;
-        }
-        let id = s["id"].as_str().unwrap().to_string();
-        let p = dir.join("streams").join(format!("{id}.txt"));
+    for s in c.select(true, &[]).unwrap() {
+        let id = s.id.clone();
+        let p = c.file_of(s);
         let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
             panic!(
                 "{}: {e} (build the corpus: bash ci/prepare.sh)",
@@ -208,7 +207,8 @@ fn run_case(run: &Run, case: &str, artifact: &Path, streams: &[(String, Vec<u32>
     .unwrap();
     let t = std::time::Instant::now();
     let mut cpu_lps = Vec::new();
-    for kv in KvDtype::ALL {
+    let kvs = kv_matrix(cpu.artifact.config.num_layers);
+    for &kv in &kvs {
         let per: Vec<Vec<f32>> = streams
             .iter()
             .map(|(_, ids)| {
@@ -234,7 +234,7 @@ fn run_case(run: &Run, case: &str, artifact: &Path, streams: &[(String, Vec<u32>
         let every_kv = run.target != Target::Emulated
             || precision == Precision::F32
             || m.attention_kernel() != AttnKernel::F32;
-        for (ki, kv) in KvDtype::ALL.into_iter().enumerate() {
+        for (ki, &kv) in kvs.iter().enumerate() {
             if !every_kv && !matches!(kv, KvDtype::F32 | KvDtype::Nvfp4) {
                 continue;
             }
@@ -261,7 +261,7 @@ fn run_case(run: &Run, case: &str, artifact: &Path, streams: &[(String, Vec<u32>
                 stream_d.push(serde_json::json!({"stream": id, "cpu_mean_nll": mean_nll(want), "cuda_mean_nll": mean_nll(&g)}));
             }
             emit(serde_json::json!({
-                "case": case, "device": device, "precision": precision.name(), "kv": kv.name(),
+                "case": case, "device": device, "precision": precision.name(), "kv": kv_label(kv),
                 "attention": format!("{:?}", m.attention_kernel()),
                 "max_abs_dlogprob": c.max_abs_lp, "max_stream_dmean_nll": c.max_stream_dmean,
                 "max_stream_rel_dmean_nll": worst_rel,
@@ -273,7 +273,7 @@ fn run_case(run: &Run, case: &str, artifact: &Path, streams: &[(String, Vec<u32>
                     failures.push(format!(
                         "{case} on {device} {} {}: per-stream {what} |Δ mean NLL| {got:.3e} > {bound:e}",
                         precision.name(),
-                        kv.name(),
+                        kv_label(kv),
                     ));
                 }
             };
@@ -793,5 +793,27 @@ fn a_non_finite_state_gate_fails_with_the_cpu_message() {
             .unwrap_err()
             .to_string();
         assert_eq!(e_gpu, e_cpu, "{}", precision.name());
+    }
+}
+
+/// Every KV representation, and `fp8-tensor` once more under calibrated-looking scales that
+/// differ per layer (so the per-layer scale reaches each layer's store and load).
+fn kv_matrix(layers: usize) -> Vec<KvDtype> {
+    let mut v = KvDtype::ALL.to_vec();
+    v.push(KvDtype::fp8_tensor_with(
+        ninfer_perplexity::kv::fp8_tensor::TensorScales {
+            source: Some("per-layer test scales".into()),
+            k: (0..layers).map(|l| 0.125 * (l + 1) as f32).collect(),
+            v: (0..layers).map(|l| 3.0 / (l + 2) as f32).collect(),
+        },
+    ));
+    v
+}
+
+/// The representation's name, marking `fp8-tensor` with given scales.
+fn kv_label(kv: KvDtype) -> String {
+    match kv.tensor_scales() {
+        Some(s) if s.source.is_some() => format!("{}(scaled)", kv.name()),
+        _ => kv.name().to_string(),
     }
 }

@@ -34,8 +34,20 @@ pub fn encode_decode(gpu: &Gpu, elem: Elem, x: &[f32], d: usize) -> Result<Devic
 }
 
 /// Encodes through the store with `nk` values per lane (2, 4 or 8; `d <= 32 nk`), decodes
-/// through the attention loader.
+/// through the attention loader (`fp8tensor` under scale 1.0).
 pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Result<DeviceCodec> {
+    encode_scaled(gpu, elem, x, d, nk, 1.0)
+}
+
+/// [`encode_with`] under the per-tensor scale `tscale` (`fp8tensor`; the others ignore it).
+pub fn encode_scaled(
+    gpu: &Gpu,
+    elem: Elem,
+    x: &[f32],
+    d: usize,
+    nk: usize,
+    tscale: f32,
+) -> Result<DeviceCodec> {
     if d == 0 || d > plan::MAX_HEAD_DIM || !x.len().is_multiple_of(d) {
         bail!(
             "vectors of {d} values: 1..={} and a whole number of them",
@@ -58,6 +70,7 @@ pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Res
         data: data.ptr,
         scale: scale.ptr,
         bscale: bscale.ptr,
+        tscale,
     };
     let name = elem.name();
     gpu.launch(
@@ -89,7 +102,7 @@ pub fn encode_with(gpu: &Gpu, elem: Elem, x: &[f32], d: usize, nk: usize) -> Res
     let payload_per = match elem {
         Elem::F32 => 4 * d,
         Elem::Bf16 | Elem::F16 => 2 * d,
-        Elem::Int8 | Elem::Fp8 => d,
+        Elem::Int8 | Elem::Fp8 | Elem::Fp8Tensor => d,
         Elem::Nvfp4 => d.div_ceil(2),
     };
     // FP16 scales per vector: one per 64 elements (int8), one (fp8).

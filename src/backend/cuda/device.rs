@@ -259,7 +259,8 @@ pub fn pack_args(args: &[Arg]) -> Vec<[u64; 4]> {
                 Arg::I64(v) => s[0] = v as u64,
                 Arg::F32(v) => s[0] = v.to_bits() as u64,
                 Arg::F64(v) => s[0] = v.to_bits(),
-                Arg::Kv(t) => s[..3].copy_from_slice(&t),
+                // `{void*, u16*, u8*, float}`: the float at byte 24, low half of s[3].
+                Arg::Kv(t) => s.copy_from_slice(&t),
             }
             s
         })

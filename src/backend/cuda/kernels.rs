@@ -59,10 +59,10 @@ pub const MODULES: [KernelModule; 8] = [
     },
 ];
 
-/// KV representation names as they appear in entry points (`KvDtype::name`).
-pub const KV_NAMES: [&str; 6] = ["f32", "bf16", "int8", "fp8", "nvfp4", "k8v4"];
+/// KV representation names as they appear in entry points (`KvDtype::ident`).
+pub const KV_NAMES: [&str; 7] = ["f32", "bf16", "int8", "fp8", "nvfp4", "k8v4", "fp8tensor"];
 /// Element formats of the standalone codecs (`Elem::name`).
-const ELEM_NAMES: [&str; 6] = ["f32", "bf16", "f16", "int8", "fp8", "nvfp4"];
+const ELEM_NAMES: [&str; 7] = ["f32", "bf16", "f16", "int8", "fp8", "nvfp4", "fp8tensor"];
 
 /// What NVRTC compiles: a module, for one KV representation when the module is per-KV.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -201,14 +201,14 @@ mod tests {
     #[test]
     fn every_launched_entry_has_a_program() {
         for kv in KvDtype::ALL {
-            assert!(KV_NAMES.contains(&kv.name()));
+            assert!(KV_NAMES.contains(&kv.ident()));
             for hd in [8, 64, 128, 256] {
                 let q = qkv_entry(kv, hd).unwrap();
                 assert_eq!(
                     Program::of(&q),
                     Some(Program {
                         module: "qkv",
-                        kv: Some(kv.name())
+                        kv: Some(kv.ident())
                     }),
                     "{q}"
                 );
@@ -218,14 +218,14 @@ mod tests {
                         Program::of(&a),
                         Some(Program {
                             module: "attention",
-                            kv: Some(kv.name())
+                            kv: Some(kv.ident())
                         }),
                         "{a}"
                     );
                 }
             }
         }
-        for e in [Elem::F32, Elem::Bf16, Elem::Int8, Elem::Fp8, Elem::Nvfp4] {
+        for e in Elem::ALL {
             assert_eq!(
                 Program::of(&format!("kv_encode_{}_nk4", e.name()))
                     .unwrap()

@@ -20,8 +20,9 @@ pub enum Arg {
     I64(i64),
     F32(f32),
     F64(f64),
-    /// A `KvTensor` struct: payload, f32 scales, u8 block scales.
-    Kv([u64; 3]),
+    /// A `KvTensor` struct: payload, FP16 scales, u8 block scales, then the f32 tensor
+    /// scale's bits.
+    Kv([u64; 4]),
 }
 
 /// A device address holding elements of `T` (`Any` for a `void*` whose element type a flag
@@ -55,13 +56,14 @@ pub enum Int4 {}
 /// CUDA's `int2` (two `i32`).
 pub enum Int2 {}
 
-/// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, f32 scales, u8
-/// block scales.
+/// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, FP16 scales, u8
+/// block scales, and the layer's f32 tensor scale (`fp8-tensor`; 1.0 and unused otherwise).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvArg {
     pub data: u64,
     pub scale: u64,
     pub bscale: u64,
+    pub tscale: f32,
 }
 
 /// A Rust value that is one kernel parameter of a known C type.
@@ -118,7 +120,12 @@ impl KernelParam for f64 {
 impl KernelParam for KvArg {
     const C_TYPE: &'static str = "KvTensor";
     fn arg(&self) -> Arg {
-        Arg::Kv([self.data, self.scale, self.bscale])
+        Arg::Kv([
+            self.data,
+            self.scale,
+            self.bscale,
+            self.tscale.to_bits() as u64,
+        ])
     }
 }
 

@@ -45,8 +45,8 @@ impl AttnKernel {
     /// The kernel's entry point for a KV representation.
     pub fn entry(self, kv: KvDtype) -> String {
         match self {
-            AttnKernel::Mma { head_dim } => format!("attn_mma_{}_d{head_dim}", kv.name()),
-            AttnKernel::F32 => format!("attn_f32_{}", kv.name()),
+            AttnKernel::Mma { head_dim } => format!("attn_mma_{}_d{head_dim}", kv.ident()),
+            AttnKernel::F32 => format!("attn_f32_{}", kv.ident()),
         }
     }
 
@@ -74,7 +74,7 @@ pub fn qkv_entry(kv: KvDtype, head_dim: usize) -> Result<String> {
             bail!("head_dim {head_dim} is outside what the CUDA kernels take (1..={MAX_HEAD_DIM})")
         }
     };
-    Ok(format!("qkv_prep_{}_nk{nk}", kv.name()))
+    Ok(format!("qkv_prep_{}_nk{nk}", kv.ident()))
 }
 
 /// Warps per block of the q/k/v preparation kernel (one warp per vector).
@@ -169,6 +169,7 @@ pub fn kv_arrays(elem: Elem, n: usize, head_dim: usize) -> (usize, usize, usize)
             0,
         ),
         Elem::Fp8 => (r(n * head_dim), r(2 * n), 0),
+        Elem::Fp8Tensor => (r(n * head_dim), 0, 0),
         Elem::Nvfp4 => (r(n * head_dim.div_ceil(2)), 0, r(n * head_dim.div_ceil(16))),
     }
 }

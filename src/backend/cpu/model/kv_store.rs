@@ -47,8 +47,8 @@ pub fn store(
     }
     check_finite(x, kv_heads, head_dim, checked, layer, first)?;
     x.par_chunks_mut(head_dim).for_each(|vec| match part {
-        Stored::Key => kv.roundtrip_k(vec),
-        Stored::Value => kv.roundtrip_v(vec),
+        Stored::Key => kv.roundtrip_k(layer, vec),
+        Stored::Value => kv.roundtrip_v(layer, vec),
     });
     Ok(())
 }

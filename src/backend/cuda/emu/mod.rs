@@ -57,7 +57,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 17] = [
+pub const FAULTS: [Fault; 18] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -147,6 +147,12 @@ pub const FAULTS: [Fault; 17] = [
         what: "the nvfp4 block scale is not clamped to the smallest e4m3 (2^-9) before rounding",
         from: "fminf(fmaxf(__fdiv_rn(bam, 6.0f), 0.001953125f), 448.0f)",
         to: "fminf(__fdiv_rn(bam, 6.0f), 448.0f)",
+    },
+    Fault {
+        name: "fp8tensor-multiplies",
+        what: "fp8-tensor multiplies by its per-tensor scale before converting instead of dividing",
+        from: "e4m3_from_f32(__fdiv_rn(v[k], t.tscale))",
+        to: "e4m3_from_f32(__fmul_rn(v[k], t.tscale))",
     },
     Fault {
         name: "hadamard-sign",

@@ -55,8 +55,8 @@ impl CudaModel {
                 win: p.ints(Ints::Windows, 0),
                 q_out: Ptr::new(b.q.ptr),
                 q_bf16: matches!(self.attention_kernel(), AttnKernel::Mma { .. }) as i32,
-                kt: b.k.arg(),
-                vt: b.v.arg(),
+                kt: b.k.arg(p.kv.layer_scales(li).0),
+                vt: b.v.arg(p.kv.layer_scales(li).1),
                 err: Ptr::new(b.err.ptr),
                 layer: li as i32,
                 rows: m as i64,
@@ -68,7 +68,7 @@ impl CudaModel {
                 eps,
             },
         )?;
-        self.launch_attention(b, p)?;
+        self.launch_attention(li, b, p)?;
         if p.kv.rotation(hd).values {
             // Values were stored rotated: the attention output goes back, head by head.
             g.launch(
@@ -107,8 +107,9 @@ impl CudaModel {
 
     /// Causal attention of every tile's query rows over their window's stored keys and
     /// values, into `attn`.
-    fn launch_attention(&self, b: &Buffers, p: &Pass) -> Result<()> {
+    fn launch_attention(&self, li: usize, b: &Buffers, p: &Pass) -> Result<()> {
         let (kv, tiles, n_tiles) = (p.kv, &p.tiles, p.n_tiles);
+        let (ks, vs) = kv.layer_scales(li);
         let c = &self.config;
         let k = self.attention_kernel();
         let entry = k.entry(kv);
@@ -122,8 +123,8 @@ impl CudaModel {
                 0,
                 &launch::AttnMma {
                     q: Ptr::new(b.q.ptr),
-                    kt: b.k.arg(),
-                    vt: b.v.arg(),
+                    kt: b.k.arg(ks),
+                    vt: b.v.arg(vs),
                     tiles: Ptr::new(tiles.ptr),
                     out: Ptr::new(b.attn.ptr),
                     hq: c.num_heads as i32,
@@ -140,8 +141,8 @@ impl CudaModel {
                     smem,
                     &launch::AttnF32 {
                         q: Ptr::new(b.q.ptr),
-                        kt: b.k.arg(),
-                        vt: b.v.arg(),
+                        kt: b.k.arg(ks),
+                        vt: b.v.arg(vs),
                         tiles: Ptr::new(tiles.ptr),
                         out: Ptr::new(b.attn.ptr),
                         out_bf16: self.bf16_out(),

@@ -21,11 +21,14 @@ pub(super) struct KvBufs {
 }
 
 impl KvBufs {
-    pub(super) fn arg(&self) -> KvArg {
+    /// The tensor as a kernel argument, with its per-tensor scale for this layer
+    /// ([`KvDtype::layer_scales`]).
+    pub(super) fn arg(&self, tscale: f32) -> KvArg {
         KvArg {
             data: self.data.ptr,
             scale: self.scale.ptr,
             bscale: self.bscale.ptr,
+            tscale,
         }
     }
 }

@@ -28,7 +28,7 @@ impl CudaModel {
             return Ok(());
         }
         let mut st = self.state.lock().unwrap();
-        let kvn = kv.name();
+        let kvn = kv.ident();
         self.gpu.prepare(&[
             Program {
                 module: "attention",
