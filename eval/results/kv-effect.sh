@@ -4,6 +4,10 @@
 # writes a markdown table of mean NLL and ΔNLL vs f32 to eval/results/kv-effect-<name>.md
 # (`smollm2` for the default; the registry name otherwise).
 #
+# The plain run of each quantized format also scores every window with f32 KV
+# (`--reference-kv f32`): full-vocabulary KL(f32 ‖ format), top-1 agreement and the paired
+# ΔNLL with its interval, a second table.
+#
 # Each format also runs twice more with the embeddings scaled by 1 ± 1e-7
 # (NINFER_TEST_FAULT=embed-scale=±1e-7, far below float32 model noise). Quantized formats
 # round K and V, so such a harmless change flips a few roundings; the spread of those three
@@ -29,10 +33,11 @@ for kv in f32 bf16 fp8 fp8-tensor int8 k8v4 nvfp4; do
   for e in 0 1e-7 -1e-7; do
     dir="$out/$kv"; [ "$e" = 0 ] || dir="$out/$kv@$e"
     fault=(); [ "$e" = 0 ] || fault=(NINFER_TEST_FAULT="embed-scale=$e")
+    ref=(); [ "$e" != 0 ] || [ "$kv" = f32 ] || ref=(--reference-kv f32)
     env "${fault[@]}" "$bin" "$art" \
       --corpus eval/corpora/perplexity-1m/manifest.json --quick \
       --max-tokens "$max" --context "$ctx" --stride "$stride" \
-      --kv-dtype "$kv" --output "$dir" --log-level error >/dev/null
+      --kv-dtype "$kv" "${ref[@]}" --output "$dir" --log-level error >/dev/null
   done
 done
 python3 - "$out" "$max" "$ctx" "$stride" "$art" > "$result" <<'PY'
@@ -67,6 +72,16 @@ for k in kvs:
     rot = "K" * (f["key_rotation"] != "none") + "V" * (f["value_rotation"] != "none")
     print(f"| {k} | {f['name']}{' (' + rot + ' rotated)' if rot else ''} | {r['settings']['kv_bytes_per_token_per_layer']} | " + " | ".join(cells)
           + f" | {o:.5f} | {o - ref['overall']['mean_nll']:+.5f} | {spread(k):.5f} | {r['overall']['ppl']:.4f} |")
+print("\nAgainst f32 KV at every scored position (the same run, `--reference-kv f32`): KL(f32 ‖ kv) in")
+print("nats, top-1 agreement, and the paired ΔNLL (kv − f32) with its 95% interval over windows.\n")
+print("| kv | mean KL | median KL | p99 KL | max KL | top-1 agreement | paired ΔNLL | 95% CI |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|")
+for k in kvs[1:]:
+    x = reps[k]["overall"]["reference"]
+    assert reps[k]["settings"]["reference"]["kv_dtype"] == "f32", k
+    lo, hi = x["delta_nll_ci95"]
+    print(f"| {k} | {x['mean_kld']:.3e} | {x['kld_median']:.3e} | {x['kld_p99']:.3e} | {x['kld_max']:.3e} "
+          f"| {x['top1_agreement']:.5f} | {x['delta_nll']:+.5f} | [{lo:+.5f}, {hi:+.5f}] |")
 print(f"\nArtifact digest `{ref['artifact']['digest']}`, {ref['overall']['scored']} scored tokens per format.")
 PY
 rm -rf "$out"
