@@ -61,46 +61,31 @@ fn lock_is_stale(lock: &Path) -> bool {
 /// `.`, `_` and `-` kept, anything else `_`, no leading dot, at most 160 bytes; never a path
 /// that leaves the directory it is joined to.
 pub fn safe_component(s: &str) -> String {
-    let mut out: String = s
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(160)
-        .collect();
-    while out.starts_with('.') {
-        out.replace_range(..1, "_");
-    }
-    if out.is_empty() {
-        out.push_str("run");
-    }
-    out
+    component(s, '_', "run")
 }
 
 /// One component of the seed engine's default output path: ASCII letters, digits, `-`, `_`
 /// and `.` kept, anything else `-`, empty `unknown` (its rule); and, beyond it, no leading
 /// dot (so never `.` or `..`) and at most 160 bytes.
 pub fn seed_component(s: &str) -> String {
+    component(s, '-', "unknown")
+}
+
+/// `s` with characters other than ASCII letters, digits, `.`, `_`, `-` replaced by `other`,
+/// cut to 160 characters, a leading dot replaced too (so never `.` or `..`), `empty` when
+/// nothing is left.
+fn component(s: &str, other: char, empty: &str) -> String {
+    let keep = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
     let mut out: String = s
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '-'
-            }
-        })
+        .map(|c| if keep(c) { c } else { other })
         .take(160)
         .collect();
-    while out.starts_with('.') {
-        out.replace_range(..1, "-");
+    if out.starts_with('.') {
+        out.replace_range(..1, other.encode_utf8(&mut [0; 4]));
     }
     if out.is_empty() {
-        out.push_str("unknown");
+        out.push_str(empty);
     }
     out
 }
@@ -315,6 +300,10 @@ mod tests {
         assert_eq!(safe_component(".."), "_.");
         assert_eq!(safe_component(""), "run");
         assert_eq!(safe_component(&"a".repeat(500)).len(), 160);
+        // The seed engine's rule, for the default output directory's components.
+        assert_eq!(seed_component("qwen3.5 27b/nvfp4"), "qwen3.5-27b-nvfp4");
+        assert_eq!(seed_component(".."), "-.");
+        assert_eq!(seed_component(""), "unknown");
         for s in ["../../etc/x", "/abs", "..", "a/../.."] {
             let p = Path::new("profiles/perplexity").join(safe_component(s));
             assert_eq!(p.components().count(), 3, "{s}: {}", p.display());
