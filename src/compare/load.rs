@@ -114,11 +114,39 @@ pub fn check_numbers(r: &Report) -> Result<()> {
             );
         }
         if let Some(routing) = &s.routing {
-            routing
+            let sum = routing
                 .tokens_per_expert
                 .iter()
                 .try_fold(0u64, |a, &b| a.checked_add(b))
                 .ok_or_else(|| anyhow!("stream `{}`: the routing counts overflow", s.id))?;
+            // Every routed row is one processed token in one sparse layer, sent to top-k
+            // experts: more assignments than that were never made.
+            let moe = r.artifact.config.moe.as_ref().ok_or_else(|| {
+                anyhow!(
+                    "stream `{}`: routing counts for a model without experts",
+                    s.id
+                )
+            })?;
+            if routing.tokens_per_expert.len() != moe.num_experts {
+                bail!(
+                    "stream `{}`: routing counts for {} experts, the model has {}",
+                    s.id,
+                    routing.tokens_per_expert.len(),
+                    moe.num_experts
+                );
+            }
+            let sparse = moe.sparse_layers.iter().filter(|&&x| x).count() as u128;
+            let most = s.processed_tokens as u128 * sparse * moe.num_experts_per_tok as u128;
+            if sum as u128 > most || routing.assignments != sum {
+                bail!(
+                    "stream `{}`: {} routing assignments (`assignments` {}) for {} processed tokens, {sparse} sparse layers and top-{}: at most {most}",
+                    s.id,
+                    sum,
+                    routing.assignments,
+                    s.processed_tokens,
+                    moe.num_experts_per_tok
+                );
+            }
         }
     }
     Ok(())

@@ -79,6 +79,11 @@ pub fn validate(rows: usize, cols: usize, codes: &[u8], scale: &Fp8Scale) -> Res
     if let Some(s) = scale.values().iter().find(|s| !s.is_finite()) {
         bail!("an fp8 scale is {s}; scales must be finite");
     }
+    // The largest code, 448, times the scale must stay finite: a finite scale past
+    // f32::MAX / 448 would dequantize to infinities.
+    if let Some(s) = scale.values().iter().find(|s| !(448.0 * **s).is_finite()) {
+        bail!("an fp8 scale is {s:e}; 448 times it overflows f32 (the weights would be infinite)");
+    }
     if let Some(i) = codes.iter().position(|&b| b & 0x7F == 0x7F) {
         bail!("fp8 code {i} is an e4m3 NaN code (0x{:02X})", codes[i]);
     }
@@ -187,6 +192,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("must be finite"));
+        let mut huge = t.clone();
+        huge.scale = Fp8Scale::Block(vec![1e36]);
+        assert!(huge
+            .dequantize()
+            .unwrap_err()
+            .to_string()
+            .contains("448 times it overflows"));
         let mut chan = t.clone();
         chan.scale = Fp8Scale::Channel(vec![1.0]);
         assert!(chan

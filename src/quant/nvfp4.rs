@@ -112,6 +112,14 @@ pub fn validate(
     if !(g.is_finite() && g > 0.0) {
         bail!("the global scale is {g}; it must be a positive finite number");
     }
+    // The largest block value, 6 · 448 = 2688, through the global scale must stay finite.
+    let largest = match global {
+        Global::Multiply(g) => 2688.0 * g,
+        Global::Divide(g) => 2688.0 / g,
+    };
+    if !largest.is_finite() {
+        bail!("the global scale is {g:e}; the largest weight it gives (6 · 448 through it) overflows f32");
+    }
     Ok(())
 }
 
@@ -268,6 +276,15 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("global scale is 0"));
+        for g in [Global::Multiply(1e36), Global::Divide(1e-36)] {
+            let mut huge = t.clone();
+            huge.global = g;
+            assert!(huge
+                .dequantize()
+                .unwrap_err()
+                .to_string()
+                .contains("overflows f32"));
+        }
         let mut short = t.clone();
         short.packed.pop();
         assert!(short

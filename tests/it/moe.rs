@@ -155,6 +155,31 @@ fn a_moe_run_reports_its_routing() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let mr = report(&m);
     assert_eq!(mr["streams"][0]["routing"], r["streams"][0]["routing"]);
+    // Routing counts past what the shard's tokens could have made are refused, naming them.
+    let doctored = tmp.path().join("doctored");
+    std::fs::create_dir(&doctored).unwrap();
+    let mut v = report(&b);
+    let at = &mut v["streams"][0]["routing"];
+    at["tokens_per_expert"][0] = serde_json::json!(1u64 << 40);
+    let sum: u64 = at["tokens_per_expert"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .sum();
+    at["assignments"] = sum.into();
+    std::fs::write(doctored.join("report.json"), v.to_string()).unwrap();
+    let m2 = tmp.path().join("m2");
+    let o = common::run_bin(
+        "ninfer-perplexity",
+        &["merge", s(&a), s(&doctored), "--output", s(&m2)],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("routing assignments") && err.contains("at most"),
+        "{err}"
+    );
+    assert!(!m2.exists());
 
     // The CUDA model on the emulated device routes the same tokens to the same experts
     // (its grouping is built from its own router's choices) and reports the same balance.

@@ -412,6 +412,12 @@ fn broken_quantized_checkpoints_are_refused_by_name() {
         Some((t, s, 0f32.to_le_bytes().to_vec()))
     });
     common::pack_fails(&d, &[&format!("{UP}.weight"), "global scale is 0"]);
+    // A finite global scale whose largest weight (6 · 448 times it) is past f32.
+    let d = fresh("modelopt-nvfp4", "huge-global");
+    edit(&d, format!("{UP}.weight_scale_2"), &|(t, s, _)| {
+        Some((t, s, 1e36f32.to_le_bytes().to_vec()))
+    });
+    common::pack_fails(&d, &[&format!("{UP}.weight"), "overflows f32"]);
     let d = fresh("modelopt-nvfp4", "nan-block-scale");
     edit(&d, format!("{UP}.weight_scale"), &|(t, s, mut b)| {
         b[3] = 0x7F;
