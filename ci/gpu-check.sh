@@ -169,23 +169,23 @@ if rows:
 for r in par:
     if r.get("check") == "batching":
         print(f"batching {r['precision']}/{r['kv']}: one window per pass vs packed, max |dlp| {r['max_abs_dlogprob']:.2e}")
-sm = {kv: load(f"smollm2-{kv}.json") for kv in ["f32", "bf16", "int8", "fp8", "nvfp4", "k8v4"]}
+sm = {kv: load(f"smollm2-{kv}.json") for kv in ["f32", "bf16", "int8", "fp8", "fp8-tensor", "nvfp4", "k8v4"]}
 if any(sm.values()):
     cpu = {}
     for (case, kv), v in rows.items():
         if case.startswith("smollm2") and "bf16" in v:
             cpu[kv] = v["bf16"]["max_stream_dmean_nll"]
     print("== SmolLM2-135M, quick corpus, context 4096 / stride 2048, --device cuda (bf16 mode) ==")
-    print(f"{'kv':<6} {'tokens/s':>10} {'mean NLL':>9} {'vs f32':>8} {'|dNLL| vs CPU*':>14} {'peak RSS':>9}")
+    print(f"{'kv':<10} {'tokens/s':>10} {'mean NLL':>9} {'vs f32':>8} {'|dNLL| vs CPU*':>14} {'peak RSS':>9}")
     base = sm["f32"]["overall"]["mean_nll"] if sm.get("f32") else None
     for kv, r in sm.items():
         if not r:
-            print(f"{kv:<6} {'failed':>10}")
+            print(f"{kv:<10} {'failed':>10}")
             continue
         m = r["overall"]["mean_nll"]
         d = f"{m-base:+.4f}" if base is not None else "-"
         c = f"{cpu[kv]:.2e}" if kv in cpu else "-"
-        print(f"{kv:<6} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
+        print(f"{kv:<10} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
     print("  * CPU comparison from the parity step (first tokens of each quick stream, context 512 / stride 256)")
 for name in ("bench.json", "bench-hybrid.json", "bench-moe.json"):
   b = load(name)
@@ -402,7 +402,7 @@ NINFER_BENCH_OUT="$work/bench.json" NINFER_BENCH_LAYERS="${GPU_CHECK_LAYERS:-36}
   NINFER_BENCH_WINDOWS="${GPU_CHECK_WINDOWS:-16}" step bench 300 "$(tb cuda)"
 # 7. SmolLM2 quick corpus, default protocol, every KV format, on the GPU.
 if [ -f models/smollm2-135m-bf16.ninfer ]; then
-  for kv in f32 bf16 int8 fp8 nvfp4 k8v4; do
+  for kv in f32 bf16 int8 fp8 fp8-tensor nvfp4 k8v4; do
     step "smollm2-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
       --quick --device cuda --kv-dtype "$kv" --output "$work/run-$kv" --log-level warn
     [ -f "$work/run-$kv/report.json" ] && cp "$work/run-$kv/report.json" "$work/smollm2-$kv.json"
