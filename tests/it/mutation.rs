@@ -1,6 +1,7 @@
 //! A bounded mutation test of every parser a user's file reaches: the `.ninfer` reader (and
 //! loading and scoring what it accepts), the GGUF reader, the corpus manifest and the
-//! Hugging Face config. Valid inputs are flipped, truncated, extended and have header fields
+//! Hugging Face config, a run's `report.json` (as `compare` loads, compares and plots it) and
+//! `--kv-scales` files. Valid inputs are flipped, truncated, extended and have header fields
 //! rewritten with hostile values (huge, negative, zero, wrong types), a few thousand cases
 //! from a fixed seed. Every case must end in `Ok` or in one error line, never a panic, and
 //! no case may allocate more than [`ALLOC_LIMIT`] bytes at once (a size taken from a header
@@ -349,8 +350,92 @@ fn parsers_survive_mutated_inputs() {
         }
     }
 
+    // A run's report.json as `compare` and `merge` read it: loaded, compared with the
+    // original, its table and both plots rendered (bounded by what they draw, not by what the
+    // file claims); and `--kv-scales` files.
+    let art = dir.path().join("base.ninfer"); // tiny_ninfer's, unchanged
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "Rain fell on the quiet town all night. ".repeat(12)).unwrap();
+    let run = dir.path().join("run");
+    let o = common::run_bin(
+        "ninfer-perplexity",
+        &[
+            art.to_str().unwrap(),
+            "--text",
+            text.to_str().unwrap(),
+            "--context",
+            "32",
+            "--stride",
+            "16",
+            "--output",
+            run.to_str().unwrap(),
+            "--log-level",
+            "error",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let base_path = run.join("report.json");
+    let base_bytes = std::fs::read(&base_path).unwrap();
+    let base = ninfer_perplexity::compare::load::load(&base_path).unwrap();
+    let mut reports = byte_mutants(&base_bytes, base_bytes.len(), 300, &mut rng);
+    let v: Value = serde_json::from_slice(&base_bytes).unwrap();
+    for (what, m) in json_mutants(&v, 900, &mut rng) {
+        reports.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    let n_reports = reports.len();
+    let accepted_before = t.accepted;
+    let case_report = dir.path().join("case.json");
+    for (what, b) in reports {
+        std::fs::write(&case_report, &b).unwrap();
+        t.case(&format!("report.json {what}"), || {
+            use ninfer_perplexity::compare;
+            let new = compare::load::load(&case_report)?;
+            ninfer_perplexity::report::plot::run_plot(&new.report)?;
+            let c = compare::compare(&base, &new)?;
+            // An accepted comparison's statistics are finite: a report whose sums overflow
+            // must have been refused (the panic counts as misbehaviour).
+            for r in c.streams.iter().chain(&c.domains).chain([&c.overall]) {
+                let p = &r.paired;
+                let mut xs = vec![p.base_mean_nll, p.new_mean_nll, p.delta_nll];
+                xs.extend(p.delta_nll_std_err);
+                xs.extend(p.delta_nll_ci95.into_iter().flatten());
+                xs.extend(p.window_correlation);
+                assert!(
+                    xs.iter().all(|x| x.is_finite()),
+                    "row `{}`: a non-finite statistic was computed: {xs:?}",
+                    r.id
+                );
+            }
+            compare::table::render(&c);
+            compare::plot::compare_plot(&base, &new, &c)?;
+            Ok(())
+        });
+    }
+    let reports_accepted = t.accepted - accepted_before;
+    assert!(
+        reports_accepted > 0 && reports_accepted < n_reports,
+        "report mutants: {reports_accepted} of {n_reports} accepted (compare must run on some)"
+    );
+    let scales: Value = serde_json::json!({"k_scale": [0.5, 1.0], "v_scale": 2.0});
+    let scale_bytes = serde_json::to_vec(&scales).unwrap();
+    let mut scale_cases = byte_mutants(&scale_bytes, scale_bytes.len(), 200, &mut rng);
+    for (what, m) in json_mutants(&scales, 200, &mut rng) {
+        scale_cases.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    let n_scales = scale_cases.len();
+    for (what, b) in scale_cases {
+        t.case(&format!("--kv-scales {what}"), || {
+            ninfer_perplexity::kv::fp8_tensor::TensorScales::parse(
+                &String::from_utf8_lossy(&b),
+                2,
+                "case",
+            )
+            .map(drop)
+        });
+    }
+
     println!(
-        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json); {} accepted, {} refused with one error line",
+        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json, {n_reports} report.json ({reports_accepted} compared and plotted), {n_scales} --kv-scales); {} accepted, {} refused with one error line",
         t.tried,
         t.accepted,
         t.tried - t.accepted - t.failures.len()
