@@ -171,6 +171,21 @@ fn read_stdin_bounded(limit: u64) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The stream id of a `--text` input: its file name (`stdin` for `-`), as the seed engine.
+pub fn text_stream_id(path: &Path) -> String {
+    if path == Path::new("-") {
+        return "stdin".into();
+    }
+    path.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "text".into())
+}
+
+/// The corpus id of a `--text` run whose stream is `stream_id`: `custom-<file name>`.
+pub fn text_corpus_id(stream_id: &str) -> String {
+    format!("custom-{stream_id}")
+}
+
 /// Reads a `--text` file as one stream; `-` is standard input (a pipe or a file), read up to
 /// the same cap as a file ([`MAX_TEXT_BYTES`]).
 pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
@@ -187,18 +202,14 @@ pub fn load_text_file(path: &Path) -> Result<LoadedStream> {
     }
     let sha256 = sha256_hex(&bytes);
     let text = decode_utf8(bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let (id, report_path) = if path == Path::new("-") {
-        ("stdin".to_string(), "-".to_string())
+    let report_path = if path == Path::new("-") {
+        "-".to_string()
     } else {
         let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-        let id = path
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "text".into());
-        (id, abs.display().to_string())
+        abs.display().to_string()
     };
     Ok(LoadedStream {
-        id,
+        id: text_stream_id(path),
         // The seed engine's domain (and mode) for a `--text` run.
         domain: "custom".into(),
         path: path.to_path_buf(),

@@ -18,7 +18,7 @@
 //! Inputs must be finite (the engine checks first); a scale must be positive and finite
 //! ([`TensorScales::parse`] refuses anything else).
 
-use super::fp8::{e4m3_from_f32, e4m3_to_f32};
+use super::fp8::{e4m3_from_f32, e4m3_round, e4m3_to_f32};
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
@@ -39,10 +39,11 @@ pub fn decode(codes: &[u8], scale: f32, out: &mut [f32]) {
     }
 }
 
-/// In place, bit for bit `decode(encode(x, scale), scale)`.
+/// In place, bit for bit `decode(encode(x, scale), scale)` (fp8's code-free rounding, which
+/// saturates an infinite quotient as the encoder does).
 pub fn roundtrip(x: &mut [f32], scale: f32) {
     for v in x.iter_mut() {
-        *v = e4m3_to_f32(e4m3_from_f32(*v / scale)) * scale;
+        *v = e4m3_round(*v / scale) * scale;
     }
 }
 

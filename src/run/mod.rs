@@ -98,16 +98,10 @@ fn corpus_id_and_mode(cfg: &RunConfig) -> Result<(String, String)> {
             let mode = if *quick { "quick" } else { "full" };
             (c.manifest.corpus_id, mode.to_string())
         }
-        Input::Text(p) => {
-            let name = if p.as_os_str() == "-" {
-                "stdin".to_string()
-            } else {
-                p.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "text".into())
-            };
-            (format!("custom-{name}"), "custom".to_string())
-        }
+        Input::Text(p) => (
+            crate::corpus::text_corpus_id(&crate::corpus::text_stream_id(p)),
+            "custom".to_string(),
+        ),
     })
 }
 

@@ -217,7 +217,7 @@ fn corpus_info(cfg: &RunConfig, inputs: &Inputs, stream_count: usize) -> report:
         },
         None => {
             let s = inputs.streams.first().map(|p| &p.stream);
-            let id = format!("custom-{}", s.map_or("text", |s| s.id.as_str()));
+            let id = crate::corpus::text_corpus_id(s.map_or("text", |s| s.id.as_str()));
             report::CorpusInfo {
                 id: id.clone(),
                 mode: "custom".into(),
