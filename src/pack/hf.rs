@@ -22,11 +22,11 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// sha256 and size of a file, for provenance.
-pub fn source_file(path: &Path) -> Result<SourceFile> {
+/// sha256 and size of a file, for provenance; `what` names its role in errors.
+pub fn source_file(path: &Path, what: &str) -> Result<SourceFile> {
     use std::io::Read;
-    let (mut f, _) = crate::input::open_regular(path, "an input file")
-        .with_context(|| path.display().to_string())?;
+    let (mut f, _) =
+        crate::input::open_regular(path, what).with_context(|| path.display().to_string())?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut bytes = 0u64;
@@ -236,7 +236,10 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     if shards.is_empty() {
         bail!("{}: no *.safetensors files", dir.display());
     }
-    let mut source_files = vec![source_file(&cfg_path)?, source_file(&tok_path)?];
+    let mut source_files = vec![
+        source_file(&cfg_path, "config.json")?,
+        source_file(&tok_path, "the tokenizer")?,
+    ];
     let hybrid = config.family.is_qwen3_5();
     let mut tensors = Vec::new();
     let mut source_dtypes = BTreeMap::new();
@@ -245,7 +248,7 @@ pub fn read_hf_dir(dir: &Path, tokenizer: Option<&Path>) -> Result<PackSource> {
     let claim = super::hf_quant::read_claim(dir, &cfg_json)?;
     let mut quant_parts = BTreeMap::new();
     for shard in &shards {
-        source_files.push(source_file(shard)?);
+        source_files.push(source_file(shard, "a safetensors shard")?);
         let (file, _) = crate::input::open_regular(shard, "a safetensors shard")
             .with_context(|| shard.display().to_string())?;
         // SAFETY: read-only mapping of a file this process does not modify.

@@ -159,3 +159,32 @@ pub fn tiny_artifact(dir: &Path) -> PathBuf {
     );
     out
 }
+
+/// `dir/mini.ninfer`: a random-weight artifact of 2 layers (hidden 32, vocab 260) with the
+/// byte tokenizer, made in memory in milliseconds; for tests of file handling that need a
+/// valid artifact but no prepared model.
+pub fn mini_artifact(dir: &Path) -> PathBuf {
+    use ninfer_perplexity::pack::random::{write_random_artifact, RandomSpec};
+    let mut c = ninfer_perplexity::model::presets::preset("smollm2-135m").unwrap();
+    (
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_layers,
+    ) = (260, 32, 48, 2);
+    (
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.max_position_embeddings,
+    ) = (4, 2, 8, 512);
+    let p = dir.join("mini.ninfer");
+    let spec = RandomSpec {
+        config: c,
+        seed: 3,
+        tokenizer_json: None,
+        quantize: None,
+    };
+    write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
+    p
+}

@@ -585,12 +585,8 @@ fn outputs_never_replace_a_device_or_a_pipe() {
         20,
     );
     assert_error(&o, &["the output is not a regular file"]);
-    let o = run_with_deadline(
-        "ninfer-pack",
-        &["random", "--layers", "1", "-o", "/dev/null"],
-        20,
-    );
-    assert_error(&o, &["/dev/null: the output is not a regular file"]);
+    // Device nodes: hostile_files.rs, against a private node, never the real /dev/null (a
+    // writer that lost its check would replace it when the tests run as root).
     use std::os::unix::fs::FileTypeExt;
     assert!(std::fs::metadata(&p).unwrap().file_type().is_fifo());
     let art = common::tiny_artifact(d);

@@ -19,6 +19,8 @@ mod cli;
 mod corpus;
 // Hostile and edge-case inputs, one test per class, including races and FIFOs.
 mod bad_input;
+// Every reader and writer of both binaries against FIFOs, devices, links and directories.
+mod hostile_files;
 // Bounded mutation of every parser a user's file reaches.
 mod mutation;
 // `compare`: paired deltas of two runs and every way two files fail to be comparable.

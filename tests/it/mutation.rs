@@ -15,8 +15,6 @@ use common::gguf_synth::{Rng, Synth, Val};
 use ninfer_perplexity::corpus::Manifest;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
-use ninfer_perplexity::model::presets::preset;
-use ninfer_perplexity::pack::random::{write_random_artifact, RandomSpec};
 use ninfer_perplexity::pack::{gguf, hf};
 use ninfer_perplexity::score::Protocol;
 use serde_json::Value;
@@ -205,32 +203,6 @@ fn json_mutants(base: &Value, n: usize, rng: &mut Rng) -> Vec<(String, Value)> {
         .collect()
 }
 
-/// A tiny valid artifact (2 layers, byte tokenizer).
-fn tiny_ninfer(dir: &Path) -> Vec<u8> {
-    let mut c = preset("smollm2-135m").unwrap();
-    (
-        c.vocab_size,
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_layers,
-    ) = (260, 32, 48, 2);
-    (
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.max_position_embeddings,
-    ) = (4, 2, 8, 512);
-    let p = dir.join("base.ninfer");
-    let spec = RandomSpec {
-        config: c,
-        seed: 3,
-        tokenizer_json: None,
-        quantize: None,
-    };
-    write_random_artifact(&spec, &p, &mut |_, _| {}).unwrap();
-    std::fs::read(p).unwrap()
-}
-
 /// Opens an artifact the way the evaluator does and scores a few tokens with it.
 fn load_and_score(p: &Path) -> anyhow::Result<()> {
     let opts = LoadOptions {
@@ -274,7 +246,7 @@ fn parsers_survive_mutated_inputs() {
     let case_path = dir.path().join("case");
 
     // .ninfer: bytes, the safetensors header, and the config inside its metadata.
-    let base = tiny_ninfer(dir.path());
+    let base = std::fs::read(common::mini_artifact(dir.path())).unwrap();
     let (header, data_at) = header_of(&base);
     let mut ninfer: Vec<(String, Vec<u8>)> = byte_mutants(&base, data_at, 1200, &mut rng);
     for (what, h) in json_mutants(&header, 500, &mut rng) {
@@ -353,7 +325,7 @@ fn parsers_survive_mutated_inputs() {
     // A run's report.json as `compare` and `merge` read it: loaded, compared with the
     // original, its table and both plots rendered (bounded by what they draw, not by what the
     // file claims); and `--kv-scales` files.
-    let art = dir.path().join("base.ninfer"); // tiny_ninfer's, unchanged
+    let art = dir.path().join("mini.ninfer"); // mini_artifact's, unchanged
     let text = dir.path().join("t.txt");
     std::fs::write(&text, "Rain fell on the quiet town all night. ".repeat(12)).unwrap();
     let run = dir.path().join("run");

@@ -288,7 +288,7 @@ pub fn read_gguf(path: &Path) -> Result<PackSource> {
         *source_dtypes.entry(t.ggml_type.name()).or_insert(0usize) += 1;
     }
     // Read, not mapped: hashing a mapping would make the whole file resident.
-    let sha256 = super::hf::source_file(&gguf.path)?.sha256;
+    let sha256 = super::hf::source_file(&gguf.path, "the GGUF file")?.sha256;
     Ok(PackSource {
         config,
         tokenizer_json,
