@@ -340,10 +340,13 @@ fn check_shape(v: &Value) -> Result<()> {
                         if k != "abs" && k != "rel" {
                             bail!("{tat}: unknown field `{k}` (fields: abs, rel)");
                         }
+                        // 1 nat/token, or 100% of the value, passes any regression: that
+                        // is a disabled check, not a tolerance (and a huge `rel` would make
+                        // the allowed drift infinite).
                         match x.as_f64() {
-                            Some(x) if x.is_finite() && x >= 0.0 => {}
+                            Some(x) if x.is_finite() && (0.0..1.0).contains(&x) => {}
                             _ => bail!(
-                                "{}: expected a non-negative number, found {x}",
+                                "{}: expected a number in [0, 1) (nats/token for abs, a fraction for rel), found {x}",
                                 at(&format!("tolerance.{class}.{k}"))
                             ),
                         }

@@ -35,11 +35,7 @@ impl Tokenizer {
 
     /// Token ids of `text`, special tokens added as the tokenizer's post-processor says.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
-        Ok(enc.get_ids().to_vec())
+        Ok(self.encode_with_offsets(text)?.get_ids().to_vec())
     }
 
     /// The first `n` tokens of `text` (all of them when it has fewer), and the UTF-8 bytes
@@ -90,9 +86,12 @@ impl Tokenizer {
             .collect())
     }
 
+    /// Every call into the `tokenizers` library that encodes: some malformed parts load and
+    /// only panic here (a template naming a special token it does not define), which is bad
+    /// input, reported as one error.
     fn encode_with_offsets(&self, text: &str) -> Result<tokenizers::Encoding> {
-        self.inner
-            .encode(text, true)
+        quietly(|| self.inner.encode(text, true))
+            .map_err(|_| anyhow!("tokenization failed: a malformed part of tokenizer.json made the tokenizers library give up"))?
             .map_err(|e| anyhow!("tokenization failed: {e}"))
     }
 }

@@ -570,7 +570,13 @@ fn malformed_registry_names_the_file_and_the_field() {
             format!(
                 r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"rel": -1}}}}}}]}}"#
             ),
-            "`artifacts[0].tolerance.cpu.rel`: expected a non-negative number",
+            "`artifacts[0].tolerance.cpu.rel`: expected a number in [0, 1)",
+        ),
+        (
+            format!(
+                r#"{{"schema_version": 1, "artifacts": [{{{entry}, "tolerance": {{"cpu": {{"rel": 1e308}}}}}}]}}"#
+            ),
+            "`artifacts[0].tolerance.cpu.rel`: expected a number in [0, 1) (nats/token for abs, a fraction for rel), found 1e+308",
         ),
         (
             format!(

@@ -1,7 +1,8 @@
 //! A bounded mutation test of every parser a user's file reaches: the `.ninfer` reader (and
 //! loading and scoring what it accepts), the GGUF reader, the corpus manifest and the
-//! Hugging Face config, a run's `report.json` (as `compare` loads, compares and plots it) and
-//! `--kv-scales` files. Valid inputs are flipped, truncated, extended and have header fields
+//! Hugging Face config, a run's `report.json` (as `compare` loads, compares and plots it),
+//! `--kv-scales` files, the registry, a `tokenizer.json`, a Hugging Face safetensors shard
+//! (packed, loaded and scored) and a shard set as `merge` combines it. Valid inputs are flipped, truncated, extended and have header fields
 //! rewritten with hostile values (huge, negative, zero, wrong types), a few thousand cases
 //! from a fixed seed. Every case must end in `Ok` or in one error line, never a panic, and
 //! no case may allocate more than [`ALLOC_LIMIT`] bytes at once (a size taken from a header
@@ -238,6 +239,101 @@ fn with_header(h: &Value, data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A small byte-level BPE tokenizer.json with the parts real ones have: merges, an added
+/// special token, a normalizer, a sequence pre-tokenizer and a BOS template. The vocabulary
+/// holds only the bytes of the texts encoded here, so that field mutations reach every part.
+fn small_bpe_tokenizer() -> Value {
+    let mut vocab = serde_json::Map::new();
+    for c in "helo mutaing,\n".chars() {
+        let k = match c {
+            ' ' => "Ġ".to_string(),
+            '\n' => "Ċ".to_string(),
+            c => c.to_string(),
+        };
+        let n = vocab.len();
+        vocab.entry(k).or_insert(serde_json::json!(n));
+    }
+    let merges = [
+        "h e", "l l", "he ll", "hell o", "Ġ m", "t i", "ti o", "tio n",
+    ];
+    for m in merges {
+        let n = vocab.len();
+        vocab.insert(m.replace(' ', ""), serde_json::json!(n));
+    }
+    let bos = vocab.len();
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{"id": bos, "content": "<s>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\s+|[a-z]+"}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}}},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges}
+    })
+}
+
+/// `dir`: the tiny qwen3 fixture cut to a 260-token vocabulary (so a case packs in
+/// milliseconds) with the byte tokenizer; returns its model.safetensors bytes.
+fn small_hf_dir(dir: &Path) -> Vec<u8> {
+    use common::checkpoint::{read_safetensors, write_safetensors};
+    std::fs::create_dir_all(dir).unwrap();
+    let fixture = common::repo().join("eval/fixtures/tiny-qwen3");
+    let mut config: Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = serde_json::json!(260);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        ninfer_perplexity::artifact::random::byte_tokenizer_json(),
+    )
+    .unwrap();
+    let mut tensors = read_safetensors(&fixture.join("model.safetensors"));
+    for (name, _, shape, bytes) in &mut tensors {
+        if name == "model.embed_tokens.weight" {
+            bytes.truncate(260 * shape[1] * 2);
+            shape[0] = 260;
+        }
+    }
+    let p = dir.join("model.safetensors");
+    write_safetensors(&p, &tensors);
+    std::fs::read(p).unwrap()
+}
+
+/// Paths of the sums and means in a report's JSON that are not finite numbers (serde writes
+/// a non-finite f64 as null).
+fn non_finite_sums(v: &Value, at: &str, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let here = format!("{at}.{k}");
+                if ["nll_sum", "total_nll", "mean_nll", "nll_sq_sum"].contains(&k.as_str())
+                    && !x.as_f64().is_some_and(f64::is_finite)
+                {
+                    out.push(format!("{here} = {x}"));
+                }
+                non_finite_sums(x, &here, out);
+            }
+        }
+        Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                non_finite_sums(x, &format!("{at}[{i}]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
 #[test]
 fn parsers_survive_mutated_inputs() {
     let dir = common::tempdir();
@@ -406,8 +502,142 @@ fn parsers_survive_mutated_inputs() {
         });
     }
 
+    // The registry (eval/registry.json or NINFER_REGISTRY): loaded, and every gate and
+    // tolerance it accepts usable (finite thresholds, a valid gate).
+    let reg_base = std::fs::read(common::repo().join("eval/registry.json")).unwrap();
+    let mut reg_cases = byte_mutants(&reg_base, reg_base.len(), 300, &mut rng);
+    let v: Value = serde_json::from_slice(&reg_base).unwrap();
+    for (what, m) in json_mutants(&v, 500, &mut rng) {
+        reg_cases.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    let n_registry = reg_cases.len();
+    let reg_path = dir.path().join("registry.json");
+    for (what, b) in reg_cases {
+        std::fs::write(&reg_path, &b).unwrap();
+        t.case(&format!("registry {what}"), || {
+            let r = ninfer_perplexity::registry::Registry::load(&reg_path)?;
+            for e in &r.artifacts {
+                for (class, kv) in [("cpu", "fp8"), ("cuda-sm90", "nvfp4"), ("emu", "bf16")] {
+                    if let Some(tol) = e.tolerance_for(class, kv) {
+                        let a = tol.allowed(2.5);
+                        assert!(a.is_finite() && a >= 0.0, "{}: tolerance {a}", e.name);
+                    }
+                    if let Some(g) = e.gate_for(class, kv) {
+                        g.spec().validate()?;
+                    }
+                }
+            }
+            Ok(())
+        });
+    }
+
+    // A tokenizer.json (the artifact's, or the packer's --tokenizer): a byte-level BPE with
+    // merges, an added special token, a normalizer, a split pre-tokenizer and a BOS template,
+    // loaded and used to encode.
+    let tok_base = small_bpe_tokenizer();
+    let tok_bytes = serde_json::to_vec(&tok_base).unwrap();
+    ninfer_perplexity::tokenizer::Tokenizer::from_json(&String::from_utf8_lossy(&tok_bytes))
+        .expect("the base tokenizer loads");
+    let mut tok_cases = byte_mutants(&tok_bytes, tok_bytes.len(), 300, &mut rng);
+    for (what, m) in json_mutants(&tok_base, 500, &mut rng) {
+        tok_cases.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    let n_tokenizer = tok_cases.len();
+    for (what, b) in tok_cases {
+        t.case(&format!("tokenizer.json {what}"), || {
+            let tok =
+                ninfer_perplexity::tokenizer::Tokenizer::from_json(&String::from_utf8_lossy(&b))?;
+            let text = "hello mutation, hello tail\n\nhello again ".repeat(3);
+            tok.encode(&text)?;
+            tok.encode_prefix(&text, 5)?;
+            Ok(())
+        });
+    }
+
+    // A Hugging Face safetensors shard, as `ninfer-pack hf` reads it: the directory read,
+    // the artifact written, then loaded and scored.
+    let hf = dir.path().join("hf");
+    let shard_base = small_hf_dir(&hf);
+    let (sheader, sdata_at) = header_of(&shard_base);
+    let mut shard_cases = byte_mutants(&shard_base, sdata_at, 200, &mut rng);
+    for (what, h) in json_mutants(&sheader, 400, &mut rng) {
+        shard_cases.push((
+            format!("header {what}"),
+            with_header(&h, &shard_base[sdata_at..]),
+        ));
+    }
+    let n_shard = shard_cases.len();
+    let packed = dir.path().join("packed.ninfer");
+    for (what, b) in shard_cases {
+        std::fs::write(hf.join("model.safetensors"), &b).unwrap();
+        let _ = std::fs::remove_file(&packed);
+        t.case(&format!("safetensors shard {what}"), || {
+            use ninfer_perplexity::artifact::{write_artifact, WeightFormat, WeightPlan};
+            let src = hf::read_hf_dir(&hf, None)?;
+            write_artifact(&src, WeightPlan::from(WeightFormat::F32), &packed)?;
+            load_and_score(&packed)
+        });
+    }
+
+    // A shard set as `merge` reads it: shard 2 of 2 mutated, both loaded and merged, the
+    // merged report's table and plot drawn; what merges has finite sums and means.
+    let shard_dirs = [dir.path().join("s1"), dir.path().join("s2")];
+    for (i, d) in shard_dirs.iter().enumerate() {
+        let o = common::run_bin(
+            "ninfer-perplexity",
+            &[
+                art.to_str().unwrap(),
+                "--text",
+                text.to_str().unwrap(),
+                "--context",
+                "32",
+                "--stride",
+                "16",
+                "--shard",
+                &format!("{}/2", i + 1),
+                "--output",
+                d.to_str().unwrap(),
+                "--log-level",
+                "error",
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let s2_bytes = std::fs::read(shard_dirs[1].join("report.json")).unwrap();
+    let mut merge_cases = byte_mutants(&s2_bytes, s2_bytes.len(), 100, &mut rng);
+    let v: Value = serde_json::from_slice(&s2_bytes).unwrap();
+    for (what, m) in json_mutants(&v, 400, &mut rng) {
+        merge_cases.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    let n_merge = merge_cases.len();
+    let accepted_before = t.accepted;
+    let s2_case = dir.path().join("s2-case.json");
+    for (what, b) in merge_cases {
+        std::fs::write(&s2_case, &b).unwrap();
+        t.case(&format!("merge shard {what}"), || {
+            let s1 = ninfer_perplexity::compare::load::load(&shard_dirs[0]).unwrap();
+            let s2 = ninfer_perplexity::compare::load::load(&s2_case)?;
+            let rep = ninfer_perplexity::merge::merge(&[s1, s2])?;
+            let v = serde_json::to_value(&rep)?;
+            let mut bad = Vec::new();
+            non_finite_sums(&v, "", &mut bad);
+            assert!(
+                bad.is_empty(),
+                "a merged report with non-finite sums: {bad:?}"
+            );
+            ninfer_perplexity::report::table::render(&rep, true);
+            ninfer_perplexity::report::plot::run_plot(&rep)?;
+            Ok(())
+        });
+    }
+    let merges_accepted = t.accepted - accepted_before;
+    assert!(
+        merges_accepted > 0 && merges_accepted < n_merge,
+        "merge mutants: {merges_accepted} of {n_merge} merged (merge must run on some)"
+    );
+
     println!(
-        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json, {n_reports} report.json ({reports_accepted} compared and plotted), {n_scales} --kv-scales); {} accepted, {} refused with one error line",
+        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json, {n_reports} report.json ({reports_accepted} compared and plotted), {n_scales} --kv-scales, {n_registry} registry, {n_tokenizer} tokenizer.json, {n_shard} safetensors shards packed, {n_merge} merge shard sets ({merges_accepted} merged)); {} accepted, {} refused with one error line",
         t.tried,
         t.accepted,
         t.tried - t.accepted - t.failures.len()
