@@ -8,7 +8,9 @@
 //! no case may allocate more than [`ALLOC_LIMIT`] bytes at once (a size taken from a header
 //! and believed would). The test prints how many inputs it tried.
 //!
-//! It runs as a single trial in its own test binary, so the allocation counter sees only it.
+//! The allocation counter is the `it` binary's global allocator, so it also sees the tests
+//! that run beside this one: a case's peak can only be overstated by them, never hidden, so
+//! a pass is a true bound (a rare false alarm would name the case).
 
 use crate::common;
 
