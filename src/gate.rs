@@ -58,6 +58,25 @@ impl GateSpec {
     }
 }
 
+impl GateSpec {
+    /// The spec each of `m` trials judged in one run is held to so that the run as a whole
+    /// keeps α: α/m per trial (Bonferroni), β unchanged (the power against a drift of θ in
+    /// any one trial).
+    ///
+    /// Why Bonferroni and not Holm or Benjamini–Hochberg: the harness's trials are separate
+    /// tests, run in separate processes when nextest spreads them over runners, so a trial
+    /// can know the family's size but not the other trials' p-values. Holm's first step is
+    /// this same α/m; it gains power only once a trial has already failed, which changes no
+    /// verdict of a run (it fails either way). BH would bound a false-discovery rate, a
+    /// weaker promise than "pure noise fails nothing, with probability 1 − α".
+    pub fn in_family(self, m: usize) -> GateSpec {
+        GateSpec {
+            alpha: self.alpha / m.max(1) as f64,
+            ..self
+        }
+    }
+}
+
 /// One-sided Student-t quantile `t(p, df)`; the normal quantile when `df` is infinite.
 fn t_quantile(p: f64, df: usize) -> f64 {
     let t = StudentsT::new(0.0, 1.0, df.max(1) as f64).expect("positive degrees of freedom");
@@ -267,6 +286,84 @@ mod tests {
         );
         assert!(power >= 1.0 - SPEC.beta - 0.02, "power {power}");
         eprintln!("false alarms {false_alarm:.4}, power at θ {power:.4}");
+    }
+
+    /// Runs of `m` = 96 gated trials (the GPU tier's matrix for one artifact: 16 streams ×
+    /// 6 KV formats) of `g` = 60 windows, θ set by [`propose_theta`]'s rule with `margin` from
+    /// the true se: (share of pure-noise runs where any trial fails with θ derived for one
+    /// trial at α; the same with θ derived at α/m and every trial judged at α/m; the share of
+    /// runs where a drift of θ planted in one trial is caught; the share where the one-trial θ
+    /// judged in the family fails, as underpowered).
+    fn family_rates(margin: f64) -> (f64, f64, f64, f64) {
+        let (m, g, n, runs) = (96usize, 60usize, 256u64, 400usize);
+        let sd = 1.0; // per window; se ≈ sd / (n · sqrt(g))
+        let se = sd / (n as f64 * (g as f64).sqrt());
+        let theta_for = |spec: GateSpec| {
+            let (ta, tb) = multipliers(&spec, g);
+            GateSpec {
+                theta: margin * (ta + tb) * se,
+                ..spec
+            }
+        };
+        let single = theta_for(SPEC);
+        let family = theta_for(SPEC.in_family(m));
+        let mut rng = Rng(11);
+        // (share of runs where a noise-only trial failed, share where trial 0 failed)
+        let mut run = |spec: GateSpec, planted: f64| {
+            let (mut any_noise, mut first) = (0usize, 0usize);
+            for _ in 0..runs {
+                let mut any = false;
+                for t in 0..m {
+                    let delta = if t == 0 { planted } else { 0.0 };
+                    let failed = !decide(&windows(&mut rng, g, n, delta, sd), spec)
+                        .unwrap()
+                        .passed();
+                    if t == 0 {
+                        first += failed as usize;
+                    }
+                    if t > 0 || planted == 0.0 {
+                        any |= failed;
+                    }
+                }
+                any_noise += any as usize;
+            }
+            (any_noise as f64 / runs as f64, first as f64 / runs as f64)
+        };
+        let (uncorrected, _) = run(single, 0.0);
+        let (fwer, _) = run(family, 0.0);
+        let (_, power) = run(family, family.theta);
+        let (_, stale) = run(
+            GateSpec {
+                theta: single.theta,
+                ..family
+            },
+            0.0,
+        );
+        eprintln!(
+            "margin {margin}, {m} trials on noise: a run fails somewhere {:.1}% with θ for one trial, {:.1}% with θ for the family; a drift of θ in one trial caught {:.1}%; a one-trial θ judged in the family fails {:.1}% (underpowered)",
+            100.0 * uncorrected,
+            100.0 * fwer,
+            100.0 * power,
+            100.0 * stale
+        );
+        (uncorrected, fwer, power, stale)
+    }
+
+    /// Without family control a thin margin lets pure noise fail some trial in far more than
+    /// α of the runs; with it (θ derived at α/m, trials judged at α/m, the margin covering
+    /// the se estimate's own noise) at most α of the runs fail anywhere, and a drift of θ is
+    /// still caught at 1 − β.
+    #[test]
+    fn a_family_of_trials_keeps_its_false_alarm_rate_at_alpha() {
+        let (uncorrected, ..) = family_rates(1.3);
+        assert!(
+            uncorrected > 3.0 * SPEC.alpha,
+            "uncorrected family-wise rate {uncorrected}"
+        );
+        let (_, fwer, power, _) = family_rates(1.5);
+        // Binomial sampling error of 400 runs: about 1.1 points at 5%, 1.5 at 90%.
+        assert!(fwer <= SPEC.alpha + 0.03, "family-wise false alarms {fwer}");
+        assert!(power >= 1.0 - SPEC.beta - 0.04, "power {power}");
     }
 
     #[test]

@@ -143,6 +143,23 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// Whether some `gate` entry could judge this artifact's trials with KV format `kv` on a
+    /// device of `family` (`cpu`, `cuda`, `emu`): its key's device part is that family or
+    /// one of its classes (`cuda-sm90`), its KV part absent or `kv`. The harness counts
+    /// these trials as the family its gates share α over, before any device is probed.
+    pub fn may_gate(&self, family: &str, kv: &str) -> bool {
+        self.gate.keys().any(|k| {
+            let (device, k_kv) = match k.split_once('/') {
+                Some((d, x)) => (d, Some(x)),
+                None => (k.as_str(), None),
+            };
+            let device_family = device.split(['-', ':']).next().unwrap_or(device);
+            device_family == family && k_kv.is_none_or(|x| x == kv)
+        })
+    }
+}
+
 /// The registry keys for a device class and KV format, most specific first: `<class>/<kv>`,
 /// `<family>/<kv>`, `<class>`, `<family>` (the family: the class up to the first `-` or `:`).
 fn lookup_keys(class: &str, kv: &str) -> [String; 4] {
@@ -428,4 +445,37 @@ pub fn resolve_artifact(arg: &str) -> Result<Resolved> {
         );
     }
     bail!("{arg}: no such artifact file")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gate_key_covers_its_device_family_and_kv_format() {
+        let g = GateEntry {
+            theta: 1.0,
+            alpha: 0.05,
+            beta: 0.1,
+            spread: None,
+        };
+        let entry = |keys: &[&str]| Entry {
+            name: "a".into(),
+            path: "a.ninfer".into(),
+            digest: None,
+            produce: "make".into(),
+            tiers: vec![],
+            description: None,
+            tolerance: BTreeMap::new(),
+            gate: keys.iter().map(|k| (k.to_string(), g.clone())).collect(),
+            kv_dtypes: vec![],
+        };
+        let e = entry(&["cuda-sm90/fp8", "cpu"]);
+        assert!(e.may_gate("cuda", "fp8"));
+        assert!(!e.may_gate("cuda", "nvfp4"));
+        assert!(e.may_gate("cpu", "nvfp4"));
+        assert!(!e.may_gate("emu", "fp8"));
+        assert!(!entry(&[]).may_gate("cpu", "fp8"));
+        assert!(entry(&["cuda:1"]).may_gate("cuda", "bf16"));
+    }
 }

@@ -297,7 +297,7 @@ impl Rule {
         match self {
             Rule::Tolerance(t) => tolerance_text(*t),
             Rule::Gate(g) => format!(
-                "paired gate: drift of θ = {:e} nats/token caught with power {} at false-alarm rate {}",
+                "paired gate: drift of θ = {:e} nats/token caught with power {} at false-alarm rate {:.3e} per trial (the registry's α shared by the run's gated trials)",
                 g.theta,
                 1.0 - g.beta,
                 g.alpha

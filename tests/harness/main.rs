@@ -120,6 +120,10 @@ pub struct Spec {
 pub struct Plan {
     pub specs: Vec<Spec>,
     pub corpus: Arc<Corpus>,
+    /// How many of the selected trials a registry gate may judge: the family whose gates
+    /// share one α (`GateSpec::in_family`). Counted from the flags' selection before name
+    /// filters, so every process of a partitioned run counts the same family.
+    pub gated: usize,
 }
 
 pub fn trial_name(device: DeviceKind, artifact: &str, stream: &str, kv: KvDtype) -> String {
@@ -226,9 +230,21 @@ pub fn plan(root: &Path, flags: &HarnessFlags) -> Result<Plan, String> {
             }
         }
     }
+    let gated = specs
+        .iter()
+        .filter(|s| {
+            let family = match s.device {
+                DeviceKind::Cpu => "cpu",
+                DeviceKind::Cuda => "cuda",
+                DeviceKind::Emu => "emu",
+            };
+            s.ignore_reason.is_none() && s.artifact.may_gate(family, s.kv.name())
+        })
+        .count();
     Ok(Plan {
         specs,
         corpus: Arc::new(corpus),
+        gated,
     })
 }
 
@@ -313,6 +329,8 @@ struct Ctx {
     /// `--measure-spread N`, and what it measured per trial.
     measure_spread: Option<usize>,
     spreads: Mutex<Vec<SpreadRow>>,
+    /// [`Plan::gated`]: every gate is judged at α over this many trials.
+    gated: usize,
 }
 
 /// One trial's re-runs paired with its first run.
@@ -431,6 +449,13 @@ fn measure_spread(
 /// can detect at α = 0.05, β = 0.1 with a margin of 2, as a registry `gate` entry.
 fn print_spread_summary(rows: &[SpreadRow], runs: usize) {
     let (alpha, beta, margin) = (0.05, 0.1, 2.0);
+    // θ must hold α over the whole family of trials a gated run judges (Bonferroni, see
+    // `GateSpec::in_family`): the trials measured here stand for it.
+    let family = rows.len().max(1);
+    eprintln!(
+        "spread: θ below is for a family of {family} gated trials (the ones measured): α {alpha} over the run, {:.3e} per trial",
+        alpha / family as f64
+    );
     // Per key: fewest windows, every se, largest |ΔNLL|.
     type Pooled = (usize, Vec<f64>, f64);
     let mut by: BTreeMap<(String, String, String), Pooled> = BTreeMap::new();
@@ -450,7 +475,8 @@ fn print_spread_summary(rows: &[SpreadRow], runs: usize) {
             );
             continue;
         }
-        match ninfer_perplexity::gate::propose_theta(&ses, windows, alpha, beta, margin) {
+        let per_trial = alpha / family as f64;
+        match ninfer_perplexity::gate::propose_theta(&ses, windows, per_trial, beta, margin) {
             Ok(theta) => eprintln!(
                 "spread {artifact} on {class}, KV {kv}: proposed registry entry for `{artifact}`:\n  \"gate\": {{\"{class}/{kv}\": {{\"theta\": {theta:.3e}, \"alpha\": {alpha}, \"beta\": {beta}, \"spread\": {{\"runs\": {runs}, \"windows\": {windows}, \"max_std_err\": {worst:.3e}, \"margin\": {margin}}}}}}}"
             ),
@@ -498,7 +524,7 @@ fn score_and_compare(ctx: &Ctx, spec: &Spec, rep: &mut TrialReport) -> Result<()
     rep.result = Some(numbers(&new));
     // The registry's paired gate where it has one, else the tolerance on the mean.
     let rule = match spec.artifact.gate_for(&class, spec.kv.name()) {
-        Some(g) => Rule::Gate(g.spec()),
+        Some(g) => Rule::Gate(g.spec().in_family(ctx.gated)),
         None => Rule::Tolerance(
             spec.artifact
                 .tolerance_for(&class, spec.kv.name())
@@ -723,6 +749,7 @@ pub fn main_with(args: Vec<OsString>) -> u8 {
         sink: sink.clone(),
         measure_spread: flags.measure_spread,
         spreads: Mutex::new(Vec::new()),
+        gated: plan.gated,
     });
     let mut trials: Vec<Trial> = plan
         .specs

@@ -120,7 +120,6 @@ struct World {
     text: PathBuf,
     run: PathBuf,
     shards: [PathBuf; 2],
-    scales: PathBuf,
 }
 
 fn s(p: &Path) -> String {
@@ -154,15 +153,12 @@ fn world(root: &Path) -> World {
     let shards = [root.join("s1"), root.join("s2")];
     score(&shards[0], &["--shard", "1/2"]);
     score(&shards[1], &["--shard", "2/2"]);
-    let scales = root.join("scales.json");
-    std::fs::write(&scales, r#"{"k_scale": 1.0, "v_scale": 1.0}"#).unwrap();
     World {
         root: root.to_path_buf(),
         artifact,
         text,
         run: run_dir,
         shards,
-        scales,
     }
 }
 
