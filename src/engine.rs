@@ -309,10 +309,9 @@ impl Engine {
         let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
             if let (HeadRows::Paired(rs, ps), Some(acc)) = (&rows, reference.as_mut()) {
-                if let Some(i) = ps
-                    .iter()
-                    .position(|p| !p.kld.is_finite() || !p.ref_logprob.is_finite())
-                {
+                if let Some(i) = ps.iter().position(|p| {
+                    !p.kld.is_finite() || !p.kld_reverse.is_finite() || !p.ref_logprob.is_finite()
+                }) {
                     anyhow::bail!(
                         "window {wi} [{}, {}): non-finite KL divergence or reference log-probability at position {}",
                         w.begin,
@@ -320,11 +319,16 @@ impl Engine {
                         w.first_target - 1 + i
                     );
                 }
-                acc.push_window(
-                    rs.iter()
-                        .zip(ps)
-                        .map(|(r, p)| (p.kld, r.logprob, p.ref_logprob, r.top1 == p.ref_top1)),
-                );
+                acc.push_window(rs.iter().zip(ps).enumerate().map(|(i, (r, p))| {
+                    crate::score::PositionPair {
+                        kld: p.kld,
+                        kld_reverse: p.kld_reverse,
+                        logprob: r.logprob,
+                        ref_logprob: p.ref_logprob,
+                        top1_agree: r.top1 == p.ref_top1,
+                        depth: w.first_target - w.begin + i,
+                    }
+                }));
             }
             // Per window first, then added to the stream in window order: a shard's windows
             // then merge into the same sums as an unsharded run's.

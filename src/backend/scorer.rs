@@ -35,6 +35,8 @@ pub struct PairScore {
     pub ref_logprob: f32,
     /// KL(reference ‖ run) over the full vocabulary, nats.
     pub kld: f32,
+    /// KL(run ‖ reference) over the full vocabulary, nats.
+    pub kld_reverse: f32,
     /// The reference's top-1 token (lowest id on ties).
     pub ref_top1: u32,
 }

@@ -76,7 +76,7 @@ fn reference_row(out: &mut String, a: &Aggregate) {
     };
     let _ = writeln!(
         out,
-        "{:<22} {:>9} {:>9.6} {:>9.6} {:>9.6} {:>9.6} {:>9.5} {:>10.5} {:>+9.6} {:>8.6} {:>+10.6} {:>22}",
+        "{:<22} {:>9} {:>9.6} {:>9.6} {:>9.6} {:>9.6} {:>9.5} {:>9.6} {:>10.5} {:>+9.6} {:>8.6} {:>+10.6} {:>22}",
         a.title,
         r.positions,
         r.mean_kld,
@@ -84,6 +84,7 @@ fn reference_row(out: &mut String, a: &Aggregate) {
         r.kld_p90,
         r.kld_p99,
         r.kld_max,
+        r.mean_kld_reverse,
         r.top1_agreement,
         r.mean_delta_p,
         r.rms_delta_p,
@@ -105,12 +106,12 @@ pub fn render_reference(r: &Report) -> Option<String> {
         });
     let _ = writeln!(
         out,
-        "# reference: weights {} | kv {} ({name}) | KL(reference || run) in nats, dp = p_run(target) - p_ref(target), delta_nll = run - reference",
+        "# reference: weights {} | kv {} ({name}) | KL(reference || run) in nats, kld_rev = mean KL(run || reference), dp = p_run(target) - p_ref(target), delta_nll = run - reference",
         rs.weight_format, rs.kv_dtype
     );
     let _ = writeln!(
         out,
-        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>10} {:>22}",
+        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>10} {:>22}",
         "domain",
         "positions",
         "mean_kld",
@@ -118,6 +119,7 @@ pub fn render_reference(r: &Report) -> Option<String> {
         "kld_p90",
         "kld_p99",
         "kld_max",
+        "kld_rev",
         "top1_agree",
         "mean_dp",
         "rms_dp",
@@ -128,5 +130,24 @@ pub fn render_reference(r: &Report) -> Option<String> {
         reference_row(&mut out, d);
     }
     reference_row(&mut out, &r.overall);
+    // Overall, by depth in the window: where in the context the run departs.
+    if let Some(o) = &r.overall.reference {
+        if !o.by_depth.is_empty() {
+            let _ = writeln!(
+                out,
+                "# by depth in the window (overall): positions [from, to), mean KL(reference || run), delta_nll"
+            );
+            for d in &o.by_depth {
+                let _ = writeln!(
+                    out,
+                    "{:<22} {:>9} {:>9.6} {:>+10.6}",
+                    format!("[{}, {})", d.from, d.to),
+                    d.positions,
+                    d.mean_kld,
+                    d.delta_nll
+                );
+            }
+        }
+    }
     Some(out)
 }

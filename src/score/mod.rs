@@ -9,6 +9,6 @@ pub mod stats;
 pub mod window;
 
 pub use calibration::Calibration;
-pub use reference::{ReferenceAcc, ReferenceSummary};
+pub use reference::{PositionPair, ReferenceAcc, ReferenceSummary};
 pub use stats::{NllSum, StreamScore, WindowScore};
 pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window};

@@ -2,20 +2,60 @@
 //! how far the run's predictive distribution is from the reference's at every scored
 //! position, over the full vocabulary.
 //!
-//! Per position the head gives KL(reference ‖ run), both target log-probabilities and both
-//! top-1 tokens; this keeps every KL value (4 bytes a position, for the percentiles), the
-//! sums for top-1 agreement and Δp (the run's target probability minus the reference's),
-//! and the per-window NLL sums that [`crate::score::paired`] turns into an interval for
-//! the paired ΔNLL. Percentiles are nearest-rank: the smallest value with at least `p` of
-//! the positions at or below it.
+//! Per position the head gives KL(reference ‖ run) and KL(run ‖ reference), both target
+//! log-probabilities and both top-1 tokens; this keeps every KL value of both directions
+//! (8 bytes a position, for the percentiles), the sums for top-1 agreement and Δp (the
+//! run's target probability minus the reference's), sums per depth in the window (so a
+//! failure that grows with context shows as depth), and the per-window NLL sums that
+//! [`crate::score::paired`] turns into an interval for the paired ΔNLL. Percentiles are
+//! nearest-rank: the smallest value with at least `p` of the positions at or below it.
+//!
+//! Both directions, because they weigh different errors: KL(reference ‖ run) is large where
+//! the run gives little mass to what the reference expects (a lost token), KL(run ‖
+//! reference) where the run is confident about what the reference finds unlikely (a new,
+//! wrong token).
 
 use crate::score::paired::{paired, Paired, WindowPair};
 use serde::{Deserialize, Serialize};
+
+/// One scored position of a run with a reference.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PositionPair {
+    /// KL(reference ‖ run), nats.
+    pub kld: f32,
+    /// KL(run ‖ reference), nats.
+    pub kld_reverse: f32,
+    /// The run's and the reference's log-probability of the target.
+    pub logprob: f32,
+    pub ref_logprob: f32,
+    /// Whether the two top-1 tokens are the same.
+    pub top1_agree: bool,
+    /// The target's index in its window (≥ 1: the tokens of history the model had).
+    pub depth: usize,
+}
+
+/// Depth buckets: bucket `i` holds window positions `[2^i, 2^(i+1))`.
+pub fn depth_bucket(depth: usize) -> usize {
+    depth.max(1).ilog2() as usize
+}
+
+/// Sums over the positions of one depth bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DepthAcc {
+    pub positions: u64,
+    pub kld_sum: f64,
+    /// Run and reference NLL sums.
+    pub nll_sum: f64,
+    pub ref_nll_sum: f64,
+}
 
 /// Sums over the positions of a stream (or several).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ReferenceAcc {
     pub kld: Vec<f32>,
+    pub kld_reverse: Vec<f32>,
+    /// Per [`depth_bucket`].
+    pub depth: Vec<DepthAcc>,
     pub top1_agree: u64,
     pub dp_sum: f64,
     pub dp_sq_sum: f64,
@@ -32,6 +72,15 @@ pub struct ReferenceSummary {
     pub kld_p90: f64,
     pub kld_p99: f64,
     pub kld_max: f64,
+    /// KL(run ‖ reference): mean and percentiles as for KL(reference ‖ run).
+    #[serde(default)]
+    pub mean_kld_reverse: f64,
+    #[serde(default)]
+    pub kld_reverse_median: f64,
+    #[serde(default)]
+    pub kld_reverse_p99: f64,
+    #[serde(default)]
+    pub kld_reverse_max: f64,
     /// Positions where the run's and the reference's top-1 tokens are the same.
     pub top1_agreement: f64,
     /// Mean and RMS of p_run(target) − p_ref(target).
@@ -46,6 +95,22 @@ pub struct ReferenceSummary {
     /// Positions per decade of KL divergence: bin `i` holds `10^(i−7) <= KL < 10^(i−6)`, the
     /// first also everything below (0 included), the last (`[10, 100)`) everything above.
     pub kld_histogram: Vec<u64>,
+    /// By depth in the window (`[from, to)`, powers of two): where in the context the run
+    /// departs from the reference.
+    #[serde(default)]
+    pub by_depth: Vec<DepthSummary>,
+}
+
+/// One depth bucket of [`ReferenceSummary::by_depth`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DepthSummary {
+    pub from: usize,
+    pub to: usize,
+    pub positions: u64,
+    /// Mean KL(reference ‖ run).
+    pub mean_kld: f64,
+    /// Run − reference mean NLL over these positions.
+    pub delta_nll: f64,
 }
 
 /// Decades of [`ReferenceSummary::kld_histogram`]: 10^-7 up to 10^1 and beyond.
@@ -62,23 +127,32 @@ pub fn kld_bin(k: f32) -> usize {
 }
 
 impl ReferenceAcc {
-    /// Adds one window: per position (KL, run log-probability, reference log-probability,
-    /// whether the top-1 tokens agree).
-    pub fn push_window(&mut self, rows: impl Iterator<Item = (f32, f32, f32, bool)>) {
+    /// Adds one window's positions, in target order.
+    pub fn push_window(&mut self, rows: impl Iterator<Item = PositionPair>) {
         let mut w = WindowPair {
             scored: 0,
             base: 0.0,
             new: 0.0,
         };
-        for (kld, lp, lp_ref, agree) in rows {
-            self.kld.push(kld);
-            self.top1_agree += agree as u64;
-            let dp = (lp as f64).exp() - (lp_ref as f64).exp();
+        for p in rows {
+            self.kld.push(p.kld);
+            self.kld_reverse.push(p.kld_reverse);
+            self.top1_agree += p.top1_agree as u64;
+            let dp = (p.logprob as f64).exp() - (p.ref_logprob as f64).exp();
             self.dp_sum += dp;
             self.dp_sq_sum += dp * dp;
+            let b = depth_bucket(p.depth);
+            if self.depth.len() <= b {
+                self.depth.resize(b + 1, DepthAcc::default());
+            }
+            let d = &mut self.depth[b];
+            d.positions += 1;
+            d.kld_sum += p.kld as f64;
+            d.nll_sum -= p.logprob as f64;
+            d.ref_nll_sum -= p.ref_logprob as f64;
             w.scored += 1;
-            w.base -= lp_ref as f64;
-            w.new -= lp as f64;
+            w.base -= p.ref_logprob as f64;
+            w.new -= p.logprob as f64;
         }
         if w.scored > 0 {
             self.windows.push(w);
@@ -89,6 +163,16 @@ impl ReferenceAcc {
 impl ReferenceAcc {
     pub fn add(&mut self, o: &ReferenceAcc) {
         self.kld.extend_from_slice(&o.kld);
+        self.kld_reverse.extend_from_slice(&o.kld_reverse);
+        if self.depth.len() < o.depth.len() {
+            self.depth.resize(o.depth.len(), DepthAcc::default());
+        }
+        for (a, b) in self.depth.iter_mut().zip(&o.depth) {
+            a.positions += b.positions;
+            a.kld_sum += b.kld_sum;
+            a.nll_sum += b.nll_sum;
+            a.ref_nll_sum += b.ref_nll_sum;
+        }
         self.top1_agree += o.top1_agree;
         self.dp_sum += o.dp_sum;
         self.dp_sq_sum += o.dp_sq_sum;
@@ -101,11 +185,20 @@ impl ReferenceAcc {
         if n == 0 {
             return None;
         }
-        let mut sorted = self.kld.clone();
-        sorted.sort_by(f32::total_cmp);
-        let rank = |p: f64| sorted[((p * n as f64).ceil() as usize).clamp(1, n) - 1] as f64;
+        let sorted_of = |v: &[f32]| {
+            let mut s = v.to_vec();
+            s.sort_by(f32::total_cmp);
+            s
+        };
+        let (sorted, sorted_rev) = (sorted_of(&self.kld), sorted_of(&self.kld_reverse));
+        let rank_in = |s: &[f32], p: f64| {
+            s[((p * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1] as f64
+        };
+        let rank = |p: f64| rank_in(&sorted, p);
         let nf = n as f64;
         let mean_kld = self.kld.iter().map(|&k| k as f64).sum::<f64>() / nf;
+        // Every position has both directions (push_window adds them together).
+        let rev = !sorted_rev.is_empty();
         let p: Paired = paired(&self.windows).ok()?;
         let mean_dp = self.dp_sum / nf;
         Some(ReferenceSummary {
@@ -115,6 +208,11 @@ impl ReferenceAcc {
             kld_p90: rank(0.9),
             kld_p99: rank(0.99),
             kld_max: sorted[n - 1] as f64,
+            mean_kld_reverse: self.kld_reverse.iter().map(|&k| k as f64).sum::<f64>()
+                / self.kld_reverse.len().max(1) as f64,
+            kld_reverse_median: if rev { rank_in(&sorted_rev, 0.5) } else { 0.0 },
+            kld_reverse_p99: if rev { rank_in(&sorted_rev, 0.99) } else { 0.0 },
+            kld_reverse_max: sorted_rev.last().map_or(0.0, |&k| k as f64),
             top1_agreement: self.top1_agree as f64 / nf,
             mean_delta_p: mean_dp,
             rms_delta_p: (self.dp_sq_sum / nf).sqrt(),
@@ -127,6 +225,19 @@ impl ReferenceAcc {
                 self.kld.iter().for_each(|&k| h[kld_bin(k)] += 1);
                 h
             },
+            by_depth: self
+                .depth
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.positions > 0)
+                .map(|(i, d)| DepthSummary {
+                    from: 1 << i,
+                    to: 1 << (i + 1),
+                    positions: d.positions,
+                    mean_kld: d.kld_sum / d.positions as f64,
+                    delta_nll: (d.nll_sum - d.ref_nll_sum) / d.positions as f64,
+                })
+                .collect(),
         })
     }
 }
@@ -139,8 +250,16 @@ mod tests {
     fn percentiles_are_nearest_rank_and_windows_pair() {
         let mut a = ReferenceAcc::default();
         // 100 positions with KL 1..=100 (scaled), in two windows.
-        a.push_window((1..=60).map(|i| (i as f32 / 100.0, -1.0, -1.0, i % 2 == 0)));
-        a.push_window((61..=100).map(|i| (i as f32 / 100.0, -2.0, -1.5, true)));
+        let row = |i: usize, lp: f32, lp_ref: f32, agree: bool| PositionPair {
+            kld: i as f32 / 100.0,
+            kld_reverse: 2.0 * i as f32 / 100.0,
+            logprob: lp,
+            ref_logprob: lp_ref,
+            top1_agree: agree,
+            depth: i,
+        };
+        a.push_window((1..=60).map(|i| row(i, -1.0, -1.0, i % 2 == 0)));
+        a.push_window((61..=100).map(|i| row(i, -2.0, -1.5, true)));
         let s = a.summary().unwrap();
         assert_eq!(s.positions, 100);
         assert_eq!(s.kld_median, 0.5f32 as f64);
@@ -163,6 +282,16 @@ mod tests {
         assert!((s.delta_nll - 0.2).abs() < 1e-12);
         let dp = ((-2.0f64).exp() - (-1.5f64).exp()) * 0.4;
         assert!((s.mean_delta_p - dp).abs() < 1e-12);
+        assert_eq!(s.kld_reverse_median, 1.0f32 as f64);
+        assert_eq!(s.kld_reverse_max, 2.0);
+        assert!((s.mean_kld_reverse - 2.0 * s.mean_kld).abs() < 1e-6);
+        // Depths 1..=100: buckets [1,2) .. [64,128); the last holds 64..=100, all in
+        // window 2 (61..=100) but 61..=63, so ΔNLL there is 0.5.
+        let last = s.by_depth.last().unwrap();
+        assert_eq!((last.from, last.to, last.positions), (64, 128, 37));
+        assert!((last.delta_nll - 0.5).abs() < 1e-12);
+        assert_eq!(s.by_depth[0].positions, 1);
+        assert_eq!(s.by_depth.iter().map(|d| d.positions).sum::<u64>(), 100);
         assert!(ReferenceAcc::default().summary().is_none());
     }
 
@@ -170,17 +299,18 @@ mod tests {
     fn identical_runs_give_zero_kld_full_agreement_and_a_zero_interval() {
         let mut a = ReferenceAcc::default();
         for w in 0..5 {
-            a.push_window((0..20).map(|i| {
-                (
-                    0.0,
-                    -(i as f32 + w as f32) / 10.0,
-                    -(i as f32 + w as f32) / 10.0,
-                    true,
-                )
+            a.push_window((0..20).map(|i| PositionPair {
+                kld: 0.0,
+                kld_reverse: 0.0,
+                logprob: -(i as f32 + w as f32) / 10.0,
+                ref_logprob: -(i as f32 + w as f32) / 10.0,
+                top1_agree: true,
+                depth: i + 1,
             }));
         }
         let s = a.summary().unwrap();
         assert_eq!((s.mean_kld, s.kld_max, s.top1_agreement), (0.0, 0.0, 1.0));
+        assert_eq!((s.mean_kld_reverse, s.kld_reverse_max), (0.0, 0.0));
         assert_eq!((s.delta_nll, s.delta_nll_ci95), (0.0, Some([0.0, 0.0])));
         assert_eq!((s.mean_delta_p, s.rms_delta_p), (0.0, 0.0));
     }

@@ -4,7 +4,8 @@
 //! final hidden state and the reference's, and this computes, chunk by chunk of the
 //! vocabulary exactly as [`super::head`] does (so the run's own scores keep their bits), both
 //! distributions' partials and `Σ exp(l_ref − max_ref)·(l_ref − l_run)`, from which
-//! `KL(ref ‖ run) = U/S_ref − lse_ref + lse_run` follows. No logits outlive their chunk, so
+//! `KL(ref ‖ run) = U/S_ref − lse_ref + lse_run` follows (and the mirror sum for
+//! `KL(run ‖ ref)`). No logits outlive their chunk, so
 //! memory stays `O(rows × chunk)` whatever the vocabulary. Identical inputs give a KL of
 //! exactly 0.
 
@@ -49,6 +50,8 @@ struct Both {
     reference: Partial,
     /// `Σ exp(l_ref − max_ref)·(l_ref − l_run)` over the chunk.
     u: f32,
+    /// `Σ exp(l_run − max_run)·(l_run − l_ref)` over the chunk.
+    u_rev: f32,
 }
 
 /// `h[rows, d]` with `w[vocab, d]` (the run) and `h_ref[rows, d_ref]` with
@@ -89,7 +92,13 @@ pub fn score_pairs(
                     let run = row_partial::<true>(x, &mut kept, v0, t);
                     let reference = row_partial::<true>(y, &mut kept_ref, v0, t);
                     let u = diff_weighted_sum(y, &kept_ref, &kept);
-                    part.push(Both { run, reference, u });
+                    let u_rev = diff_weighted_sum(x, &kept, &kept_ref);
+                    part.push(Both {
+                        run,
+                        reference,
+                        u,
+                        u_rev,
+                    });
                 }
             }
             Ok(part)
@@ -124,11 +133,16 @@ pub fn score_pairs(
             .iter()
             .map(|c| c[i].u as f64 * ((c[i].reference.max - m_ref) as f64).exp())
             .sum();
+        let u_rev: f64 = parts
+            .iter()
+            .map(|c| c[i].u_rev as f64 * ((c[i].run.max - m) as f64).exp())
+            .sum();
         let lse = m as f64 + ln_s;
         let lse_ref = m_ref as f64 + sum_ref.ln();
         pairs[i] = PairScore {
             ref_logprob: lp_ref,
             kld: (u / sum_ref - lse_ref + lse) as f32,
+            kld_reverse: (u_rev / sum - lse + lse_ref) as f32,
             ref_top1: top1_ref,
         };
     }
@@ -190,6 +204,13 @@ mod tests {
                 pairs[i].kld
             );
             assert!(kl > 0.01, "the two heads differ");
+            let kl_rev: f64 = a.iter().zip(&b).map(|(p, q)| p.exp() * (p - q)).sum();
+            assert!(
+                (pairs[i].kld_reverse as f64 - kl_rev).abs() < 1e-4 * kl_rev.max(1.0),
+                "{} vs {kl_rev}",
+                pairs[i].kld_reverse
+            );
+            assert!((kl - kl_rev).abs() > 1e-3, "the directions differ: {kl} {kl_rev}");
             let t = targets[i] as usize;
             assert!((pairs[i].ref_logprob as f64 - b[t]).abs() < 1e-4);
             let top = b.iter().cloned().fold(f64::MIN, f64::max);
@@ -217,7 +238,7 @@ mod tests {
         )
         .unwrap();
         for (o, p) in out.iter().zip(&pairs) {
-            assert_eq!(p.kld, 0.0);
+            assert_eq!((p.kld, p.kld_reverse), (0.0, 0.0));
             assert_eq!(p.ref_logprob.to_bits(), o.logprob.to_bits());
             assert_eq!(p.ref_top1, o.top1);
         }
