@@ -327,6 +327,8 @@ impl Engine {
                         ref_logprob: p.ref_logprob,
                         top1_agree: r.top1 == p.ref_top1,
                         depth: w.first_target - w.begin + i,
+                        position: w.first_target + i,
+                        ref_top1_logprob: p.ref_top1_logprob,
                     }
                 }));
             }

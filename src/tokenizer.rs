@@ -33,6 +33,20 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The text of one token decoded alone, for diagnostics ("" when the decoder cannot).
+    pub fn token_text(&self, id: u32) -> String {
+        self.decode(&[id])
+    }
+
+    /// The text of `ids` decoded in sequence, special tokens kept, for diagnostics ("" when
+    /// the decoder cannot).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        quietly(|| self.inner.decode(ids, false))
+            .ok()
+            .and_then(|r| r.ok())
+            .unwrap_or_default()
+    }
+
     /// Token ids of `text`, special tokens added as the tokenizer's post-processor says.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self.encode_with_offsets(text)?.get_ids().to_vec())

@@ -37,8 +37,9 @@ pub struct PairScore {
     pub kld: f32,
     /// KL(run ‖ reference) over the full vocabulary, nats.
     pub kld_reverse: f32,
-    /// The reference's top-1 token (lowest id on ties).
+    /// The reference's top-1 token (lowest id on ties) and its log-probability.
     pub ref_top1: u32,
+    pub ref_top1_logprob: f32,
 }
 
 /// What a backend's head gives for a window's targets, in target order.

@@ -24,7 +24,11 @@ pub fn load(arg: &Path) -> Result<Loaded> {
     // A run directory means its report.json; whatever is at the path is opened the one
     // way every input is (regular files only, the read bounded).
     let path = if arg.is_dir() {
-        arg.join("report.json")
+        let p = arg.join("report.json");
+        if std::fs::symlink_metadata(&p).is_err() {
+            bail!("{}: a directory without a report.json", arg.display());
+        }
+        p
     } else {
         arg.to_path_buf()
     };

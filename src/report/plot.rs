@@ -1,6 +1,7 @@
 //! `--plot`: a picture of a run beside its `report.json` (`plot.svg`): the mean NLL of every
 //! window along each stream, one panel per domain, and, for a run with a reference pass, the
-//! distribution of the per-position KL divergence.
+//! distribution of the per-position KL divergence and the tokens around the worst position
+//! (a strip coloured by KL divergence).
 //!
 //! Drawn with plotters' SVG backend (no fonts needed: text stays text in the SVG).
 
@@ -76,7 +77,17 @@ pub fn run_plot(r: &Report) -> Result<String> {
             .map(|d| (d.id.as_str(), d.title.as_str(), d.totals.mean_nll))
             .collect()
     };
-    let panels = groups.len() as u32 + u32::from(kld.is_some());
+    // The stream whose worst position is the worst of all, for the token strip.
+    let strip = r
+        .streams
+        .iter()
+        .filter_map(|st| {
+            let x = st.reference.as_ref()?;
+            let worst = x.worst_positions.first()?;
+            (!x.strip.is_empty()).then_some((st.id.as_str(), worst.kld, &x.strip))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1));
+    let panels = groups.len() as u32 + u32::from(kld.is_some()) + u32::from(strip.is_some());
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, 40 + PANEL * panels.max(1)))
@@ -131,7 +142,15 @@ pub fn run_plot(r: &Report) -> Result<String> {
                 .draw()
                 .map_err(err)?;
         }
-        if let (Some(k), Some(area), Some(rs)) = (kld, areas.last(), &r.settings.reference) {
+        let kld_area = if strip.is_some() {
+            areas.len().checked_sub(2).and_then(|i| areas.get(i))
+        } else {
+            areas.last()
+        };
+        if let (Some((id, _, tokens)), Some(area)) = (strip, areas.last()) {
+            token_strip(area, id, tokens)?;
+        }
+        if let (Some(k), Some(area), Some(rs)) = (kld, kld_area, &r.settings.reference) {
             let mean = r.overall.reference.as_ref().map_or(0.0, |x| x.mean_kld);
             let title = format!(
                 "KL(reference || run) per position, reference: weights {} | kv {} (mean {mean:.5})",
@@ -177,5 +196,73 @@ pub(crate) fn kld_histogram<DB: DrawingBackend>(
         Rectangle::new([(x + 0.05, 0.0), (x + 0.95, n as f64)], color(0).filled())
     }))
     .map_err(err)?;
+    Ok(())
+}
+
+/// Tokens one strip draws at most (a stream's report holds about 64).
+const MAX_STRIP: usize = 256;
+
+/// The tokens around a stream's worst position as boxes in reading order, each coloured by
+/// its KL(reference ‖ run) (white at 0, full red at the strip's largest), with the target
+/// token's text inside and its ΔNLL below.
+fn token_strip<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    stream: &str,
+    tokens: &[crate::score::reference::WorstPosition],
+) -> Result<()> {
+    let tokens = &tokens[..tokens.len().min(MAX_STRIP)];
+    let top = tokens.iter().map(|t| t.kld).fold(0.0f64, f64::max);
+    let title = format!(
+        "`{stream}`, positions {}..{}: each target token coloured by KL(reference || run) (red = {top:.3} nats), ΔNLL below",
+        tokens.first().map_or(0, |t| t.position),
+        tokens.last().map_or(0, |t| t.position)
+    );
+    area.draw_text(&title, &("sans-serif", 15).into_text_style(area), (10, 6))
+        .map_err(err)?;
+    let (w, _) = area.dim_in_pixel();
+    let (mut x, mut y) = (10i32, 34i32);
+    let (row_h, char_w) = (46i32, 7i32);
+    for t in tokens {
+        let text: String = t
+            .token
+            .chars()
+            .map(|c| match c {
+                '\n' => '⏎',
+                '\t' => '→',
+                ' ' => '␣',
+                c if c.is_control() => '·',
+                c => c,
+            })
+            .take(14)
+            .collect();
+        let bw = (char_w * text.chars().count() as i32 + 8).max(30);
+        if x + bw > w as i32 - 10 {
+            (x, y) = (10, y + row_h);
+        }
+        let share = if top > 0.0 {
+            (t.kld / top).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let fade = (255.0 * (1.0 - share)) as u8;
+        let fill = RGBColor(255, fade, fade);
+        area.draw(&Rectangle::new([(x, y), (x + bw, y + 22)], fill.filled()))
+            .map_err(err)?;
+        area.draw(&Rectangle::new([(x, y), (x + bw, y + 22)], BLACK.mix(0.3)))
+            .map_err(err)?;
+        area.draw_text(
+            &text,
+            &("monospace", 12).into_text_style(area),
+            (x + 4, y + 5),
+        )
+        .map_err(err)?;
+        area.draw_text(
+            &format!("{:+.2}", t.delta_nll),
+            &("sans-serif", 9).into_text_style(area),
+            (x + 2, y + 25),
+        )
+        .map_err(err)?;
+        x += bw + 3;
+    }
     Ok(())
 }

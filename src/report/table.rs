@@ -148,6 +148,47 @@ pub fn render_reference(r: &Report) -> Option<String> {
                 );
             }
         }
+        if !o.by_confidence.is_empty() {
+            let _ = writeln!(
+                out,
+                "# by the reference's confidence p_ref(top-1) (overall): positions, mean KL(reference || run), delta_nll"
+            );
+            for c in &o.by_confidence {
+                let _ = writeln!(
+                    out,
+                    "{:<22} {:>9} {:>9.6} {:>+10.6}",
+                    format!("[{:.1}, {:.1})", c.from, c.to),
+                    c.positions,
+                    c.mean_kld,
+                    c.delta_nll
+                );
+            }
+        }
+    }
+    // The positions of largest KL over every stream.
+    let mut worst: Vec<(&str, &crate::score::reference::WorstPosition)> = r
+        .streams
+        .iter()
+        .filter_map(|st| st.reference.as_ref().map(|x| (st.id.as_str(), x)))
+        .flat_map(|(id, x)| x.worst_positions.iter().map(move |p| (id, p)))
+        .collect();
+    worst.sort_by(|a, b| b.1.kld.total_cmp(&a.1.kld));
+    if !worst.is_empty() {
+        let _ = writeln!(
+            out,
+            "# worst positions: stream, position, target token, KL(reference || run), delta_nll"
+        );
+        for (id, p) in worst.iter().take(5) {
+            let _ = writeln!(
+                out,
+                "{:<22} {:>9} {:<16} {:>9.5} {:>+10.5}",
+                id,
+                p.position,
+                format!("{:?}", p.token),
+                p.kld,
+                p.delta_nll
+            );
+        }
     }
     Some(out)
 }

@@ -60,7 +60,10 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
             totals,
             seconds: secs,
             processed_tokens_per_s: rate,
-            reference: score.reference.as_ref().and_then(|r| r.summary()),
+            reference: score
+                .reference
+                .as_ref()
+                .and_then(|r| diagnosed(r, &p.tokens, &engine.tokenizer)),
             reference_acc: score.reference.clone(),
             calibration: score
                 .calibration
@@ -82,4 +85,66 @@ pub fn score_streams(inputs: &Inputs, kv: KvDtype) -> Result<Vec<StreamReport>> 
     }
     progress.finish();
     Ok(reports)
+}
+
+/// Positions listed per stream: the worst by KL, and the strip drawn around the worst one.
+const WORST_POSITIONS: usize = 10;
+const WORST_WINDOWS: usize = 5;
+const STRIP_BEFORE: usize = 48;
+const STRIP_AFTER: usize = 15;
+
+/// A stream's reference summary with its worst positions and windows and the strip of
+/// tokens around its worst position, each position with its token's id and text.
+fn diagnosed(
+    acc: &crate::score::ReferenceAcc,
+    tokens: &[u32],
+    tokenizer: &crate::tokenizer::Tokenizer,
+) -> Option<crate::score::ReferenceSummary> {
+    let mut s = acc.summary()?;
+    let name = |mut v: Vec<crate::score::reference::WorstPosition>| {
+        for p in &mut v {
+            if let Some(&id) = tokens.get(p.position) {
+                p.token_id = id;
+                p.token = piece_at(tokens, p.position, tokenizer);
+            }
+        }
+        v
+    };
+    s.worst_positions = name(acc.worst_positions(WORST_POSITIONS));
+    s.worst_windows = acc.worst_windows(WORST_WINDOWS);
+    s.strip = name(acc.strip(STRIP_BEFORE, STRIP_AFTER));
+    // In the strip each token shows the text it completes, decoded in sequence: the bytes
+    // of a character split over byte-level tokens appear at the token that ends it.
+    let ids: Vec<u32> = s.strip.iter().map(|p| p.token_id).collect();
+    let mut before = String::new();
+    for (i, p) in s.strip.iter_mut().enumerate() {
+        let now = tokenizer.decode(&ids[..=i]);
+        let kept = before.trim_end_matches('\u{FFFD}');
+        if let Some(piece) = now.strip_prefix(kept) {
+            p.token = piece.replace('\u{FFFD}', "");
+        }
+        before = now;
+    }
+    Some(s)
+}
+
+/// The text token `pos` adds to the tokens before it: what it decodes to in context, so
+/// that a byte-level token in the middle of a character shows that character, marked
+/// "(part)", rather than a replacement character.
+fn piece_at(tokens: &[u32], pos: usize, tokenizer: &crate::tokenizer::Tokenizer) -> String {
+    const BAD: char = '\u{FFFD}';
+    let start = pos.saturating_sub(8);
+    let before = tokenizer.decode(&tokens[start..pos]);
+    let kept = before.trim_end_matches(BAD);
+    let now = tokenizer.decode(&tokens[start..=pos]);
+    match now.strip_prefix(kept) {
+        Some(p) if p.chars().any(|c| c != BAD) => p.replace(BAD, ""),
+        _ => {
+            let ahead = tokenizer.decode(&tokens[start..(pos + 4).min(tokens.len())]);
+            ahead
+                .strip_prefix(kept)
+                .and_then(|a| a.chars().find(|&c| c != BAD))
+                .map_or_else(String::new, |c| format!("{c} (part)"))
+        }
+    }
 }

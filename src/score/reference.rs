@@ -32,6 +32,18 @@ pub struct PositionPair {
     pub top1_agree: bool,
     /// The target's index in its window (≥ 1: the tokens of history the model had).
     pub depth: usize,
+    /// The target's index in its stream.
+    pub position: usize,
+    /// The reference's log-probability of its own top-1 token (its confidence).
+    pub ref_top1_logprob: f32,
+}
+
+/// Confidence buckets: bucket `i` holds positions whose reference top-1 probability is in
+/// `[i/10, (i+1)/10)` (1.0 in the last).
+pub const CONFIDENCE_BUCKETS: usize = 10;
+
+fn confidence_bucket(top1_logprob: f32) -> usize {
+    ((top1_logprob as f64).exp() * CONFIDENCE_BUCKETS as f64).clamp(0.0, 9.0) as usize
 }
 
 /// Depth buckets: bucket `i` holds window positions `[2^i, 2^(i+1))`.
@@ -56,6 +68,15 @@ pub struct ReferenceAcc {
     pub kld_reverse: Vec<f32>,
     /// Per [`depth_bucket`].
     pub depth: Vec<DepthAcc>,
+    /// Per confidence bucket of the reference ([`CONFIDENCE_BUCKETS`]).
+    pub confidence: Vec<DepthAcc>,
+    /// Every position's stream index and ΔNLL (run − reference), beside `kld`: what the
+    /// worst positions and windows of a stream are found from.
+    pub positions: Vec<usize>,
+    pub dnll: Vec<f32>,
+    /// Each entry of `windows`: its first target's stream index and its summed KL.
+    pub window_first: Vec<usize>,
+    pub window_kld: Vec<f64>,
     pub top1_agree: u64,
     pub dp_sum: f64,
     pub dp_sq_sum: f64,
@@ -99,6 +120,50 @@ pub struct ReferenceSummary {
     /// departs from the reference.
     #[serde(default)]
     pub by_depth: Vec<DepthSummary>,
+    /// By the reference's confidence (its top-1 probability, `[from, to)` in tenths): does
+    /// the run depart where the reference is sure, or where it hesitates.
+    #[serde(default)]
+    pub by_confidence: Vec<ConfidenceSummary>,
+    /// A stream's positions with the largest KL(reference ‖ run), its windows with the
+    /// largest ΔNLL, and the tokens around its worst position (streams only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub worst_positions: Vec<WorstPosition>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub worst_windows: Vec<WorstWindow>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub strip: Vec<WorstPosition>,
+}
+
+/// One bucket of [`ReferenceSummary::by_confidence`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConfidenceSummary {
+    pub from: f64,
+    pub to: f64,
+    pub positions: u64,
+    pub mean_kld: f64,
+    pub delta_nll: f64,
+}
+
+/// One scored position of a stream: its index, target token (id and text, where the
+/// report's writer knew the tokenizer), KL(reference ‖ run) and ΔNLL (run − reference).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorstPosition {
+    pub position: usize,
+    #[serde(default)]
+    pub token_id: u32,
+    #[serde(default)]
+    pub token: String,
+    pub kld: f64,
+    pub delta_nll: f64,
+}
+
+/// One window of a stream by its targets `[first_target, end)`: ΔNLL per token and mean KL.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorstWindow {
+    pub first_target: usize,
+    pub end: usize,
+    pub delta_nll: f64,
+    pub mean_kld: f64,
 }
 
 /// One depth bucket of [`ReferenceSummary::by_depth`].
@@ -134,7 +199,20 @@ impl ReferenceAcc {
             base: 0.0,
             new: 0.0,
         };
+        let (mut first, mut wkld) = (usize::MAX, 0.0f64);
+        if self.confidence.is_empty() {
+            self.confidence = vec![DepthAcc::default(); CONFIDENCE_BUCKETS];
+        }
         for p in rows {
+            first = first.min(p.position);
+            wkld += p.kld as f64;
+            self.positions.push(p.position);
+            self.dnll.push(p.ref_logprob - p.logprob);
+            let c = &mut self.confidence[confidence_bucket(p.ref_top1_logprob)];
+            c.positions += 1;
+            c.kld_sum += p.kld as f64;
+            c.nll_sum -= p.logprob as f64;
+            c.ref_nll_sum -= p.ref_logprob as f64;
             self.kld.push(p.kld);
             self.kld_reverse.push(p.kld_reverse);
             self.top1_agree += p.top1_agree as u64;
@@ -156,7 +234,65 @@ impl ReferenceAcc {
         }
         if w.scored > 0 {
             self.windows.push(w);
+            self.window_first.push(first);
+            self.window_kld.push(wkld);
         }
+    }
+
+    /// The `n` positions with the largest KL (ties: the earlier), in that order.
+    pub fn worst_positions(&self, n: usize) -> Vec<WorstPosition> {
+        let mut idx: Vec<usize> = (0..self.kld.len()).collect();
+        idx.sort_by(|&a, &b| self.kld[b].total_cmp(&self.kld[a]).then(a.cmp(&b)));
+        idx.truncate(n);
+        idx.into_iter().map(|i| self.at(i)).collect()
+    }
+
+    /// Positions `[i − before, i + after]` around the position of largest KL, in order.
+    pub fn strip(&self, before: usize, after: usize) -> Vec<WorstPosition> {
+        let Some(worst) = (0..self.kld.len())
+            .max_by(|&a, &b| self.kld[a].total_cmp(&self.kld[b]).then(b.cmp(&a)))
+        else {
+            return Vec::new();
+        };
+        let around = self.positions[worst];
+        // Positions are unique within a stream; take those near the worst, in stream order.
+        let mut idx: Vec<usize> = (0..self.kld.len())
+            .filter(|&i| {
+                self.positions[i] + before >= around && self.positions[i] <= around + after
+            })
+            .collect();
+        idx.sort_by_key(|&i| self.positions[i]);
+        idx.dedup_by_key(|i| self.positions[*i]);
+        idx.into_iter().map(|i| self.at(i)).collect()
+    }
+
+    fn at(&self, i: usize) -> WorstPosition {
+        WorstPosition {
+            position: self.positions[i],
+            token_id: 0,
+            token: String::new(),
+            kld: self.kld[i] as f64,
+            delta_nll: self.dnll[i] as f64,
+        }
+    }
+
+    /// The `n` windows with the largest ΔNLL per token, in that order.
+    pub fn worst_windows(&self, n: usize) -> Vec<WorstWindow> {
+        let mut v: Vec<WorstWindow> = self
+            .windows
+            .iter()
+            .zip(&self.window_first)
+            .zip(&self.window_kld)
+            .map(|((w, &first), &k)| WorstWindow {
+                first_target: first,
+                end: first + w.scored as usize,
+                delta_nll: (w.new - w.base) / w.scored as f64,
+                mean_kld: k / w.scored as f64,
+            })
+            .collect();
+        v.sort_by(|a, b| b.delta_nll.total_cmp(&a.delta_nll));
+        v.truncate(n);
+        v
     }
 }
 
@@ -164,6 +300,20 @@ impl ReferenceAcc {
     pub fn add(&mut self, o: &ReferenceAcc) {
         self.kld.extend_from_slice(&o.kld);
         self.kld_reverse.extend_from_slice(&o.kld_reverse);
+        self.positions.extend_from_slice(&o.positions);
+        self.dnll.extend_from_slice(&o.dnll);
+        self.window_first.extend_from_slice(&o.window_first);
+        self.window_kld.extend_from_slice(&o.window_kld);
+        if self.confidence.len() < o.confidence.len() {
+            self.confidence
+                .resize(o.confidence.len(), DepthAcc::default());
+        }
+        for (a, b) in self.confidence.iter_mut().zip(&o.confidence) {
+            a.positions += b.positions;
+            a.kld_sum += b.kld_sum;
+            a.nll_sum += b.nll_sum;
+            a.ref_nll_sum += b.ref_nll_sum;
+        }
         if self.depth.len() < o.depth.len() {
             self.depth.resize(o.depth.len(), DepthAcc::default());
         }
@@ -238,6 +388,22 @@ impl ReferenceAcc {
                     delta_nll: (d.nll_sum - d.ref_nll_sum) / d.positions as f64,
                 })
                 .collect(),
+            by_confidence: self
+                .confidence
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.positions > 0)
+                .map(|(i, d)| ConfidenceSummary {
+                    from: i as f64 / CONFIDENCE_BUCKETS as f64,
+                    to: (i + 1) as f64 / CONFIDENCE_BUCKETS as f64,
+                    positions: d.positions,
+                    mean_kld: d.kld_sum / d.positions as f64,
+                    delta_nll: (d.nll_sum - d.ref_nll_sum) / d.positions as f64,
+                })
+                .collect(),
+            worst_positions: Vec::new(),
+            worst_windows: Vec::new(),
+            strip: Vec::new(),
         })
     }
 }
@@ -257,6 +423,8 @@ mod tests {
             ref_logprob: lp_ref,
             top1_agree: agree,
             depth: i,
+            position: i,
+            ref_top1_logprob: -(i as f32) / 50.0,
         };
         a.push_window((1..=60).map(|i| row(i, -1.0, -1.0, i % 2 == 0)));
         a.push_window((61..=100).map(|i| row(i, -2.0, -1.5, true)));
@@ -292,6 +460,27 @@ mod tests {
         assert!((last.delta_nll - 0.5).abs() < 1e-12);
         assert_eq!(s.by_depth[0].positions, 1);
         assert_eq!(s.by_depth.iter().map(|d| d.positions).sum::<u64>(), 100);
+        // Worst: the largest KL is the last position (1.0), the worst window the second.
+        let wp = a.worst_positions(3);
+        assert_eq!(
+            wp.iter().map(|p| p.position).collect::<Vec<_>>(),
+            [100, 99, 98]
+        );
+        assert!((wp[0].delta_nll - 0.5).abs() < 1e-6);
+        let ww = a.worst_windows(2);
+        assert_eq!((ww[0].first_target, ww[0].end), (61, 101));
+        assert!((ww[0].delta_nll - 0.5).abs() < 1e-12 && ww[1].delta_nll == 0.0);
+        let strip = a.strip(3, 5);
+        assert_eq!(
+            strip.iter().map(|p| p.position).collect::<Vec<_>>(),
+            [97, 98, 99, 100]
+        );
+        // Confidence: p_ref(top1) = exp(−i/50) for position i; every position counted once.
+        assert_eq!(
+            s.by_confidence.iter().map(|c| c.positions).sum::<u64>(),
+            100
+        );
+        assert!(s.by_confidence.iter().all(|c| c.from < c.to && c.to <= 1.0));
         assert!(ReferenceAcc::default().summary().is_none());
     }
 
@@ -306,6 +495,8 @@ mod tests {
                 ref_logprob: -(i as f32 + w as f32) / 10.0,
                 top1_agree: true,
                 depth: i + 1,
+                position: w * 20 + i + 1,
+                ref_top1_logprob: -0.1,
             }));
         }
         let s = a.summary().unwrap();

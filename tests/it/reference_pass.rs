@@ -299,3 +299,78 @@ fn bad_references_are_refused() {
     assert_eq!(h[0], r["overall"]["reference"]["positions"]);
     assert_eq!(r["settings"]["reference"]["kv_dtype"], "fp8");
 }
+
+/// The diagnostics of a reference pass: both KL directions, depth and confidence buckets
+/// that count every position once, a stream's worst positions in KL order naming their
+/// tokens, its worst windows in ΔNLL order, the strip around its worst position reading as
+/// the text it covers, and the strip drawn in `--plot`.
+#[test]
+fn a_reference_pass_points_at_its_worst_tokens() {
+    let tmp = common::tempdir();
+    let art = common::mini_artifact(tmp.path());
+    let text = tmp.path().join("t.txt");
+    let body = "Quantized caches forget the rare word: sesquipedalian, then again sesquipedalian. "
+        .repeat(6);
+    std::fs::write(&text, &body).unwrap();
+    let out = tmp.path().join("run");
+    let o = common::score_text(
+        &art,
+        &text,
+        &out,
+        &["--kv-dtype", "nvfp4", "--reference-kv", "f32", "--plot"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "kld_rev",
+        "# by depth in the window",
+        "# by the reference's confidence",
+        "# worst positions",
+    ] {
+        assert!(
+            stdout.contains(want),
+            "`{want}` not in the tables:\n{stdout}"
+        );
+    }
+    let r = common::report(&out);
+    let x = &r["streams"][0]["reference"];
+    let positions = x["positions"].as_u64().unwrap();
+    assert!(x["mean_kld"].as_f64().unwrap() > 0.0);
+    assert!(x["mean_kld_reverse"].as_f64().unwrap() > 0.0);
+    assert_ne!(x["mean_kld"], x["mean_kld_reverse"]);
+    for key in ["by_depth", "by_confidence"] {
+        let n: u64 = x[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["positions"].as_u64().unwrap())
+            .sum();
+        assert_eq!(n, positions, "{key} counts every position once");
+    }
+    let worst = x["worst_positions"].as_array().unwrap();
+    assert_eq!(worst.len(), 10);
+    let klds: Vec<f64> = worst.iter().map(|p| p["kld"].as_f64().unwrap()).collect();
+    assert!(klds.windows(2).all(|w| w[0] >= w[1]), "{klds:?}");
+    assert!((klds[0] - x["kld_max"].as_f64().unwrap()).abs() < 1e-6);
+    // The byte tokenizer: every target token is one byte of the text.
+    for p in worst {
+        let at = p["position"].as_u64().unwrap() as usize;
+        assert_eq!(p["token_id"].as_u64().unwrap(), body.as_bytes()[at] as u64);
+    }
+    let ww = x["worst_windows"].as_array().unwrap();
+    let d: Vec<f64> = ww
+        .iter()
+        .map(|w| w["delta_nll"].as_f64().unwrap())
+        .collect();
+    assert!(!d.is_empty() && d.windows(2).all(|w| w[0] >= w[1]), "{d:?}");
+    let strip = x["strip"].as_array().unwrap();
+    let first = strip[0]["position"].as_u64().unwrap() as usize;
+    let last = strip.last().unwrap()["position"].as_u64().unwrap() as usize;
+    let read: String = strip.iter().map(|t| t["token"].as_str().unwrap()).collect();
+    assert_eq!(read, &body[first..=last], "the strip reads as its text");
+    let svg = std::fs::read_to_string(out.join("plot.svg")).unwrap();
+    assert!(
+        svg.contains("coloured by KL(reference || run)"),
+        "the strip is drawn"
+    );
+}

@@ -144,6 +144,7 @@ pub fn score_pairs(
             kld: (u / sum_ref - lse_ref + lse) as f32,
             kld_reverse: (u_rev / sum - lse + lse_ref) as f32,
             ref_top1: top1_ref,
+            ref_top1_logprob: (-sum_ref.ln()) as f32,
         };
     }
     Ok(())
@@ -210,7 +211,10 @@ mod tests {
                 "{} vs {kl_rev}",
                 pairs[i].kld_reverse
             );
-            assert!((kl - kl_rev).abs() > 1e-3, "the directions differ: {kl} {kl_rev}");
+            assert!(
+                (kl - kl_rev).abs() > 1e-3,
+                "the directions differ: {kl} {kl_rev}"
+            );
             let t = targets[i] as usize;
             assert!((pairs[i].ref_logprob as f64 - b[t]).abs() < 1e-4);
             let top = b.iter().cloned().fold(f64::MIN, f64::max);
@@ -218,6 +222,7 @@ mod tests {
                 pairs[i].ref_top1 as usize,
                 b.iter().position(|&x| x == top).unwrap()
             );
+            assert!((pairs[i].ref_top1_logprob as f64 - top).abs() < 1e-4);
         }
     }
 
