@@ -126,6 +126,18 @@ pub struct Args {
     #[arg(long, value_name = "ARTIFACT")]
     pub reference_artifact: Option<String>,
 
+    /// Save this run as a reference for later runs: every scored position's final-normed
+    /// hidden state (4 x hidden size bytes each), sha256-checked, naming the artifact, head,
+    /// tokenizer, protocol, KV format, device and build. CPU only, for now.
+    #[arg(long, value_name = "FILE")]
+    pub save_reference: Option<PathBuf>,
+
+    /// Compare every position with a saved reference (--save-reference) of the same head and
+    /// tokens: the reference table and fields of --reference-kv, without the reference model.
+    /// CPU only, for now.
+    #[arg(long, value_name = "FILE")]
+    pub kld_base: Option<PathBuf>,
+
     /// Also write plot.svg beside report.json: per-window mean NLL along each stream by
     /// domain, and the KL-divergence histogram of a run with a reference pass.
     #[arg(long)]
@@ -251,6 +263,9 @@ pub struct RunConfig {
     pub plot: bool,
     /// The reference pass to compare with, if any.
     pub reference: Option<ReferenceConfig>,
+    /// `--save-reference FILE`, `--kld-base FILE`.
+    pub save_reference: Option<PathBuf>,
+    pub kld_base: Option<PathBuf>,
     /// `--shard I/N`: score only that piece of the run's windows.
     pub shard: Option<crate::shard::Shard>,
     pub log_level: LogLevel,
@@ -331,6 +346,19 @@ impl Args {
             .as_deref()
             .map(crate::shard::Shard::parse)
             .transpose()?;
+        let saved = self.save_reference.is_some() || self.kld_base.is_some();
+        if self.save_reference.is_some() && self.kld_base.is_some() {
+            bail!("--save-reference and --kld-base: give one (a run saves a reference or compares with one)");
+        }
+        if saved && reference.is_some() {
+            bail!("--save-reference and --kld-base do not go with --reference-kv or --reference-artifact");
+        }
+        if saved && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu) {
+            bail!("--save-reference and --kld-base run on the CPU backend only, for now (use --device cpu)");
+        }
+        if saved && shard.is_some() {
+            bail!("--shard cannot be combined with --save-reference or --kld-base (a saved reference holds a whole run)");
+        }
         if shard.is_some() && reference.is_some() {
             bail!("--shard cannot be combined with --reference-kv or --reference-artifact (a reference pass's KL quantiles need every position in one process)");
         }
@@ -350,6 +378,8 @@ impl Args {
             show_calibration: self.show_calibration,
             plot: self.plot,
             reference,
+            save_reference: self.save_reference,
+            kld_base: self.kld_base,
             shard,
             log_level: self.log_level,
         })

@@ -67,6 +67,10 @@ pub struct Engine {
     /// The reference pass's KV format and, unless it is this engine's own model, the other
     /// artifact ([`Engine::set_reference`]).
     reference: Option<(KvDtype, Option<Artifact>)>,
+    /// `--save-reference`: where every scored window's final-normed rows go.
+    save: Option<std::sync::Mutex<Option<crate::score::saved::SavedWriter>>>,
+    /// `--kld-base`: the saved reference every window is compared with.
+    kld_base: Option<crate::score::saved::SavedReference>,
 }
 
 /// Progress of a stream being scored: targets scored so far and tokens processed.
@@ -152,6 +156,8 @@ impl Engine {
             memory_plan,
             scorer,
             reference: None,
+            save: None,
+            kld_base: None,
         })
     }
 
@@ -264,6 +270,113 @@ impl Engine {
             .map(|(kv, other)| (*kv, other.as_ref().unwrap_or(&self.artifact)))
     }
 
+    /// This run's identity as a saved reference names it: what a later `--kld-base` run
+    /// must share (the head, the tokenizer, the hidden size) and what it reports.
+    pub fn saved_identity(&self, protocol: Protocol, kv: KvDtype) -> crate::score::saved::Identity {
+        crate::score::saved::Identity {
+            artifact_path: self.artifact.path().display().to_string(),
+            artifact_digest: self.artifact.digest.clone(),
+            weight_format: self.artifact.weight_summary(),
+            head_sha256: self.head_sha256(),
+            tokenizer_sha256: self.tokenizer.sha256().to_string(),
+            hidden_size: self.artifact.config.hidden_size,
+            context: protocol.context,
+            stride: protocol.stride,
+            kv_dtype: kv.name().to_string(),
+            device: self.device.describe(),
+            build: crate::build_info::LONG_VERSION
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_string(),
+        }
+    }
+
+    /// sha256 of the output head as stored: its tensors (the tied embedding or `lm_head`,
+    /// and their scales when quantized), each as name, dtype, shape and bytes.
+    pub fn head_sha256(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let head = if self.artifact.config.tie_word_embeddings {
+            crate::model::layout::EMBED
+        } else {
+            crate::model::layout::LM_HEAD
+        };
+        let stem = head.trim_end_matches(".weight");
+        let mut h = Sha256::new();
+        for name in self.artifact.tensor_names().filter(|n| n.starts_with(stem)) {
+            if let Some((dtype, shape, bytes)) = self.artifact.tensor_raw(name) {
+                h.update(name.as_bytes());
+                h.update(dtype.as_bytes());
+                for d in shape {
+                    h.update((*d as u64).to_le_bytes());
+                }
+                h.update(bytes);
+            }
+        }
+        hex::encode(h.finalize())
+    }
+
+    /// Saves every scored window's final-normed rows to `writer` from now on
+    /// (`--save-reference`; the CPU backend only).
+    pub fn set_save_reference(&mut self, writer: crate::score::saved::SavedWriter) -> Result<()> {
+        if self.scorer.cpu_model().is_none() {
+            anyhow::bail!(
+                "--save-reference runs on the CPU backend only, for now: add --device cpu"
+            );
+        }
+        if self.reference.is_some() {
+            anyhow::bail!(
+                "--save-reference and a reference pass (--reference-*) do not go together"
+            );
+        }
+        self.save = Some(std::sync::Mutex::new(Some(writer)));
+        Ok(())
+    }
+
+    /// Finishes the saved reference: its size in bytes (`None` without `--save-reference`).
+    pub fn finish_saved_reference(&self) -> Result<Option<u64>> {
+        let Some(m) = &self.save else { return Ok(None) };
+        let w = m.lock().unwrap_or_else(|e| e.into_inner()).take();
+        w.map(|w| w.finish()).transpose()
+    }
+
+    /// Compares every window from now on with `saved`'s rows of it (`--kld-base`), refused
+    /// unless it was saved with this head, tokenizer and hidden size.
+    pub fn set_kld_base(&mut self, saved: crate::score::saved::SavedReference) -> Result<()> {
+        if self.scorer.cpu_model().is_none() {
+            anyhow::bail!("--kld-base runs on the CPU backend only, for now: add --device cpu");
+        }
+        if self.reference.is_some() || self.save.is_some() {
+            anyhow::bail!("--kld-base goes with neither a reference pass (--reference-*) nor --save-reference");
+        }
+        let id = &saved.index.identity;
+        let shown = saved.path.display();
+        if id.tokenizer_sha256 != self.tokenizer.sha256() {
+            anyhow::bail!(
+                "{shown}: saved with another tokenizer (sha256 {}, this artifact's is {})",
+                id.tokenizer_sha256,
+                self.tokenizer.sha256()
+            );
+        }
+        if id.hidden_size != self.artifact.config.hidden_size
+            || id.head_sha256 != self.head_sha256()
+        {
+            anyhow::bail!(
+                "{shown}: saved from {} (digest {}), whose output head differs from {}'s: the saved hidden states need the head that made them",
+                id.artifact_path,
+                id.artifact_digest,
+                self.artifact.path().display()
+            );
+        }
+        self.kld_base = Some(saved);
+        Ok(())
+    }
+
+    /// The saved reference a `--kld-base` run compares with.
+    pub fn kld_base(&self) -> Option<&crate::score::saved::SavedReference> {
+        self.kld_base.as_ref()
+    }
+
     /// Scores one stream with the windows of `protocol` ([`Engine::score_windows`]).
     pub fn score(
         &self,
@@ -303,11 +416,54 @@ impl Engine {
         let mut processed = 0u64;
         // Some(..) as long as every window came with entropy and top-1 (one backend per run).
         let mut calibration = Some(Calibration::default());
-        let mut reference = self.reference.as_ref().map(|_| ReferenceAcc::default());
+        let mut reference =
+            (self.reference.is_some() || self.kld_base.is_some()).then(ReferenceAcc::default);
+        // --kld-base: this stream's saved windows, which must be these windows.
+        let saved = match &self.kld_base {
+            None => None,
+            Some(b) => {
+                let shown = b.path.display();
+                let s = b.stream(tokens).ok_or_else(|| {
+                    anyhow!(
+                        "{shown}: the saved reference has no stream with these {} tokens (it holds {} streams saved with context {} and stride {}; the text, tokenizer or --max-tokens differ)",
+                        tokens.len(),
+                        b.index.streams.len(),
+                        b.index.identity.context,
+                        b.index.identity.stride
+                    )
+                })?;
+                let same = s.windows.len() == ws.len()
+                    && s.windows.iter().zip(ws).all(|(a, w)| {
+                        (a.begin, a.first_target, a.end) == (w.begin, w.first_target, w.end)
+                    });
+                if !same {
+                    anyhow::bail!(
+                        "{shown}: this stream was saved with other windows ({} with context {} and stride {}, here {}): use the saved run's protocol and shard",
+                        s.windows.len(),
+                        b.index.identity.context,
+                        b.index.identity.stride,
+                        ws.len()
+                    );
+                }
+                Some((b, s))
+            }
+        };
+        let mut save = self
+            .save
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(w) = save.as_mut().and_then(|g| g.as_mut()) {
+            w.begin_stream(tokens)?;
+        }
         let mut last_finish = std::time::Instant::now();
         // Accounts one finished window (the same for every backend).
         let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
+            if let (HeadRows::Hidden(_, hidden), Some(Some(sw))) =
+                (&rows, save.as_mut().map(|g| g.as_mut()))
+            {
+                sw.window(w, hidden)?;
+            }
             if let (HeadRows::Paired(rs, ps), Some(acc)) = (&rows, reference.as_mut()) {
                 if let Some(i) = ps.iter().position(|p| {
                     !p.kld.is_finite() || !p.kld_reverse.is_finite() || !p.ref_logprob.is_finite()
@@ -335,7 +491,10 @@ impl Engine {
             // Per window first, then added to the stream in window order: a shard's windows
             // then merge into the same sums as an unsharded run's.
             let window_calibration = match (&rows, calibration.as_mut()) {
-                (HeadRows::Scored(rs) | HeadRows::Paired(rs, _), Some(stream)) => {
+                (
+                    HeadRows::Scored(rs) | HeadRows::Paired(rs, _) | HeadRows::Hidden(rs, _),
+                    Some(stream),
+                ) => {
                     let mut c = Calibration::default();
                     for (i, r) in rs.iter().enumerate() {
                         if !r.entropy.is_finite() || !r.top1_logprob.is_finite() {
@@ -406,7 +565,21 @@ impl Engine {
             )
         };
         self.scorer.take_routing(); // counts start at zero for this stream
-        match self.scorer.score_windows(tokens, ws, kv, &mut finish) {
+        let load = |wi: usize| match &saved {
+            Some((b, s)) => b.rows(&s.windows[wi]).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let extra = if saved.is_some() {
+            crate::backend::Extra::Saved(&load)
+        } else if self.save.is_some() {
+            crate::backend::Extra::Hidden
+        } else {
+            crate::backend::Extra::Nothing
+        };
+        match self
+            .scorer
+            .score_windows_extra(tokens, ws, kv, extra, &mut finish)
+        {
             Ok(()) => {}
             Err(ScoreError::Window { index, error }) => return Err(window_error(index, &error)),
             Err(ScoreError::Finish(e)) => return Err(e),

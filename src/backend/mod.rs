@@ -8,7 +8,8 @@ pub mod cuda;
 mod scorer;
 
 pub use scorer::{
-    CudaVersions, FinishWindow, HeadRows, MemoryReport, PairScore, RowScore, ScoreError, Scorer,
+    CudaVersions, Extra, FinishWindow, HeadRows, MemoryReport, PairScore, RowScore, ScoreError,
+    Scorer,
 };
 
 use anyhow::{bail, Result};

@@ -50,13 +50,29 @@ pub enum HeadRows {
     Scored(Vec<RowScore>),
     /// The same, with the reference pass's comparison at each row.
     Paired(Vec<RowScore>, Vec<PairScore>),
+    /// The same as `Scored`, with the final-normed rows the head read (`[rows, d]`), for
+    /// `--save-reference`.
+    Hidden(Vec<RowScore>, Vec<f32>),
+}
+
+/// What a run asks of the head beyond its own rows.
+#[derive(Clone, Copy)]
+pub enum Extra<'a> {
+    Nothing,
+    /// Every window's final-normed rows (`--save-reference`).
+    Hidden,
+    /// Compare every window with a saved reference's rows of it (`--kld-base`): the loader
+    /// gives window `i`'s rows `[rows, d]` (empty when it cannot).
+    Saved(&'a (dyn Fn(usize) -> Vec<f32> + Sync)),
 }
 
 impl HeadRows {
     pub fn logprobs(&self) -> Vec<f32> {
         match self {
             HeadRows::Logprobs(v) => v.clone(),
-            HeadRows::Scored(r) | HeadRows::Paired(r, _) => r.iter().map(|r| r.logprob).collect(),
+            HeadRows::Scored(r) | HeadRows::Paired(r, _) | HeadRows::Hidden(r, _) => {
+                r.iter().map(|r| r.logprob).collect()
+            }
         }
     }
 }
@@ -129,6 +145,24 @@ pub trait Scorer: Send + Sync {
         kv: KvDtype,
         finish: &mut FinishWindow,
     ) -> Result<(), ScoreError>;
+
+    /// [`Scorer::score_windows`] with more asked of the head ([`Extra`]): the CPU backend
+    /// only, for now.
+    fn score_windows_extra(
+        &self,
+        tokens: &[u32],
+        windows: &[Window],
+        kv: KvDtype,
+        extra: Extra,
+        finish: &mut FinishWindow,
+    ) -> Result<(), ScoreError> {
+        match extra {
+            Extra::Nothing => self.score_windows(tokens, windows, kv, finish),
+            _ => Err(ScoreError::Device(anyhow::anyhow!(
+                "--save-reference and --kld-base run on the CPU backend only, for now: add --device cpu"
+            ))),
+        }
+    }
 
     /// Token-to-expert assignments per expert since the last call (summed over the sparse
     /// layers), zeroing them; `None` for a dense model.

@@ -64,6 +64,15 @@ pub enum ForwardError {
     /// A failure of the reference model's pass over the same window (`--reference-*`).
     #[error("reference pass: {0}")]
     InReference(Box<ForwardError>),
+    /// Saved reference rows that do not cover the window's targets.
+    #[error(
+        "the saved reference holds {got} values for this window, its {rows} targets need {want}"
+    )]
+    SavedRows {
+        got: usize,
+        want: usize,
+        rows: usize,
+    },
 }
 
 /// `x[T, heads, D]` (rows from window position `first`) checked for NaN and infinity: the
@@ -104,7 +113,9 @@ impl ForwardError {
                 head,
             } => (1 + layer, part, pos, head),
             ForwardError::NonFiniteLogit { pos, token } => (usize::MAX, Part::Query, pos, token),
-            ForwardError::InReference(_) => (usize::MAX, Part::State, usize::MAX, usize::MAX),
+            ForwardError::InReference(_) | ForwardError::SavedRows { .. } => {
+                (usize::MAX, Part::State, usize::MAX, usize::MAX)
+            }
         }
     }
 }

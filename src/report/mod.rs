@@ -225,6 +225,19 @@ pub struct ReferenceSettings {
     pub artifact_path: String,
     pub artifact_digest: String,
     pub weight_format: String,
+    /// `--kld-base`: the saved reference file (absolute path, its size) and the device and
+    /// build that saved it; absent for an in-process reference pass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved: Option<SavedReferenceInfo>,
+}
+
+/// Where a `--kld-base` reference came from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedReferenceInfo {
+    pub path: String,
+    pub bytes: u64,
+    pub device: String,
+    pub build: String,
 }
 
 /// Reports written before `precision` was recorded came from the CPU path (f32).

@@ -59,8 +59,10 @@ pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
     ui::info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
     let t_load = Instant::now();
     // A reference pass runs on the CPU only: `auto` means the CPU then.
-    let device = match (&cfg.reference, cfg.device) {
-        (Some(_), crate::backend::DeviceRequest::Auto) => crate::backend::DeviceRequest::Cpu,
+    let cpu_only =
+        cfg.reference.is_some() || cfg.save_reference.is_some() || cfg.kld_base.is_some();
+    let device = match (cpu_only, cfg.device) {
+        (true, crate::backend::DeviceRequest::Auto) => crate::backend::DeviceRequest::Cpu,
         (_, d) => d,
     };
     let opts = LoadOptions {
@@ -106,6 +108,32 @@ pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
             ));
         }
         engine.set_reference(r.kv, other)?;
+    }
+    if let Some(p) = &cfg.kld_base {
+        let saved = crate::score::saved::SavedReference::open(p)
+            .map_err(|e| anyhow!("--kld-base: {e:#}"))?;
+        let id = &saved.index.identity;
+        ui::info(format!(
+            "reference  saved: {} ({} streams, kv {}, context {}/{}, {} on {})",
+            p.display(),
+            saved.index.streams.len(),
+            id.kv_dtype,
+            id.context,
+            id.stride,
+            id.build,
+            id.device
+        ));
+        engine
+            .set_kld_base(saved)
+            .map_err(|e| anyhow!("--kld-base: {e:#}"))?;
+    }
+    if let Some(p) = &cfg.save_reference {
+        let writer = crate::score::saved::SavedWriter::create(
+            p,
+            engine.saved_identity(cfg.protocol, cfg.kv),
+        )
+        .map_err(|e| anyhow!("--save-reference: {e:#}"))?;
+        engine.set_save_reference(writer)?;
     }
     let load_s = t_load.elapsed().as_secs_f64();
     cfg.kv.check_head_dim(engine.artifact.config.head_dim)?;

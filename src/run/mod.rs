@@ -188,6 +188,17 @@ pub fn run(cfg: &RunConfig) -> Result<RunOutput> {
             .for_each(|w| w.calibration = None);
     }
     let score_s = t_score.elapsed().as_secs_f64();
+    if let Some(bytes) = inputs.engine.finish_saved_reference()? {
+        let positions: u64 = streams.iter().map(|s| s.totals.scored).sum();
+        ui::info(format!(
+            "saved      reference {}: {positions} positions, {bytes} bytes ({} per position)",
+            cfg.save_reference
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display(),
+            4 * inputs.engine.artifact.config.hidden_size
+        ));
+    }
 
     let clock = report::Clock {
         started_unix_s: started_unix,

@@ -101,12 +101,35 @@ pub fn build(
             precision: engine.precision.name().into(),
             threads: engine.threads(),
             test_fault: engine.test_fault(),
-            reference: engine.reference().map(|(kv, a)| report::ReferenceSettings {
-                kv_dtype: kv.name().into(),
-                artifact_path: a.path().display().to_string(),
-                artifact_digest: a.digest.clone(),
-                weight_format: a.weight_summary(),
-            }),
+            reference: engine
+                .reference()
+                .map(|(kv, a)| report::ReferenceSettings {
+                    kv_dtype: kv.name().into(),
+                    artifact_path: a.path().display().to_string(),
+                    artifact_digest: a.digest.clone(),
+                    weight_format: a.weight_summary(),
+                    saved: None,
+                })
+                .or_else(|| {
+                    engine.kld_base().map(|b| {
+                        let id = &b.index.identity;
+                        report::ReferenceSettings {
+                            kv_dtype: id.kv_dtype.clone(),
+                            artifact_path: id.artifact_path.clone(),
+                            artifact_digest: id.artifact_digest.clone(),
+                            weight_format: id.weight_format.clone(),
+                            saved: Some(report::SavedReferenceInfo {
+                                path: std::path::absolute(&b.path)
+                                    .unwrap_or_else(|_| b.path.clone())
+                                    .display()
+                                    .to_string(),
+                                bytes: b.size(),
+                                device: id.device.clone(),
+                                build: id.build.clone(),
+                            }),
+                        }
+                    })
+                }),
         },
         artifact: report::ArtifactInfo {
             path: std::path::absolute(a.path())

@@ -5,6 +5,7 @@
 pub mod calibration;
 pub mod paired;
 pub mod reference;
+pub mod saved;
 pub mod stats;
 pub mod window;
 

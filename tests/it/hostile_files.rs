@@ -346,6 +346,18 @@ fn readers() -> Vec<Reader> {
             role: "artifact",
         },
         Reader {
+            name: "--kld-base",
+            bin: "ninfer-perplexity",
+            slot: in_case,
+            args: |w, slot, out| {
+                let extra = ["--kld-base".into(), s(slot)];
+                eval_args(w, &w.artifact, out, &extra)
+            },
+            registry: false,
+            takes_dirs: false,
+            role: "the saved reference",
+        },
+        Reader {
             name: "compare's base report",
             bin: "ninfer-perplexity",
             slot: in_case,
@@ -597,6 +609,15 @@ fn writers() -> Vec<Writer> {
             bin: "ninfer-perplexity",
             args: |w, out| eval_args(w, &w.artifact, out, &[]),
             complaint: "is not a directory",
+        },
+        Writer {
+            name: "--save-reference",
+            bin: "ninfer-perplexity",
+            args: |w, out| {
+                let o = w.root.join(format!("unused-{}", unique()));
+                eval_args(w, &w.artifact, &o, &["--save-reference".into(), s(out)])
+            },
+            complaint: "not a regular file",
         },
         Writer {
             name: "merge --output",

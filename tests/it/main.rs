@@ -35,6 +35,8 @@ mod memory;
 mod reference;
 // `--reference-kv` / `--reference-artifact`: KL divergence against transformers.
 mod reference_pass;
+// `--save-reference` / `--kld-base`: a saved reference gives the in-process numbers.
+mod saved_reference;
 // The KV formats against PyTorch fixtures, bit for bit, and their error bounds.
 mod kv_formats;
 // fp8 and nvfp4 weights against ModelOpt and compressed-tensors.

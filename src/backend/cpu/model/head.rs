@@ -13,6 +13,17 @@ use crate::backend::{PairScore, RowScore};
 use crate::kv::KvDtype;
 use crate::model::error::ForwardError;
 
+/// What the head compares the run's rows with.
+#[derive(Clone, Copy)]
+pub enum Against<'a> {
+    Nothing,
+    /// A reference pass of a model (this one or another with the same vocabulary) through
+    /// its KV format.
+    Model(&'a CpuModel, KvDtype),
+    /// A reference's final-normed rows `[rows, d]`, saved by an earlier run of this head.
+    Rows(&'a [f32]),
+}
+
 impl CpuModel {
     /// Scores the final-normed rows `hn [rows, d]` (row `r` predicts
     /// `tokens[first_target + r]`); with a reference (a model with the same vocabulary and
@@ -23,7 +34,7 @@ impl CpuModel {
         hn: &[f32],
         tokens: &[u32],
         first_target: usize,
-        reference: Option<(&CpuModel, KvDtype)>,
+        against: Against,
     ) -> Result<(Vec<RowScore>, Option<Vec<PairScore>>), ForwardError> {
         let c = &self.config;
         let d = c.hidden_size;
@@ -34,17 +45,25 @@ impl CpuModel {
             token,
         };
         let mut out = vec![RowScore::default(); rows];
+        let reference = match against {
+            Against::Nothing => None,
+            Against::Model(m, ref_kv) => {
+                let mut ref_laps = Laps::new(false);
+                let (hr, _) = m
+                    .hidden(tokens, first_target, ref_kv, Split::Never, &mut ref_laps)
+                    .map_err(|e| ForwardError::InReference(Box::new(e)))?;
+                Some((std::borrow::Cow::Owned(hr), m))
+            }
+            // Saved rows of a reference with this head (checked by its digest when opened).
+            Against::Rows(hr) => Some((std::borrow::Cow::Borrowed(hr), self)),
+        };
         let pairs = match reference {
             None => {
                 head::score_rows(hn, d, self.weights.head(), c.vocab_size, targets, &mut out)
                     .map_err(|e| logit_error(e.row, e.token))?;
                 None
             }
-            Some((m, ref_kv)) => {
-                let mut ref_laps = Laps::new(false);
-                let (hr, _) = m
-                    .hidden(tokens, first_target, ref_kv, Split::Never, &mut ref_laps)
-                    .map_err(|e| ForwardError::InReference(Box::new(e)))?;
+            Some((hr, m)) => {
                 let mut pairs = vec![PairScore::default(); rows];
                 let dr = m.config.hidden_size;
                 head_pair::score_pairs(

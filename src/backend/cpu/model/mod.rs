@@ -42,12 +42,17 @@ use crate::model::config::ModelConfig;
 use crate::model::error::ForwardError;
 use crate::model::layout::Mixer;
 use fault::{Faults, Pitfall};
+use head::Against;
 use layer::{Bufs, Pass};
 use moe::RoutingCounts;
 use profile::{Laps, Phase};
 use rayon::prelude::*;
 use split::{Link, Split, Stop};
 use weights::Weights;
+
+/// A window's rows, its comparison with a reference where there is one, and its
+/// final-normed hidden rows where they were asked for.
+type RowsPairsHidden = (Vec<RowScore>, Option<Vec<PairScore>>, Option<Vec<f32>>);
 
 pub struct CpuModel {
     pub config: ModelConfig,
@@ -176,14 +181,57 @@ impl CpuModel {
         reference: (&CpuModel, KvDtype),
         may_split: &(dyn Fn() -> bool + Sync),
     ) -> Result<(Vec<RowScore>, Vec<PairScore>), ForwardError> {
-        let (rows, pairs) = self.forward_with(
+        let (rows, pairs, _) = self.forward_with(
             tokens,
             first_target,
             kv,
             Split::Ask(may_split),
-            Some(reference),
+            Against::Model(reference.0, reference.1),
+            false,
         )?;
         Ok((rows, pairs.unwrap_or_default()))
+    }
+
+    /// [`CpuModel::window_pairs_with`] against a saved reference's rows of this window
+    /// (`[rows, d]`, from `--save-reference` with this head): the same numbers an
+    /// in-process reference pass gives.
+    pub fn window_pairs_saved_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        reference_rows: &[f32],
+        may_split: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<RowScore>, Vec<PairScore>), ForwardError> {
+        let (rows, pairs, _) = self.forward_with(
+            tokens,
+            first_target,
+            kv,
+            Split::Ask(may_split),
+            Against::Rows(reference_rows),
+            false,
+        )?;
+        Ok((rows, pairs.unwrap_or_default()))
+    }
+
+    /// [`CpuModel::window_rows_with`] and the final-normed rows the head read (`[rows, d]`),
+    /// for `--save-reference`.
+    pub fn window_rows_hidden_with(
+        &self,
+        tokens: &[u32],
+        first_target: usize,
+        kv: KvDtype,
+        may_split: &(dyn Fn() -> bool + Sync),
+    ) -> Result<(Vec<RowScore>, Vec<f32>), ForwardError> {
+        let (rows, _, hn) = self.forward_with(
+            tokens,
+            first_target,
+            kv,
+            Split::Ask(may_split),
+            Against::Nothing,
+            true,
+        )?;
+        Ok((rows, hn.unwrap_or_default()))
     }
 
     pub(crate) fn forward(
@@ -193,7 +241,9 @@ impl CpuModel {
         kv: KvDtype,
         split: Split,
     ) -> Result<Vec<RowScore>, ForwardError> {
-        Ok(self.forward_with(tokens, first_target, kv, split, None)?.0)
+        Ok(self
+            .forward_with(tokens, first_target, kv, split, Against::Nothing, false)?
+            .0)
     }
 
     fn forward_with(
@@ -202,12 +252,23 @@ impl CpuModel {
         first_target: usize,
         kv: KvDtype,
         split: Split,
-        reference: Option<(&CpuModel, KvDtype)>,
-    ) -> Result<(Vec<RowScore>, Option<Vec<PairScore>>), ForwardError> {
+        against: Against,
+        keep_hidden: bool,
+    ) -> Result<RowsPairsHidden, ForwardError> {
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
         let (hn, cut) = self.hidden(tokens, first_target, kv, split, &mut laps)?;
-        let out = self.head(&hn, tokens, first_target, reference)?;
+        if let Against::Rows(hr) = against {
+            if hr.len() != hn.len() {
+                return Err(ForwardError::SavedRows {
+                    got: hr.len(),
+                    want: hn.len(),
+                    rows: t_len - first_target,
+                });
+            }
+        }
+        let (rows, pairs) = self.head(&hn, tokens, first_target, against)?;
+        let out = (rows, pairs, keep_hidden.then_some(hn));
         laps.lap(Phase::Head);
         let after_split = if cut { " (after the split)" } else { "" };
         laps.report(&format!(

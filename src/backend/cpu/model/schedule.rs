@@ -7,7 +7,7 @@
 
 use super::memory::MemoryPlan;
 use super::CpuModel;
-use crate::backend::{FinishWindow, HeadRows, ScoreError, Scorer};
+use crate::backend::{Extra, FinishWindow, HeadRows, ScoreError, Scorer};
 use crate::kv::KvDtype;
 use crate::model::ForwardError;
 use crate::score::Window;
@@ -58,10 +58,30 @@ impl Scorer for CpuScorer {
         kv: KvDtype,
         finish: &mut FinishWindow,
     ) -> Result<(), ScoreError> {
+        self.score_windows_extra(tokens, ws, kv, Extra::Nothing, finish)
+    }
+
+    fn score_windows_extra(
+        &self,
+        tokens: &[u32],
+        ws: &[Window],
+        kv: KvDtype,
+        extra: Extra,
+        finish: &mut FinishWindow,
+    ) -> Result<(), ScoreError> {
+        if self.reference.is_some() && !matches!(extra, Extra::Nothing) {
+            return Err(ScoreError::Device(anyhow::anyhow!(
+                "a reference pass (--reference-*) and a saved reference (--save-reference, --kld-base) do not go together"
+            )));
+        }
         let model = &*self.model;
         let longest = ws.iter().map(|w| w.len()).max().unwrap_or(0);
         // A reference pass holds a second window's buffers beside each window.
-        let per_window = if self.reference.is_some() { 2 } else { 1 };
+        let per_window = if self.reference.is_some() || matches!(extra, Extra::Saved(_)) {
+            2
+        } else {
+            1
+        };
         let fit = self.plan.windows_that_fit(longest, &model.config) / per_window;
         if fit == 0 {
             return Err(ScoreError::Device(anyhow::anyhow!(
@@ -79,11 +99,19 @@ impl Scorer for CpuScorer {
             .as_ref()
             .map(|(m, k)| (m.as_deref().unwrap_or(model), *k));
         let compute =
-            |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match reference {
-                None => model
+            |wi: usize, t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match (
+                reference, extra,
+            ) {
+                (None, Extra::Nothing) => model
                     .window_rows_with(t, first, kv, may_split)
                     .map(HeadRows::Scored),
-                Some(r) => model
+                (None, Extra::Hidden) => model
+                    .window_rows_hidden_with(t, first, kv, may_split)
+                    .map(|(rows, hidden)| HeadRows::Hidden(rows, hidden)),
+                (None, Extra::Saved(load)) => model
+                    .window_pairs_saved_with(t, first, kv, &load(wi), may_split)
+                    .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
+                (Some(r), _) => model
                     .window_pairs_with(t, first, kv, r, may_split)
                     .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
             };
@@ -141,8 +169,11 @@ pub(super) struct CpuSchedule {
 
 /// One window's computation: its tokens, the first target's index in them, and the split
 /// question (`CpuModel::window_rows_with`).
-pub(super) type Compute<'a> =
-    dyn Fn(&[u32], usize, &(dyn Fn() -> bool + Sync)) -> Result<HeadRows, ForwardError> + Sync + 'a;
+/// Scores one window: its index among the windows given, its tokens, its first target's
+/// index in them, and whether it may be split now.
+pub(super) type Compute<'a> = dyn Fn(usize, &[u32], usize, &(dyn Fn() -> bool + Sync)) -> Result<HeadRows, ForwardError>
+    + Sync
+    + 'a;
 
 /// Scores CPU windows with up to `in_flight` of them computing at once and hands each to
 /// `finish` in window order, on the calling thread.
@@ -191,7 +222,7 @@ pub(super) fn score_cpu(
             let lps = pool
                 .install(|| {
                     let (t, first) = (&tokens[w.begin..w.end], w.first_target - w.begin);
-                    compute(t, first, &may_split)
+                    compute(wi, t, first, &may_split)
                 })
                 .map_err(|error| ScoreError::Window { index: wi, error })?;
             finish(wi, lps).map_err(ScoreError::Finish)?;
@@ -223,6 +254,7 @@ pub(super) fn score_cpu(
             yes
         };
         let lps = compute(
+            wi,
             &tokens[w.begin..w.end],
             w.first_target - w.begin,
             &may_split,
@@ -307,7 +339,7 @@ mod tests {
             .build()
             .unwrap();
         let mut got = Vec::new();
-        let compute = |t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| {
+        let compute = |_: usize, t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| {
             model
                 .window_rows_with(t, first, KvDtype::Int8, may_split)
                 .map(HeadRows::Scored)

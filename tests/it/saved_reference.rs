@@ -1,0 +1,229 @@
+//! `--save-reference FILE` and `--kld-base FILE`: a run saved as a reference and compared
+//! with later, without the reference model. The comparison must be the one an in-process
+//! `--reference-kv` run computes (the same positions, the same statistics); a file that does
+//! not belong to the run (other tokens, protocol, head), or that is damaged, is refused with
+//! one line and no report.
+
+use crate::common;
+
+use std::path::{Path, PathBuf};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    dir: PathBuf,
+    art: PathBuf,
+    text: PathBuf,
+}
+
+fn setup() -> Setup {
+    let tmp = common::tempdir();
+    let dir = tmp.path().to_path_buf();
+    let art = common::mini_artifact(&dir);
+    let text = dir.join("t.txt");
+    std::fs::write(
+        &text,
+        "A reference saved once is compared with many later runs. ".repeat(5),
+    )
+    .unwrap();
+    Setup {
+        _tmp: tmp,
+        dir,
+        art,
+        text,
+    }
+}
+
+/// `ninfer-perplexity ART --text TEXT --context 32 --stride 16 --output DIR EXTRA...`.
+fn run(st: &Setup, text: &Path, out: &str, extra: &[&str]) -> std::process::Output {
+    common::score_text(&st.art, text, &st.dir.join(out), extra)
+}
+
+#[test]
+fn a_saved_reference_gives_the_numbers_of_an_in_process_one() {
+    let st = setup();
+    let refbin = st.dir.join("ref.bin");
+    let o = run(
+        &st,
+        &st.text,
+        "saved",
+        &["--kv-dtype", "f32", "--save-reference", s(&refbin)],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let saved = common::report(&st.dir.join("saved"));
+    let positions = saved["overall"]["scored"].as_u64().unwrap();
+    assert!(
+        stderr.contains(&format!("{positions} positions")),
+        "the saved line names the positions: {stderr}"
+    );
+    // The saving run's own scores are those of a run without it.
+    let plain = run(&st, &st.text, "plain", &["--kv-dtype", "f32"]);
+    assert!(plain.status.success());
+    let plain = common::report(&st.dir.join("plain"));
+    assert_eq!(saved["overall"]["nll_sum"], plain["overall"]["nll_sum"]);
+
+    let o = run(
+        &st,
+        &st.text,
+        "base",
+        &["--kv-dtype", "nvfp4", "--kld-base", s(&refbin)],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("# reference: weights"));
+    let o = run(
+        &st,
+        &st.text,
+        "inproc",
+        &["--kv-dtype", "nvfp4", "--reference-kv", "f32"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (b, i) = (
+        common::report(&st.dir.join("base")),
+        common::report(&st.dir.join("inproc")),
+    );
+    for row in ["overall"] {
+        let (x, y) = (&b[row]["reference"], &i[row]["reference"]);
+        assert_eq!(x["positions"], y["positions"]);
+        assert!(x["mean_kld"].as_f64().unwrap() > 0.0);
+        for k in [
+            "mean_kld",
+            "kld_median",
+            "kld_p99",
+            "kld_max",
+            "mean_kld_reverse",
+            "top1_agreement",
+            "mean_delta_p",
+            "rms_delta_p",
+            "ref_mean_nll",
+            "delta_nll",
+        ] {
+            let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-9,
+                "{row}.{k}: saved {p} vs in-process {q}"
+            );
+        }
+    }
+    assert_eq!(
+        b["streams"][0]["reference"]["strip"],
+        i["streams"][0]["reference"]["strip"]
+    );
+    let r = &b["settings"]["reference"];
+    assert_eq!(r["kv_dtype"], "f32");
+    assert!(r["saved"]["path"].as_str().unwrap().ends_with("ref.bin"));
+    assert_eq!(
+        r["saved"]["bytes"].as_u64(),
+        Some(std::fs::metadata(&refbin).unwrap().len())
+    );
+}
+
+#[test]
+fn a_saved_reference_that_does_not_belong_to_the_run_is_refused() {
+    let st = setup();
+    let refbin = st.dir.join("ref.bin");
+    let o = run(
+        &st,
+        &st.text,
+        "saved",
+        &["--kv-dtype", "f32", "--save-reference", s(&refbin)],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let refused = |out: &str, o: std::process::Output, needles: &[&str]| {
+        let line = common::error_line(&o);
+        for n in needles {
+            assert!(line.contains(n), "`{n}` not in: {line}");
+        }
+        assert!(!st.dir.join(out).join("report.json").exists(), "no report");
+    };
+    // Other text: other tokens.
+    let other = st.dir.join("other.txt");
+    std::fs::write(
+        &other,
+        "Something else entirely, scored against the wrong file. ".repeat(5),
+    )
+    .unwrap();
+    let o = run(&st, &other, "a", &["--kld-base", s(&refbin)]);
+    refused("a", o, &["ref.bin", "has no stream with these"]);
+    // Other windows.
+    let o = common::run_bin(
+        "ninfer-perplexity",
+        &[
+            s(&st.art),
+            "--text",
+            s(&st.text),
+            "--context",
+            "48",
+            "--stride",
+            "16",
+            "--kld-base",
+            s(&refbin),
+            "--output",
+            s(&st.dir.join("b")),
+        ],
+    );
+    refused("b", o, &["ref.bin", "saved with other windows"]);
+    // Another head: an artifact of other weights.
+    let other_dir = st.dir.join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let o = common::run_bin(
+        "ninfer-pack",
+        &[
+            "random",
+            "--preset",
+            "smollm2-135m",
+            "--layers",
+            "1",
+            "-o",
+            s(&other_dir.join("o.ninfer")),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = common::score_text(
+        &other_dir.join("o.ninfer"),
+        &st.text,
+        &st.dir.join("c"),
+        &["--kld-base", s(&refbin)],
+    );
+    refused("c", o, &["ref.bin", "output head differs"]);
+    // Damaged: one byte flipped in the middle, and the file cut short.
+    let mut bytes = std::fs::read(&refbin).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    let damaged = st.dir.join("damaged.bin");
+    std::fs::write(&damaged, &bytes).unwrap();
+    let o = run(&st, &st.text, "d", &["--kld-base", s(&damaged)]);
+    refused("d", o, &["damaged.bin", "checksum does not match"]);
+    bytes[mid] ^= 0x40;
+    std::fs::write(&damaged, &bytes[..bytes.len() - 100]).unwrap();
+    let o = run(&st, &st.text, "e", &["--kld-base", s(&damaged)]);
+    refused("e", o, &["damaged.bin"]);
+    // Not a saved reference at all.
+    let o = run(&st, &st.text, "f", &["--kld-base", s(&st.text)]);
+    refused("f", o, &["t.txt", "not a saved reference"]);
+    // The CUDA path has no saved references yet: one line, before any work.
+    let o = run(
+        &st,
+        &st.text,
+        "g",
+        &["--kld-base", s(&refbin), "--device", "emu"],
+    );
+    refused("g", o, &["CPU backend only"]);
+    // A run that fails leaves no saved reference behind.
+    let o = run(
+        &st,
+        &st.text,
+        "h",
+        &[
+            "--save-reference",
+            s(&st.dir.join("new.bin")),
+            "--kv-dtype",
+            "bogus",
+        ],
+    );
+    refused("h", o, &["--kv-dtype"]);
+    assert!(!st.dir.join("new.bin").exists());
+}
