@@ -93,6 +93,21 @@ fn reference_row(out: &mut String, a: &Aggregate) {
     );
 }
 
+/// A titled list of buckets: (bucket, positions, mean KL, ΔNLL); nothing when empty.
+fn bucket_rows(out: &mut String, title: &str, rows: impl Iterator<Item = (String, u64, f64, f64)>) {
+    let mut rows = rows.peekable();
+    if rows.peek().is_none() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "# {title}: positions, mean KL(reference || run), delta_nll"
+    );
+    for (at, n, kld, dnll) in rows {
+        let _ = writeln!(out, "{at:<22} {n:>9} {kld:>9.6} {dnll:>+10.6}");
+    }
+}
+
 /// The second table of a run with a reference pass: per domain and overall, how far the
 /// run's distribution is from the reference's (`None` without a reference).
 pub fn render_reference(r: &Report) -> Option<String> {
@@ -130,40 +145,20 @@ pub fn render_reference(r: &Report) -> Option<String> {
         reference_row(&mut out, d);
     }
     reference_row(&mut out, &r.overall);
-    // Overall, by depth in the window: where in the context the run departs.
+    // Overall, by depth in the window (where in the context the run departs) and by the
+    // reference's confidence.
     if let Some(o) = &r.overall.reference {
-        if !o.by_depth.is_empty() {
-            let _ = writeln!(
-                out,
-                "# by depth in the window (overall): positions [from, to), mean KL(reference || run), delta_nll"
-            );
-            for d in &o.by_depth {
-                let _ = writeln!(
-                    out,
-                    "{:<22} {:>9} {:>9.6} {:>+10.6}",
-                    format!("[{}, {})", d.from, d.to),
-                    d.positions,
-                    d.mean_kld,
-                    d.delta_nll
-                );
-            }
-        }
-        if !o.by_confidence.is_empty() {
-            let _ = writeln!(
-                out,
-                "# by the reference's confidence p_ref(top-1) (overall): positions, mean KL(reference || run), delta_nll"
-            );
-            for c in &o.by_confidence {
-                let _ = writeln!(
-                    out,
-                    "{:<22} {:>9} {:>9.6} {:>+10.6}",
-                    format!("[{:.1}, {:.1})", c.from, c.to),
-                    c.positions,
-                    c.mean_kld,
-                    c.delta_nll
-                );
-            }
-        }
+        let depth = o.by_depth.iter().map(|d| {
+            let at = format!("[{}, {})", d.from, d.to);
+            (at, d.positions, d.mean_kld, d.delta_nll)
+        });
+        bucket_rows(&mut out, "by depth in the window (overall)", depth);
+        let confidence = o.by_confidence.iter().map(|c| {
+            let at = format!("[{:.1}, {:.1})", c.from, c.to);
+            (at, c.positions, c.mean_kld, c.delta_nll)
+        });
+        let title = "by the reference's confidence p_ref(top-1) (overall)";
+        bucket_rows(&mut out, title, confidence);
     }
     // The positions of largest KL over every stream.
     let mut worst: Vec<(&str, &crate::score::reference::WorstPosition)> = r

@@ -76,15 +76,45 @@ fn mkfifo(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
-/// The file type at `p` without following a link, and where a link points.
+/// The file type at `p` without following a link, where a link points, and the type of
+/// what it points to.
 fn kind_of(p: &Path) -> String {
+    let target = std::fs::metadata(p).map(|m| format!("{:?}", m.file_type()));
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.file_type().is_symlink() => {
-            format!("link to {:?}", std::fs::read_link(p).unwrap())
+            format!("link to {:?} ({target:?})", std::fs::read_link(p).unwrap())
         }
         Ok(m) => format!("{:?}", m.file_type()),
         Err(e) => format!("absent ({e})"),
     }
+}
+
+/// [`verdict`], then the hostile thing at `shown` must still be what it was (`before`).
+fn judged(
+    o: Result<Output, String>,
+    shown: &Path,
+    needles: &[&str],
+    out: &Path,
+    before: &str,
+) -> Result<(), String> {
+    verdict(o, shown, needles, out)?;
+    let after = kind_of(shown);
+    if after == before {
+        Ok(())
+    } else {
+        Err(format!("{} was {before}, is {after}", shown.display()))
+    }
+}
+
+/// Fails with every failed case, after saying how many ran.
+fn report(what: &str, cases: usize, rows: usize, failures: &[String]) {
+    println!("hostile {what}: {cases} cases, {rows} rows");
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Runs `bin` in `cwd` with `env`, killed at the deadline (a hang fails the case).
@@ -571,26 +601,13 @@ fn every_reader_refuses_what_is_not_a_regular_file() {
             cases += 1;
             let before = kind_of(&shown);
             let o = run(r.bin, &args, &common::repo(), &env);
-            let v = verdict(o, &shown, &[r.role, k.complaint()], &out).and_then(|()| {
-                let after = kind_of(&shown);
-                if after == before {
-                    Ok(())
-                } else {
-                    Err(format!("{} was {before}, is {after}", shown.display()))
-                }
-            });
+            let v = judged(o, &shown, &[r.role, k.complaint()], &out, &before);
             if let Err(e) = v {
                 failures.push(format!("{} / {k:?}: {e}", r.name));
             }
         }
     }
-    println!("hostile readers: {cases} cases, {} rows", readers().len());
-    assert!(
-        failures.is_empty(),
-        "{} of {cases} cases failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    report("readers", cases, readers().len(), &failures);
 }
 
 /// One writer: its arguments with the output path `out` (everything else valid).
@@ -722,30 +739,13 @@ fn every_writer_leaves_a_pipe_or_a_device_alone() {
             std::fs::create_dir(&case).unwrap();
             let shown = k.place(&case.join("hostile"), &case, &device);
             let before = kind_of(&shown);
-            let target = std::fs::metadata(&shown).map(|m| m.file_type());
             cases += 1;
             let o = run(wr.bin, &(wr.args)(&w, &shown), &common::repo(), &[]);
-            let v = verdict(o, &shown, &[wr.complaint], &case.join("absent")).and_then(|()| {
-                let (after, t) = (
-                    kind_of(&shown),
-                    std::fs::metadata(&shown).map(|m| m.file_type()),
-                );
-                if after == before && t.ok() == target.as_ref().ok().copied() {
-                    Ok(())
-                } else {
-                    Err(format!("{} was {before}, is {after}", shown.display()))
-                }
-            });
+            let v = judged(o, &shown, &[wr.complaint], &case.join("absent"), &before);
             if let Err(e) = v {
                 failures.push(format!("{} / {k:?}: {e}", wr.name));
             }
         }
     }
-    println!("hostile writers: {cases} cases, {} rows", writers().len());
-    assert!(
-        failures.is_empty(),
-        "{} of {cases} cases failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    report("writers", cases, writers().len(), &failures);
 }

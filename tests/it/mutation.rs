@@ -191,6 +191,21 @@ fn set_at(v: &mut Value, path: &[String], new: Value) {
     }
 }
 
+/// Mutants of a JSON file: `n_bytes` byte-level ones and `n_fields` field rewrites.
+fn json_file_mutants(
+    base: &[u8],
+    n_bytes: usize,
+    n_fields: usize,
+    rng: &mut Rng,
+) -> Vec<(String, Vec<u8>)> {
+    let mut out = byte_mutants(base, base.len(), n_bytes, rng);
+    let v: Value = serde_json::from_slice(base).unwrap();
+    for (what, m) in json_mutants(&v, n_fields, rng) {
+        out.push((what, serde_json::to_vec(&m).unwrap()));
+    }
+    out
+}
+
 /// Field rewrites of a JSON document: one hostile value at a random place per mutant.
 fn json_mutants(base: &Value, n: usize, rng: &mut Rng) -> Vec<(String, Value)> {
     let mut all = Vec::new();
@@ -447,11 +462,7 @@ fn parsers_survive_mutated_inputs() {
     let base_path = run.join("report.json");
     let base_bytes = std::fs::read(&base_path).unwrap();
     let base = ninfer_perplexity::compare::load::load(&base_path).unwrap();
-    let mut reports = byte_mutants(&base_bytes, base_bytes.len(), 300, &mut rng);
-    let v: Value = serde_json::from_slice(&base_bytes).unwrap();
-    for (what, m) in json_mutants(&v, 900, &mut rng) {
-        reports.push((what, serde_json::to_vec(&m).unwrap()));
-    }
+    let reports = json_file_mutants(&base_bytes, 300, 900, &mut rng);
     let n_reports = reports.len();
     let accepted_before = t.accepted;
     let case_report = dir.path().join("case.json");
@@ -507,11 +518,7 @@ fn parsers_survive_mutated_inputs() {
     // The registry (eval/registry.json or NINFER_REGISTRY): loaded, and every gate and
     // tolerance it accepts usable (finite thresholds, a valid gate).
     let reg_base = std::fs::read(common::repo().join("eval/registry.json")).unwrap();
-    let mut reg_cases = byte_mutants(&reg_base, reg_base.len(), 300, &mut rng);
-    let v: Value = serde_json::from_slice(&reg_base).unwrap();
-    for (what, m) in json_mutants(&v, 500, &mut rng) {
-        reg_cases.push((what, serde_json::to_vec(&m).unwrap()));
-    }
+    let reg_cases = json_file_mutants(&reg_base, 300, 500, &mut rng);
     let n_registry = reg_cases.len();
     let reg_path = dir.path().join("registry.json");
     for (what, b) in reg_cases {
@@ -606,11 +613,7 @@ fn parsers_survive_mutated_inputs() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
     let s2_bytes = std::fs::read(shard_dirs[1].join("report.json")).unwrap();
-    let mut merge_cases = byte_mutants(&s2_bytes, s2_bytes.len(), 100, &mut rng);
-    let v: Value = serde_json::from_slice(&s2_bytes).unwrap();
-    for (what, m) in json_mutants(&v, 400, &mut rng) {
-        merge_cases.push((what, serde_json::to_vec(&m).unwrap()));
-    }
+    let merge_cases = json_file_mutants(&s2_bytes, 100, 400, &mut rng);
     let n_merge = merge_cases.len();
     let accepted_before = t.accepted;
     let s2_case = dir.path().join("s2-case.json");
