@@ -26,7 +26,7 @@
 # Output: logs and JSON are written into a temporary work directory (its path is printed),
 # and at the end (also from the EXIT trap) $OUT gets exactly two files: gpu-check.tar.gz
 # (the whole work directory: step logs, steps.txt, gpu.txt, parity.jsonl, bench.json,
-# smollm2-*.json, run-*/) and summary.txt (the table). The device tool brings back at most
+# smollm2-*.json, kld-cpu-vs-gpu-*.json, run-*/) and summary.txt (the table). The device tool brings back at most
 # 8 files from $OUT.
 #
 # CUDA libraries: every candidate directory (/usr/local/nvidia/lib64, /usr/local/nvidia/lib,
@@ -126,7 +126,7 @@ OUT="${OUT:-$root/eval/.cache/gpu-check-out}"
 mkdir -p "$OUT"
 # $OUT holds only the two packed files; drop them and what older versions left loose there.
 rm -rf "$OUT"/gpu-check.tar.gz "$OUT"/summary.txt "$OUT"/parity.jsonl "$OUT"/bench.json \
-  "$OUT"/smollm2-*.json "$OUT"/steps.txt "$OUT"/gpu.txt "$OUT"/run-* \
+  "$OUT"/smollm2-*.json "$OUT"/kld-*.json "$OUT"/steps.txt "$OUT"/gpu.txt "$OUT"/run-* \
   "$OUT"/nvrtc.log "$OUT"/kv-codecs.log "$OUT"/parity.log "$OUT"/smollm2-*.log "$OUT"/bench.log
 work="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")" || { say "cannot create a work directory"; exit 1; }
 steps="$work/steps.txt"
@@ -187,6 +187,16 @@ if any(sm.values()):
         c = f"{cpu[kv]:.2e}" if kv in cpu else "-"
         print(f"{kv:<10} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
     print("  * CPU comparison from the parity step (first tokens of each quick stream, context 512 / stride 256)")
+kld = [(kv, load(f"kld-cpu-vs-gpu-{kv}.json")) for kv in ("f32", "fp8")]
+if any(r for _, r in kld):
+    print("== SmolLM2, GPU (bf16 mode) saved as the reference, CPU run read against it (--kld-base), 2048 tokens of each quick stream ==")
+    print(f"{'kv':<6} {'positions':>9} {'KL(GPU||CPU)':>13} {'KL(CPU||GPU)':>13} {'kld p99':>9} {'top-1 agree':>11} {'dNLL CPU-GPU':>13}")
+    for kv, r in kld:
+        x = (r or {}).get("overall", {}).get("reference")
+        if not x:
+            print(f"{kv:<6} {'failed':>9}")
+            continue
+        print(f"{kv:<6} {x['positions']:>9} {x['mean_kld']:>13.3e} {x['mean_kld_reverse']:>13.3e} {x['kld_p99']:>9.2e} {x['top1_agreement']:>11.4f} {x['delta_nll']:>+13.2e}")
 for name in ("bench.json", "bench-hybrid.json", "bench-moe.json"):
   b = load(name)
   if b:
@@ -406,6 +416,20 @@ if [ -f models/smollm2-135m-bf16.ninfer ]; then
     step "smollm2-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
       --quick --device cuda --kv-dtype "$kv" --output "$work/run-$kv" --log-level warn
     [ -f "$work/run-$kv/report.json" ] && cp "$work/run-$kv/report.json" "$work/smollm2-$kv.json"
+  done
+  # 7b. The GPU held to the CPU position by position: the GPU run (bf16 mode, the first 2048
+  #     tokens of each quick stream) saved as a reference, read back by the CPU run of the same
+  #     KV format: KL both ways, top-1 agreement, paired dNLL.
+  for kv in f32 fp8; do
+    step "save-gpu-$kv" 60 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+      --quick --max-tokens 2048 --device cuda --kv-dtype "$kv" --save-reference "$work/gpu-$kv.ref" \
+      --output "$work/run-save-$kv" --log-level warn
+    [ -f "$work/gpu-$kv.ref" ] || continue
+    step "kld-cpu-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+      --quick --max-tokens 2048 --device cpu --kv-dtype "$kv" --kld-base "$work/gpu-$kv.ref" \
+      --output "$work/run-kld-$kv" --log-level warn
+    [ -f "$work/run-kld-$kv/report.json" ] && cp "$work/run-kld-$kv/report.json" "$work/kld-cpu-vs-gpu-$kv.json"
+    rm -f "$work/gpu-$kv.ref" # about 18 MB; its numbers are in the report
   done
 fi
 # 8. compute-sanitizer (where the tool is there and the runtime lets it read the device):

@@ -128,7 +128,8 @@ pub struct Args {
 
     /// Save this run as a reference for later runs: every scored position's final-normed
     /// hidden state (4 x hidden size bytes each), sha256-checked, naming the artifact, head,
-    /// tokenizer, protocol, KV format, device and build. CPU only, for now.
+    /// tokenizer, protocol, KV format, device and build. Any device (CUDA reads the rows
+    /// back from the device).
     #[arg(long, value_name = "FILE")]
     pub save_reference: Option<PathBuf>,
 
@@ -353,8 +354,9 @@ impl Args {
         if saved && reference.is_some() {
             bail!("--save-reference and --kld-base do not go with --reference-kv or --reference-artifact");
         }
-        if saved && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu) {
-            bail!("--save-reference and --kld-base run on the CPU backend only, for now (use --device cpu)");
+        if self.kld_base.is_some() && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu)
+        {
+            bail!("--kld-base runs on the CPU backend only, for now (use --device cpu; a CUDA run can --save-reference for it)");
         }
         if saved && shard.is_some() {
             bail!("--shard cannot be combined with --save-reference or --kld-base (a saved reference holds a whole run)");

@@ -317,13 +317,8 @@ impl Engine {
     }
 
     /// Saves every scored window's final-normed rows to `writer` from now on
-    /// (`--save-reference`; the CPU backend only).
+    /// (`--save-reference`; the CUDA backend reads them back from the device).
     pub fn set_save_reference(&mut self, writer: crate::score::saved::SavedWriter) -> Result<()> {
-        if self.scorer.cpu_model().is_none() {
-            anyhow::bail!(
-                "--save-reference runs on the CPU backend only, for now: add --device cpu"
-            );
-        }
         if self.reference.is_some() {
             anyhow::bail!(
                 "--save-reference and a reference pass (--reference-*) do not go together"
@@ -459,8 +454,10 @@ impl Engine {
         // Accounts one finished window (the same for every backend).
         let mut finish = |wi: usize, rows: HeadRows| -> Result<()> {
             let w = &ws[wi];
-            if let (HeadRows::Hidden(_, hidden), Some(Some(sw))) =
-                (&rows, save.as_mut().map(|g| g.as_mut()))
+            if let (
+                HeadRows::Hidden(_, hidden) | HeadRows::LogprobsHidden(_, hidden),
+                Some(Some(sw)),
+            ) = (&rows, save.as_mut().map(|g| g.as_mut()))
             {
                 sw.window(w, hidden)?;
             }

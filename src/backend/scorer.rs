@@ -53,6 +53,9 @@ pub enum HeadRows {
     /// The same as `Scored`, with the final-normed rows the head read (`[rows, d]`), for
     /// `--save-reference`.
     Hidden(Vec<RowScore>, Vec<f32>),
+    /// The same as `Logprobs`, with the final-normed rows (the CUDA head, for
+    /// `--save-reference`).
+    LogprobsHidden(Vec<f32>, Vec<f32>),
 }
 
 /// What a run asks of the head beyond its own rows.
@@ -69,7 +72,7 @@ pub enum Extra<'a> {
 impl HeadRows {
     pub fn logprobs(&self) -> Vec<f32> {
         match self {
-            HeadRows::Logprobs(v) => v.clone(),
+            HeadRows::Logprobs(v) | HeadRows::LogprobsHidden(v, _) => v.clone(),
             HeadRows::Scored(r) | HeadRows::Paired(r, _) | HeadRows::Hidden(r, _) => {
                 r.iter().map(|r| r.logprob).collect()
             }

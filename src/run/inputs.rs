@@ -59,8 +59,7 @@ pub fn prepare(cfg: &RunConfig, artifact_path: &Path) -> Result<Inputs> {
     ui::info(format!("ninfer-perplexity {}", env!("CARGO_PKG_VERSION")));
     let t_load = Instant::now();
     // A reference pass runs on the CPU only: `auto` means the CPU then.
-    let cpu_only =
-        cfg.reference.is_some() || cfg.save_reference.is_some() || cfg.kld_base.is_some();
+    let cpu_only = cfg.reference.is_some() || cfg.kld_base.is_some();
     let device = match (cpu_only, cfg.device) {
         (true, crate::backend::DeviceRequest::Auto) => crate::backend::DeviceRequest::Cpu,
         (_, d) => d,

@@ -52,6 +52,10 @@ pub struct CudaModel {
     /// Whether the last layer's MLP runs on the rows the head reads only (tests turn it off
     /// to check that the trimming changes no bits).
     trim_last_layer: AtomicBool,
+    /// `--save-reference`: each pass also reads its final-normed rows back to the host, per
+    /// window in pass order, for the scheduler to hand over with the log-probabilities.
+    keep_hidden: AtomicBool,
+    hidden_out: Mutex<Vec<Vec<f32>>>,
     /// Routed rows per expert since the last `take_routing` (MoE models).
     routing: Option<Mutex<Vec<u64>>>,
     blas: Blas,
@@ -132,6 +136,8 @@ impl CudaModel {
             peak_used: AtomicUsize::new(0),
             max_windows: AtomicUsize::new(plan::MAX_WINDOWS),
             trim_last_layer: AtomicBool::new(true),
+            keep_hidden: AtomicBool::new(false),
+            hidden_out: Mutex::new(Vec::new()),
             routing,
             blas,
             gpu,
@@ -149,6 +155,16 @@ impl CudaModel {
     /// Limits the windows packed into one forward pass (at least 1).
     pub fn set_max_windows_per_pass(&self, n: usize) {
         self.max_windows.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether each pass also reads its final-normed rows back ([`CudaModel::take_hidden`]).
+    pub fn set_keep_hidden(&self, on: bool) {
+        self.keep_hidden.store(on, Ordering::Relaxed);
+    }
+
+    /// The last pass's final-normed rows per window (`[rows, d]` f32 each), taken.
+    pub fn take_hidden(&self) -> Vec<Vec<f32>> {
+        std::mem::take(&mut *self.hidden_out.lock().unwrap())
     }
 
     /// Runs the last layer's MLP on every row (`false`) or on the rows the head reads only
@@ -220,6 +236,30 @@ impl CudaModel {
             for (t, n) in r.lock().unwrap().iter_mut().zip(&routed) {
                 *t += n;
             }
+        }
+        if self.keep_hidden.load(Ordering::Relaxed) {
+            // The head left the scored rows final-normed in `h`, in the pass's order.
+            let n = p.plan.scored.len() * c.hidden_size;
+            let rows: Vec<f32> = match self.precision {
+                Precision::F32 => g.read::<f32>(&b.h, 0, n)?,
+                Precision::Bf16 => g
+                    .read::<u16>(&b.h, 0, n)?
+                    .into_iter()
+                    .map(|x| half::bf16::from_bits(x).to_f32())
+                    .collect(),
+            };
+            let mut at = 0;
+            let per_window = p
+                .plan
+                .windows
+                .iter()
+                .map(|w| {
+                    let k = (w.len - w.first_target) * c.hidden_size;
+                    at += k;
+                    rows[at - k..at].to_vec()
+                })
+                .collect();
+            *self.hidden_out.lock().unwrap() = per_window;
         }
         let mut at = 0;
         Ok(p.plan

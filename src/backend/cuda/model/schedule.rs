@@ -124,6 +124,39 @@ impl Scorer for CudaModel {
         }
     }
 
+    fn score_windows_extra(
+        &self,
+        tokens: &[u32],
+        windows: &[Window],
+        kv: KvDtype,
+        extra: crate::backend::Extra,
+        finish: &mut FinishWindow,
+    ) -> Result<(), ScoreError> {
+        use crate::backend::Extra;
+        match extra {
+            Extra::Nothing => self.score_windows(tokens, windows, kv, finish),
+            Extra::Hidden => {
+                // Every pass hands over its rows with its log-probabilities.
+                self.set_keep_hidden(true);
+                let r = self.score_batches(tokens, windows, kv, &mut |first, batch| {
+                    let mut hidden = self.take_hidden();
+                    if hidden.len() != batch.len() {
+                        anyhow::bail!("the pass read back {} windows' rows for {}", hidden.len(), batch.len());
+                    }
+                    for (j, (lps, h)) in batch.into_iter().zip(hidden.drain(..)).enumerate() {
+                        finish(first + j, HeadRows::LogprobsHidden(lps, h))?;
+                    }
+                    Ok(())
+                });
+                self.set_keep_hidden(false);
+                r
+            }
+            Extra::Saved(_) => Err(ScoreError::Device(anyhow::anyhow!(
+                "--kld-base runs on the CPU backend only, for now: add --device cpu (a CUDA run can save a reference for it)"
+            ))),
+        }
+    }
+
     fn take_routing(&self) -> Option<Vec<u64>> {
         CudaModel::take_routing(self)
     }
