@@ -281,18 +281,26 @@ impl SavedReference {
         }
         let data_end = size - 40 - len;
         let d = index.identity.hidden_size as u64;
+        if d == 0 {
+            bail!("{shown}: a hidden size of 0");
+        }
+        // Every count from the index is bounded by the file before it sizes anything.
+        let in_file = |off: u64, items: u64, each: u64| {
+            items
+                .checked_mul(each)
+                .and_then(|b| off.checked_add(b))
+                .is_some_and(|e| e <= data_end)
+        };
         for s in &index.streams {
-            let in_file =
-                |off: u64, bytes: u64| off.checked_add(bytes).is_some_and(|e| e <= data_end);
-            if !in_file(s.tokens_offset, 4 * s.input_tokens as u64) {
+            if !in_file(s.tokens_offset, s.input_tokens as u64, 4) {
                 bail!("{shown}: a stream's tokens lie outside the file");
             }
             for w in &s.windows {
                 let ok = w.begin < w.first_target
                     && w.first_target < w.end
                     && w.end <= s.input_tokens
-                    && (w.end - w.first_target) as u64 <= data_end
-                    && in_file(w.offset, 4 * d * (w.end - w.first_target) as u64);
+                    && d.checked_mul(4)
+                        .is_some_and(|row| in_file(w.offset, (w.end - w.first_target) as u64, row));
                 if !ok {
                     bail!(
                         "{shown}: a window [{}, {}) does not fit its stream or the file",
@@ -343,5 +351,94 @@ impl SavedReference {
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(d: usize) -> Identity {
+        Identity {
+            artifact_path: "a.ninfer".into(),
+            artifact_digest: "sha256:0".into(),
+            weight_format: "f32".into(),
+            head_sha256: "0".into(),
+            tokenizer_sha256: "0".into(),
+            hidden_size: d,
+            context: 4,
+            stride: 2,
+            kv_dtype: "f32".into(),
+            device: "cpu".into(),
+            build: "test".into(),
+        }
+    }
+
+    /// The file with its index replaced and its checksum recomputed.
+    fn resealed(bytes: &[u8], edit: impl Fn(&mut Index)) -> Vec<u8> {
+        let n = bytes.len();
+        let len = u64::from_le_bytes(bytes[n - 40..n - 32].try_into().unwrap()) as usize;
+        let mut index: Index = serde_json::from_slice(&bytes[n - 40 - len..n - 40]).unwrap();
+        edit(&mut index);
+        let mut out = bytes[..n - 40 - len].to_vec();
+        let j = serde_json::to_vec(&index).unwrap();
+        out.extend_from_slice(&j);
+        out.extend_from_slice(&(j.len() as u64).to_le_bytes());
+        let sum = Sha256::digest(&out);
+        out.extend_from_slice(&sum);
+        out
+    }
+
+    #[test]
+    fn rows_round_trip_and_sizes_from_the_index_are_bounded_by_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.bin");
+        let mut w = SavedWriter::create(&p, identity(2)).unwrap();
+        let tokens = [5u32, 6, 7, 8, 9];
+        w.begin_stream(&tokens).unwrap();
+        let win = crate::score::Window {
+            begin: 0,
+            first_target: 1,
+            end: 4,
+        };
+        let rows = [1.0f32, -2.0, 3.5, 0.25, 8.0, 9.0];
+        w.window(&win, &rows).unwrap();
+        let size = w.finish().unwrap();
+        let r = SavedReference::open(&p).unwrap();
+        assert_eq!(r.size(), size);
+        let s = r.stream(&tokens).unwrap();
+        assert_eq!(r.rows(&s.windows[0]).unwrap(), rows);
+        assert!(r.stream(&[5, 6]).is_none());
+        // A hidden size whose row bytes wrap u64 to 0 must not pass as "fits the file".
+        let bytes = std::fs::read(&p).unwrap();
+        for (what, edit) in [
+            (
+                "hidden size 2^62",
+                Box::new(|i: &mut Index| i.identity.hidden_size = 1 << 62)
+                    as Box<dyn Fn(&mut Index)>,
+            ),
+            (
+                "hidden size 0",
+                Box::new(|i: &mut Index| i.identity.hidden_size = 0),
+            ),
+            (
+                "tokens past the end",
+                Box::new(|i: &mut Index| i.streams[0].input_tokens = usize::MAX / 2),
+            ),
+            (
+                "window past its stream",
+                Box::new(|i: &mut Index| i.streams[0].windows[0].end = 9),
+            ),
+        ] {
+            std::fs::write(&p, resealed(&bytes, edit)).unwrap();
+            let e = SavedReference::open(&p).err().map(|e| e.to_string());
+            assert!(e.is_some(), "{what}: accepted");
+        }
+        // A flipped byte without a new checksum.
+        let mut bad = bytes.clone();
+        bad[10] ^= 1;
+        std::fs::write(&p, &bad).unwrap();
+        let e = SavedReference::open(&p).err().unwrap().to_string();
+        assert!(e.contains("checksum does not match"), "{e}");
     }
 }

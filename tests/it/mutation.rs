@@ -2,7 +2,7 @@
 //! loading and scoring what it accepts), the GGUF reader, the corpus manifest and the
 //! Hugging Face config, a run's `report.json` (as `compare` loads, compares and plots it),
 //! `--kv-scales` files, the registry, a `tokenizer.json`, a Hugging Face safetensors shard
-//! (packed, loaded and scored) and a shard set as `merge` combines it. Valid inputs are flipped, truncated, extended and have header fields
+//! (packed, loaded and scored), a shard set as `merge` combines it and a saved reference. Valid inputs are flipped, truncated, extended and have header fields
 //! rewritten with hostile values (huge, negative, zero, wrong types), a few thousand cases
 //! from a fixed seed. Every case must end in `Ok` or in one error line, never a panic, and
 //! no case may allocate more than [`ALLOC_LIMIT`] bytes at once (a size taken from a header
@@ -641,8 +641,67 @@ fn parsers_survive_mutated_inputs() {
         "merge mutants: {merges_accepted} of {n_merge} merged (merge must run on some)"
     );
 
+    // A saved reference (--kld-base): its index rewritten and its bytes flipped, with the
+    // checksum recomputed (so the layout checks behind it are reached), opened and every
+    // window's rows read.
+    let refbin = dir.path().join("ref.bin");
+    let o = common::score_text(
+        &art,
+        &text,
+        &dir.path().join("saving"),
+        &[
+            "--save-reference",
+            refbin.to_str().unwrap(),
+            "--log-level",
+            "error",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ref_bytes = std::fs::read(&refbin).unwrap();
+    let n = ref_bytes.len();
+    let index_len = u64::from_le_bytes(ref_bytes[n - 40..n - 32].try_into().unwrap()) as usize;
+    let (body, index) = (
+        &ref_bytes[..n - 40 - index_len],
+        &ref_bytes[n - 40 - index_len..n - 40],
+    );
+    let sealed = |body: &[u8], index: &[u8]| -> Vec<u8> {
+        use sha2::Digest;
+        let mut out = body.to_vec();
+        out.extend_from_slice(index);
+        out.extend_from_slice(&(index.len() as u64).to_le_bytes());
+        let sum = sha2::Sha256::digest(&out);
+        out.extend_from_slice(&sum);
+        out
+    };
+    assert_eq!(sealed(body, index), ref_bytes, "the layout as documented");
+    let mut ref_cases: Vec<(String, Vec<u8>)> = byte_mutants(&ref_bytes, n, 100, &mut rng);
+    for (what, b) in byte_mutants(body, body.len().min(64), 100, &mut rng) {
+        ref_cases.push((format!("body {what}, resealed"), sealed(&b, index)));
+    }
+    let iv: Value = serde_json::from_slice(index).unwrap();
+    for (what, m) in json_mutants(&iv, 400, &mut rng) {
+        ref_cases.push((
+            format!("index {what}, resealed"),
+            sealed(body, &serde_json::to_vec(&m).unwrap()),
+        ));
+    }
+    let n_saved = ref_cases.len();
+    let case_ref = dir.path().join("case.ref");
+    for (what, b) in ref_cases {
+        std::fs::write(&case_ref, &b).unwrap();
+        t.case(&format!("saved reference {what}"), || {
+            let r = ninfer_perplexity::score::saved::SavedReference::open(&case_ref)?;
+            for st in &r.index.streams {
+                for w in &st.windows {
+                    r.rows(w)?;
+                }
+            }
+            Ok(())
+        });
+    }
+
     println!(
-        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json, {n_reports} report.json ({reports_accepted} compared and plotted), {n_scales} --kv-scales, {n_registry} registry, {n_tokenizer} tokenizer.json, {n_shard} safetensors shards packed, {n_merge} merge shard sets ({merges_accepted} merged)); {} accepted, {} refused with one error line",
+        "mutation: {} inputs tried ({n_ninfer} .ninfer loaded and scored, {n_gguf} GGUF, {n_json} manifest and config.json, {n_reports} report.json ({reports_accepted} compared and plotted), {n_scales} --kv-scales, {n_registry} registry, {n_tokenizer} tokenizer.json, {n_shard} safetensors shards packed, {n_merge} merge shard sets ({merges_accepted} merged), {n_saved} saved references); {} accepted, {} refused with one error line",
         t.tried,
         t.accepted,
         t.tried - t.accepted - t.failures.len()
