@@ -33,11 +33,6 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// The text of one token decoded alone, for diagnostics ("" when the decoder cannot).
-    pub fn token_text(&self, id: u32) -> String {
-        self.decode(&[id])
-    }
-
     /// The text of `ids` decoded in sequence, special tokens kept, for diagnostics ("" when
     /// the decoder cannot).
     pub fn decode(&self, ids: &[u32]) -> String {

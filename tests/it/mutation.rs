@@ -442,22 +442,7 @@ fn parsers_survive_mutated_inputs() {
     let text = dir.path().join("t.txt");
     std::fs::write(&text, "Rain fell on the quiet town all night. ".repeat(12)).unwrap();
     let run = dir.path().join("run");
-    let o = common::run_bin(
-        "ninfer-perplexity",
-        &[
-            art.to_str().unwrap(),
-            "--text",
-            text.to_str().unwrap(),
-            "--context",
-            "32",
-            "--stride",
-            "16",
-            "--output",
-            run.to_str().unwrap(),
-            "--log-level",
-            "error",
-        ],
-    );
+    let o = common::score_text(&art, &text, &run, &["--log-level", "error"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let base_path = run.join("report.json");
     let base_bytes = std::fs::read(&base_path).unwrap();
@@ -592,24 +577,8 @@ fn parsers_survive_mutated_inputs() {
     // merged report's table and plot drawn; what merges has finite sums and means.
     let shard_dirs = [dir.path().join("s1"), dir.path().join("s2")];
     for (i, d) in shard_dirs.iter().enumerate() {
-        let o = common::run_bin(
-            "ninfer-perplexity",
-            &[
-                art.to_str().unwrap(),
-                "--text",
-                text.to_str().unwrap(),
-                "--context",
-                "32",
-                "--stride",
-                "16",
-                "--shard",
-                &format!("{}/2", i + 1),
-                "--output",
-                d.to_str().unwrap(),
-                "--log-level",
-                "error",
-            ],
-        );
+        let shard = format!("{}/2", i + 1);
+        let o = common::score_text(&art, &text, d, &["--shard", &shard, "--log-level", "error"]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
     let s2_bytes = std::fs::read(shard_dirs[1].join("report.json")).unwrap();
