@@ -26,8 +26,8 @@
 # Output: logs and JSON are written into a temporary work directory (its path is printed),
 # and at the end (also from the EXIT trap) $OUT gets exactly two files: gpu-check.tar.gz
 # (the whole work directory: step logs, steps.txt, gpu.txt, parity.jsonl, bench.json,
-# smollm2-*.json, kld-cpu-vs-gpu-*.json, run-*/) and summary.txt (the table). The device tool brings back at most
-# 8 files from $OUT.
+# smollm2-*.json, kld-gpu-vs-cpu-*.json, kld-cpu-vs-gpu-f32.json, run-*/) and summary.txt
+# (the table). The device tool brings back at most 8 files from $OUT.
 #
 # CUDA libraries: every candidate directory (/usr/local/nvidia/lib64, /usr/local/nvidia/lib,
 # /usr/local/cuda/lib64, /usr/local/cuda/targets/x86_64-linux/lib, pip wheels'
@@ -187,16 +187,23 @@ if any(sm.values()):
         c = f"{cpu[kv]:.2e}" if kv in cpu else "-"
         print(f"{kv:<10} {r['throughput']['processed_tokens_per_s']:>10.0f} {m:>9.5f} {d:>8} {c:>14} {r.get('peak_rss_bytes',0)/2**30:>8.1f}G")
     print("  * CPU comparison from the parity step (first tokens of each quick stream, context 512 / stride 256)")
-kld = [(kv, load(f"kld-cpu-vs-gpu-{kv}.json")) for kv in ("f32", "fp8")]
-if any(r for _, r in kld):
-    print("== SmolLM2, GPU (bf16 mode) saved as the reference, CPU run read against it (--kld-base), 2048 tokens of each quick stream ==")
-    print(f"{'kv':<6} {'positions':>9} {'KL(GPU||CPU)':>13} {'KL(CPU||GPU)':>13} {'kld p99':>9} {'top-1 agree':>11} {'dNLL CPU-GPU':>13}")
-    for kv, r in kld:
+def kld_rows(title, head, rows):
+    if not any(r for _, r in rows):
+        return
+    print(title)
+    print(f"{'kv':<6} {'positions':>9} {head[0]:>13} {head[1]:>13} {'kld p99':>9} {'top-1 agree':>11} {'dNLL':>10}")
+    for kv, r in rows:
         x = (r or {}).get("overall", {}).get("reference")
         if not x:
             print(f"{kv:<6} {'failed':>9}")
             continue
-        print(f"{kv:<6} {x['positions']:>9} {x['mean_kld']:>13.3e} {x['mean_kld_reverse']:>13.3e} {x['kld_p99']:>9.2e} {x['top1_agreement']:>11.4f} {x['delta_nll']:>+13.2e}")
+        print(f"{kv:<6} {x['positions']:>9} {x['mean_kld']:>13.3e} {x['mean_kld_reverse']:>13.3e} {x['kld_p99']:>9.2e} {x['top1_agreement']:>11.4f} {x['delta_nll']:>+10.2e}")
+kld_rows("== SmolLM2, the CPU's f32-KV run saved as the reference, each GPU run (bf16 mode) compared on the device (--kld-base), 2048 tokens of each quick stream; dNLL = GPU - CPU ==",
+         ("KL(CPU||GPU)", "KL(GPU||CPU)"),
+         [(kv, load(f"kld-gpu-vs-cpu-{kv}.json")) for kv in ("f32", "bf16", "fp8", "int8", "nvfp4", "k8v4")])
+kld_rows("== SmolLM2, the GPU's f32-KV run (bf16 mode) saved, read by the CPU f32-KV run (--kld-base); dNLL = CPU - GPU ==",
+         ("KL(GPU||CPU)", "KL(CPU||GPU)"),
+         [("f32", load("kld-cpu-vs-gpu-f32.json"))])
 for name in ("bench.json", "bench-hybrid.json", "bench-moe.json"):
   b = load(name)
   if b:
@@ -417,20 +424,33 @@ if [ -f models/smollm2-135m-bf16.ninfer ]; then
       --quick --device cuda --kv-dtype "$kv" --output "$work/run-$kv" --log-level warn
     [ -f "$work/run-$kv/report.json" ] && cp "$work/run-$kv/report.json" "$work/smollm2-$kv.json"
   done
-  # 7b. The GPU held to the CPU position by position: the GPU run (bf16 mode, the first 2048
-  #     tokens of each quick stream) saved as a reference, read back by the CPU run of the same
-  #     KV format: KL both ways, top-1 agreement, paired dNLL.
-  for kv in f32 fp8; do
-    step "save-gpu-$kv" 60 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
-      --quick --max-tokens 2048 --device cuda --kv-dtype "$kv" --save-reference "$work/gpu-$kv.ref" \
-      --output "$work/run-save-$kv" --log-level warn
-    [ -f "$work/gpu-$kv.ref" ] || continue
-    step "kld-cpu-$kv" 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
-      --quick --max-tokens 2048 --device cpu --kv-dtype "$kv" --kld-base "$work/gpu-$kv.ref" \
-      --output "$work/run-kld-$kv" --log-level warn
-    [ -f "$work/run-kld-$kv/report.json" ] && cp "$work/run-kld-$kv/report.json" "$work/kld-cpu-vs-gpu-$kv.json"
-    rm -f "$work/gpu-$kv.ref" # about 18 MB; its numbers are in the report
-  done
+  # 7b. The GPU held to the CPU position by position (the first 2048 tokens of each quick
+  #     stream): the CPU's exact run (f32 KV) saved as the reference, then every KV format
+  #     on the GPU (bf16 mode) compared with it on the device (--kld-base): KL(CPU || GPU)
+  #     both ways, top-1 agreement, paired dNLL. Then the other direction of the file: the
+  #     GPU's f32-KV run saved, read back by the CPU.
+  step save-cpu 120 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+    --quick --max-tokens 2048 --device cpu --kv-dtype f32 --save-reference "$work/cpu.ref" \
+    --output "$work/run-save-cpu" --log-level warn
+  if [ -f "$work/cpu.ref" ]; then
+    for kv in f32 bf16 fp8 int8 nvfp4 k8v4; do
+      step "kld-gpu-$kv" 60 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+        --quick --max-tokens 2048 --device cuda --kv-dtype "$kv" --kld-base "$work/cpu.ref" \
+        --output "$work/run-kld-gpu-$kv" --log-level warn
+      [ -f "$work/run-kld-gpu-$kv/report.json" ] && cp "$work/run-kld-gpu-$kv/report.json" "$work/kld-gpu-vs-cpu-$kv.json"
+    done
+    rm -f "$work/cpu.ref" # about 18 MB; its numbers are in the reports
+  fi
+  step save-gpu-f32 60 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+    --quick --max-tokens 2048 --device cuda --kv-dtype f32 --save-reference "$work/gpu-f32.ref" \
+    --output "$work/run-save-f32" --log-level warn
+  if [ -f "$work/gpu-f32.ref" ]; then
+    step kld-cpu-f32 90 "$NP" models/smollm2-135m-bf16.ninfer --corpus eval/corpora/perplexity-1m/manifest.json \
+      --quick --max-tokens 2048 --device cpu --kv-dtype f32 --kld-base "$work/gpu-f32.ref" \
+      --output "$work/run-kld-f32" --log-level warn
+    [ -f "$work/run-kld-f32/report.json" ] && cp "$work/run-kld-f32/report.json" "$work/kld-cpu-vs-gpu-f32.json"
+    rm -f "$work/gpu-f32.ref"
+  fi
 fi
 # 8. compute-sanitizer (where the tool is there and the runtime lets it read the device):
 #    memcheck over the KV codecs and the small hybrid's parity (few tokens); racecheck, about

@@ -354,10 +354,6 @@ impl Args {
         if saved && reference.is_some() {
             bail!("--save-reference and --kld-base do not go with --reference-kv or --reference-artifact");
         }
-        if self.kld_base.is_some() && matches!(device, DeviceRequest::Cuda(_) | DeviceRequest::Emu)
-        {
-            bail!("--kld-base runs on the CPU backend only, for now (use --device cpu; a CUDA run can --save-reference for it)");
-        }
         if saved && shard.is_some() {
             bail!("--shard cannot be combined with --save-reference or --kld-base (a saved reference holds a whole run)");
         }

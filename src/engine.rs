@@ -338,9 +338,6 @@ impl Engine {
     /// Compares every window from now on with `saved`'s rows of it (`--kld-base`), refused
     /// unless it was saved with this head, tokenizer and hidden size.
     pub fn set_kld_base(&mut self, saved: crate::score::saved::SavedReference) -> Result<()> {
-        if self.scorer.cpu_model().is_none() {
-            anyhow::bail!("--kld-base runs on the CPU backend only, for now: add --device cpu");
-        }
         if self.reference.is_some() || self.save.is_some() {
             anyhow::bail!("--kld-base goes with neither a reference pass (--reference-*) nor --save-reference");
         }

@@ -1048,6 +1048,133 @@ fn the_head_matches_the_cpu() {
     }
 }
 
+/// head_pair_reduce / head_pair_finish (the device's `--kld-base` head) against its CPU twin
+/// `backend/cpu/head_pair.rs`, computed here in f64 from the same logits: chunks with the
+/// last one partial, targets at chunk edges, a maximum that moves to a later chunk, a tie
+/// for the top token across chunks (the lowest id wins), and a row whose reference equals
+/// the run (exactly 0 both ways).
+/// Measured: worst |difference| 6.0e-7 (KL, entropy and log-probabilities); bound 2e-6.
+#[test(gxx)]
+fn the_paired_head_matches_its_cpu_twin() {
+    let mut r = Rng(43);
+    let (rows, vocab, chunk) = (6usize, 1000usize, 384usize);
+    let mut run: Vec<f32> = r.vec(rows * vocab, 4.0);
+    let mut refs: Vec<f32> = run.iter().map(|&x| x + r.vec(1, 1.0)[0]).collect();
+    // Row 1: the maximum moves to the last chunk in both heads.
+    run[vocab + 990] = 30.0;
+    refs[vocab + 995] = 31.0;
+    // Row 2: the top logit ties across chunks 0 and 2; the lowest id wins.
+    (run[2 * vocab + 5], run[2 * vocab + 800]) = (25.0, 25.0);
+    (refs[2 * vocab + 383], refs[2 * vocab + 384]) = (26.0, 26.0);
+    (
+        refs[2 * vocab + 5],
+        refs[2 * vocab + 800],
+        refs[vocab + 990],
+    ) = (0.0, 0.0, 0.0);
+    // Row 3: the reference is the run.
+    let same = run[3 * vocab..4 * vocab].to_vec();
+    refs[3 * vocab..4 * vocab].copy_from_slice(&same);
+    let targets: Vec<u32> = vec![0, 999, 384, 383, 767, 12];
+    let lsm = |l: &[f32]| -> Vec<f64> {
+        let m = l.iter().fold(f64::MIN, |a, &b| a.max(b as f64));
+        let lse = m + l.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        l.iter().map(|&v| v as f64 - lse).collect()
+    };
+    let top = |l: &[f32]| {
+        let m = l.iter().fold(f32::MIN, |a, &b| a.max(b));
+        l.iter().position(|&v| v == m).unwrap() as u32
+    };
+    let tb = up(&targets.iter().map(|&t| t as i32).collect::<Vec<i32>>());
+    let state = gpu().alloc(rows * 64).unwrap();
+    for v0 in (0..vocab).step_by(chunk) {
+        let vc = chunk.min(vocab - v0);
+        let slice = |all: &[f32]| -> Vec<f32> {
+            (0..rows)
+                .flat_map(|i| all[i * vocab + v0..i * vocab + v0 + vc].to_vec())
+                .collect()
+        };
+        let (a, b) = (up(&slice(&run)), up(&slice(&refs)));
+        gpu()
+            .launch(
+                "head_pair_reduce",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &launch::HeadPairReduce {
+                    logits: p(&a),
+                    logits_ref: p(&b),
+                    vc: vc as i32,
+                    v0: v0 as i32,
+                    targets: p(&tb),
+                    state: p(&state),
+                },
+            )
+            .unwrap();
+    }
+    let out = gpu().alloc(rows * 32).unwrap();
+    gpu()
+        .launch(
+            "head_pair_finish",
+            (1, 1, 1),
+            256,
+            0,
+            &launch::HeadPairFinish {
+                state: p(&state),
+                out: p(&out),
+                rows: rows as i32,
+            },
+        )
+        .unwrap();
+    let got: Vec<u32> = gpu().read(&out, 0, rows * 8).unwrap();
+    let f = f32::from_bits;
+    let mut worst = 0f64;
+    for i in 0..rows {
+        let (x, y) = (
+            &run[i * vocab..(i + 1) * vocab],
+            &refs[i * vocab..(i + 1) * vocab],
+        );
+        let (lx, ly) = (lsm(x), lsm(y));
+        let kl: f64 = ly.iter().zip(&lx).map(|(q, p)| q.exp() * (q - p)).sum();
+        let kl_rev: f64 = lx.iter().zip(&ly).map(|(p, q)| p.exp() * (p - q)).sum();
+        let entropy: f64 = -lx.iter().map(|p| p.exp() * p).sum::<f64>();
+        let o = &got[i * 8..(i + 1) * 8];
+        let want = [
+            (entropy, f(o[0]), "entropy"),
+            (lx[top(x) as usize], f(o[2]), "top-1 log-probability"),
+            (
+                ly[targets[i] as usize],
+                f(o[3]),
+                "reference log-probability",
+            ),
+            (kl, f(o[4]), "KL(ref || run)"),
+            (kl_rev, f(o[5]), "KL(run || ref)"),
+            (
+                ly[top(y) as usize],
+                f(o[7]),
+                "reference top-1 log-probability",
+            ),
+        ];
+        for (w, g, what) in want {
+            let e = (g as f64 - w).abs();
+            worst = worst.max(e);
+            assert!(e <= 2e-6, "row {i} {what}: {g} vs {w}");
+        }
+        assert_eq!((o[1], o[6]), (top(x), top(y)), "row {i}: top-1 ids");
+        if i == 3 {
+            assert_eq!(
+                (f(o[4]), f(o[5])),
+                (0.0, 0.0),
+                "a reference equal to the run"
+            );
+        } else {
+            assert!(kl > 1e-3, "row {i} differs");
+        }
+    }
+    assert_eq!((got[8 + 1], got[8 + 6]), (990, 995));
+    assert_eq!((got[16 + 1], got[16 + 6]), (5, 383));
+    eprintln!("paired head: worst |difference| {worst:e}");
+}
+
 // ------------------------------------------------------------------ the checks catch faults
 
 /// This module's path in the binary's test names (`kernels`).

@@ -146,7 +146,15 @@ impl Program {
                     format!("attn_mma_{k}_d128"),
                 ]
             }
-            ("head", _) => vec!["head_reduce".into(), "head_finish".into()],
+            ("head", _) => [
+                "head_reduce",
+                "head_finish",
+                "head_pair_reduce",
+                "head_pair_finish",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
             ("weights", _) => vec!["dequant_nvfp4".into(), "dequant_fp8".into()],
             ("moe", _) => vec!["moe_route".into(), "moe_combine".into()],
             ("delta_net", _) => [
@@ -245,6 +253,8 @@ mod tests {
             "swiglu",
             "head_reduce",
             "head_finish",
+            "head_pair_reduce",
+            "head_pair_finish",
             "dequant_nvfp4",
             "dequant_fp8",
             "delta_conv_silu",

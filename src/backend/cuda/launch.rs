@@ -55,6 +55,8 @@ pub enum Any {}
 pub enum Int4 {}
 /// CUDA's `int2` (two `i32`).
 pub enum Int2 {}
+/// A paired head's running record of one row (`PairRow` in `kernels/head.cu`, 64 bytes).
+pub enum PairRow {}
 
 /// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, FP16 scales, u8
 /// block scales, and the layer's f32 tensor scale (`fp8-tensor`; 1.0 and unused otherwise).
@@ -92,6 +94,7 @@ ptr_param!(u64, "u64*");
 ptr_param!(Int4, "int4*");
 ptr_param!(Int2, "int2*");
 ptr_param!(Any, "void*");
+ptr_param!(PairRow, "PairRow*");
 
 impl KernelParam for i32 {
     const C_TYPE: &'static str = "int";
@@ -218,6 +221,28 @@ kernel_args! {
         run_max: Ptr<f32>,
         run_sum: Ptr<f64>,
         run_target: Ptr<f32>,
+        out: Ptr<f32>,
+        rows: i32,
+    }
+}
+
+kernel_args! {
+    /// `head_pair_reduce`: folds one vocabulary chunk of the run's and of a saved
+    /// reference's logits into each row's running record. Grid (rows), block 256.
+    HeadPairReduce = ("head", ["head_pair_reduce"]) {
+        logits: Ptr<f32>,
+        logits_ref: Ptr<f32>,
+        vc: i32,
+        v0: i32,
+        targets: Ptr<i32>,
+        state: Ptr<PairRow>,
+    }
+}
+
+kernel_args! {
+    /// `head_pair_finish`: each row's record -> its eight comparison fields.
+    HeadPairFinish = ("head", ["head_pair_finish"]) {
+        state: Ptr<PairRow>,
         out: Ptr<f32>,
         rows: i32,
     }
@@ -576,6 +601,8 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<Swiglu>(),
         one::<HeadReduce>(),
         one::<HeadFinish>(),
+        one::<HeadPairReduce>(),
+        one::<HeadPairFinish>(),
         one::<QkvPrep>(),
         one::<AttnF32>(),
         one::<AttnMma>(),

@@ -260,9 +260,27 @@ pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
         + 8 // the per-window spans of the State kernels (at most one window per row)
 }
 
+/// What the head computes per pass, which decides its buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadKind {
+    /// The run's log-probabilities (and, when asked, its final-normed rows read back).
+    Plain,
+    /// Also a saved reference's rows through the same head, compared position by position
+    /// (`--kld-base`): a second logits chunk, the reference's rows and a running
+    /// [`PAIR_ROW_BYTES`] record per scored row.
+    Paired,
+}
+
+/// Bytes of one row's running record in a paired head (`PairRow` in `kernels/head.cu`).
+pub const PAIR_ROW_BYTES: usize = 64;
+/// Bytes of one row's finished comparison (eight 4-byte fields, `head_pair_finish`).
+pub const PAIR_OUT_BYTES: usize = 32;
+
 /// How a batch uses device memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemPlan {
+    /// What the head computes (its buffers are planned for it).
+    pub head: HeadKind,
     /// Packed rows one forward pass may hold.
     pub max_rows: usize,
     /// Scored rows per head GEMM.
@@ -291,6 +309,7 @@ pub fn plan_memory(
     p: Precision,
     free: usize,
     longest: usize,
+    head: HeadKind,
 ) -> Result<MemPlan> {
     let per_row = bytes_per_row(c, kv, p);
     let rope = rope_bytes(c, longest);
@@ -300,7 +319,16 @@ pub fn plan_memory(
     // Head: up to an eighth of the budget, at most 2 GiB, at least one row x 1024 entries.
     let head_budget = (budget / 8).clamp(4 * 1024, 2 << 30);
     let vocab = c.vocab_size;
-    let per_head_row = 4 + 8 + 4 + 4; // running max, sum, target logit, output
+    let paired = head == HeadKind::Paired;
+    let per_head_row = 4 + 8 + 4 + 4 // running max, sum, target logit, output
+        + if paired {
+            // The reference's rows, the running record and the finished comparison.
+            p.elem_bytes() * c.hidden_size + PAIR_ROW_BYTES + PAIR_OUT_BYTES
+        } else {
+            0
+        };
+    // Logits chunks alive at once: the run's, and the reference's in a paired head.
+    let chunks = if paired { 2 } else { 1 };
     let act_budget = budget.saturating_sub(head_budget);
     let max_rows = (act_budget / (per_row + per_head_row)).min(MAX_ROWS_CAP);
     if max_rows < longest.max(1) {
@@ -310,15 +338,20 @@ pub fn plan_memory(
             free >> 20
         );
     }
-    let head_rows = max_rows.min(HEAD_ROWS_CAP);
-    let chunk = (head_budget / (4 * head_rows)).max(256);
+    // As many rows per head GEMM as leave each logits chunk 256 entries within the head's
+    // budget (a floor on the chunk alone would overrun it on a small device).
+    let head_rows = max_rows
+        .min(HEAD_ROWS_CAP)
+        .min((head_budget / (4 * chunks * 256)).max(1));
+    let chunk = (head_budget / (4 * chunks * head_rows)).max(256);
     let vocab_chunk = if chunk >= vocab {
         vocab
     } else {
         (chunk / 256 * 256).max(256)
     };
-    let planned = max_rows * (per_row + per_head_row) + 4 * head_rows * vocab_chunk + rope;
+    let planned = max_rows * (per_row + per_head_row) + 4 * chunks * head_rows * vocab_chunk + rope;
     Ok(MemPlan {
+        head,
         max_rows,
         head_rows,
         vocab_chunk,
@@ -362,6 +395,12 @@ pub struct BufferSizes {
     pub router: usize,
     pub moe_in: usize,
     pub moe_out: usize,
+    /// A paired head's reference rows (precision), its logits chunk, running records and
+    /// finished comparisons (0 in a plain head).
+    pub h_ref: usize,
+    pub logits_ref: usize,
+    pub pair_state: usize,
+    pub pair_out: usize,
 }
 
 pub fn buffer_sizes(
@@ -370,7 +409,9 @@ pub fn buffer_sizes(
     rows: usize,
     head_rows: usize,
     vocab_chunk: usize,
+    head: HeadKind,
 ) -> BufferSizes {
+    let paired = usize::from(head == HeadKind::Paired);
     let d = c.hidden_size;
     let e = p.elem_bytes();
     let w = widths(c);
@@ -401,6 +442,10 @@ pub fn buffer_sizes(
         router: rows * w.router * 4,
         moe_in: rows * w.moe_in * e,
         moe_out: rows * w.moe_out * 4,
+        h_ref: paired * rows * d * e,
+        logits_ref: paired * head_rows * vocab_chunk * 4,
+        pair_state: paired * rows * PAIR_ROW_BYTES,
+        pair_out: paired * rows * PAIR_OUT_BYTES,
     }
 }
 
@@ -425,6 +470,10 @@ impl BufferSizes {
             + self.router
             + self.moe_in
             + self.moe_out
+            + self.h_ref
+            + self.logits_ref
+            + self.pair_state
+            + self.pair_out
     }
 }
 
@@ -615,7 +664,15 @@ mod tests {
     fn memory_plan_fits_qwen3_8b_on_an_h200() {
         let c = qwen3_8b();
         let free = 139usize * (1 << 30) - weight_bytes(&c, Precision::Bf16);
-        let p = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, free, 4096).unwrap();
+        let p = plan_memory(
+            &c,
+            KvDtype::Bf16,
+            Precision::Bf16,
+            free,
+            4096,
+            HeadKind::Plain,
+        )
+        .unwrap();
         assert!(p.max_rows >= 4 * 4096, "{p:?}");
         assert!(p.max_rows <= MAX_ROWS_CAP);
         assert!(p.planned_bytes <= free, "{p:?}");
@@ -629,16 +686,39 @@ mod tests {
     #[test]
     fn memory_plan_scales_down_and_refuses_what_cannot_fit() {
         let c = qwen3_8b();
-        let p = plan_memory(&c, KvDtype::Nvfp4, Precision::Bf16, 4 << 30, 4096).unwrap();
+        let p = plan_memory(
+            &c,
+            KvDtype::Nvfp4,
+            Precision::Bf16,
+            4 << 30,
+            4096,
+            HeadKind::Plain,
+        )
+        .unwrap();
         assert!(p.max_rows >= 4096 && p.max_rows < MAX_ROWS_CAP / 2, "{p:?}");
         assert!(p.planned_bytes <= 4 << 30);
-        let e = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, 256 << 20, 4096)
-            .unwrap_err()
-            .to_string();
+        let e = plan_memory(
+            &c,
+            KvDtype::Bf16,
+            Precision::Bf16,
+            256 << 20,
+            4096,
+            HeadKind::Plain,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("not enough free device memory"), "{e}");
         // A small model with a small vocabulary takes the whole vocabulary in one chunk.
         let small = cfg(2, 16, 4, 2, 8, 32, 1000);
-        let p = plan_memory(&small, KvDtype::F32, Precision::F32, 8 << 30, 64).unwrap();
+        let p = plan_memory(
+            &small,
+            KvDtype::F32,
+            Precision::F32,
+            8 << 30,
+            64,
+            HeadKind::Plain,
+        )
+        .unwrap();
         assert_eq!(p.vocab_chunk, 1000);
         assert_eq!(p.max_rows, MAX_ROWS_CAP);
     }
@@ -650,7 +730,15 @@ mod tests {
         let wb = weight_bytes(&c, Precision::Bf16);
         assert!((53.0e9..54.5e9).contains(&(wb as f64)), "{wb}");
         let free = 139usize * (1 << 30) - wb;
-        let p = plan_memory(&c, KvDtype::Bf16, Precision::Bf16, free, 4096).unwrap();
+        let p = plan_memory(
+            &c,
+            KvDtype::Bf16,
+            Precision::Bf16,
+            free,
+            4096,
+            HeadKind::Plain,
+        )
+        .unwrap();
         assert!(p.max_rows >= 4 * 4096, "{p:?}");
         // A row needs the Gated DeltaNet projection (16,480 f32) in the GEMM scratch.
         assert!(bytes_per_row(&c, KvDtype::Bf16, Precision::Bf16) > 4 * 16_480);
@@ -673,12 +761,19 @@ mod tests {
             // The model plans its K/V buffers for f32, which serves every KV format.
             {
                 let kv = KvDtype::F32;
-                let plan = plan_memory(&c, kv, p, free, 65536);
+                let plan = plan_memory(&c, kv, p, free, 65536, HeadKind::Plain);
                 assert_eq!(plan.is_ok(), fits, "{name} {} {kv:?}: {plan:?}", p.name());
                 if let Ok(plan) = plan {
                     assert_eq!(plan.max_rows, 65536, "{name}: one whole window per pass");
-                    let used = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk)
-                        .total()
+                    let used = buffer_sizes(
+                        &c,
+                        p,
+                        plan.max_rows,
+                        plan.head_rows,
+                        plan.vocab_chunk,
+                        plan.head,
+                    )
+                    .total()
                         + 4 * 7 * plan.max_rows
                         + rope_bytes(&c, 65536);
                     assert!(
@@ -758,18 +853,29 @@ mod tests {
         ] {
             // Each configuration must fit at least once, or it would check nothing.
             let mut planned = 0;
-            for p in [Precision::Bf16, Precision::F32] {
+            for (p, head) in [Precision::Bf16, Precision::F32]
+                .into_iter()
+                .flat_map(|p| [(p, HeadKind::Plain), (p, HeadKind::Paired)])
+            {
                 for (free, longest) in [
-                    (1usize << 30, 4096usize),
+                    (48usize << 20, 64usize),
+                    (1 << 30, 4096),
                     (8 << 30, 1),
                     (80 << 30, 32768),
                     (120 << 30, 65536),
                 ] {
-                    let Ok(plan) = plan_memory(&c, KvDtype::F32, p, free, longest) else {
+                    let Ok(plan) = plan_memory(&c, KvDtype::F32, p, free, longest, head) else {
                         continue;
                     };
                     planned += 1;
-                    let z = buffer_sizes(&c, p, plan.max_rows, plan.head_rows, plan.vocab_chunk);
+                    let z = buffer_sizes(
+                        &c,
+                        p,
+                        plan.max_rows,
+                        plan.head_rows,
+                        plan.vocab_chunk,
+                        plan.head,
+                    );
                     let ints = 4 * 7 * plan.max_rows;
                     let used = z.total() + ints + rope_bytes(&c, longest);
                     assert!(

@@ -9,7 +9,7 @@ use super::CudaModel;
 use crate::backend::cpu::rope::RopeTable;
 use crate::backend::cuda::device::DevBuf;
 use crate::backend::cuda::launch::KvArg;
-use crate::backend::cuda::plan::{self, MemPlan};
+use crate::backend::cuda::plan::{self, HeadKind, MemPlan};
 use crate::kv::KvDtype;
 use anyhow::Result;
 
@@ -61,6 +61,18 @@ pub(super) struct Buffers {
     pub(super) gates: DevBuf,
     /// A sparse MoE block's buffers (models with one).
     pub(super) moe: Option<MoeBufs>,
+    /// A paired head's buffers (`--kld-base`; planned with [`HeadKind::Paired`]).
+    pub(super) pair: Option<PairBufs>,
+}
+
+/// What a paired head adds: the saved reference's final-normed rows `h_ref[rows, d]`
+/// (precision), its logits chunk `[head_rows, vocab_chunk]` f32, one running record per
+/// scored row and its eight finished fields.
+pub(super) struct PairBufs {
+    pub(super) h_ref: DevBuf,
+    pub(super) logits_ref: DevBuf,
+    pub(super) state: DevBuf,
+    pub(super) out: DevBuf,
 }
 
 pub(super) struct Rope {
@@ -77,10 +89,16 @@ pub(super) struct State {
 }
 
 impl CudaModel {
-    /// Buffers for passes of at least `longest` rows, planned from free device memory.
-    pub(super) fn ensure_buffers(&self, st: &mut State, longest: usize) -> Result<()> {
+    /// Buffers for passes of at least `longest` rows with a `head` of that kind, planned
+    /// from free device memory (a paired plan serves plain passes too).
+    pub(super) fn ensure_buffers(
+        &self,
+        st: &mut State,
+        longest: usize,
+        head: HeadKind,
+    ) -> Result<()> {
         if let Some(b) = &st.bufs {
-            if b.plan.max_rows >= longest {
+            if b.plan.max_rows >= longest && (head == HeadKind::Plain || b.plan.head == head) {
                 return Ok(());
             }
         }
@@ -88,13 +106,21 @@ impl CudaModel {
         let (free, _) = self.gpu.mem_info()?;
         // Stored K/V buffers are sized for the widest representation (f32), so one
         // allocation serves every KV dtype.
-        let p = plan::plan_memory(&self.config, KvDtype::F32, self.precision, free, longest)?;
+        let p = plan::plan_memory(
+            &self.config,
+            KvDtype::F32,
+            self.precision,
+            free,
+            longest,
+            head,
+        )?;
         let z = plan::buffer_sizes(
             &self.config,
             self.precision,
             p.max_rows,
             p.head_rows,
             p.vocab_chunk,
+            p.head,
         );
         let g = &self.gpu;
         let kvbufs = || -> Result<KvBufs> {
@@ -129,6 +155,15 @@ impl CudaModel {
                     out: g.alloc(z.moe_out)?,
                 }),
                 None => None,
+            },
+            pair: match p.head {
+                HeadKind::Paired => Some(PairBufs {
+                    h_ref: g.alloc(z.h_ref)?,
+                    logits_ref: g.alloc(z.logits_ref)?,
+                    state: g.alloc(z.pair_state)?,
+                    out: g.alloc(z.pair_out)?,
+                }),
+                HeadKind::Plain => None,
             },
             plan: p,
         };

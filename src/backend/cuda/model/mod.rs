@@ -26,7 +26,7 @@ use super::launch::{self, Ptr};
 use super::plan::{self, Precision};
 use crate::artifact::Artifact;
 use crate::backend::cpu::rope::inv_freq;
-use crate::backend::{MemoryReport, ScoreError};
+use crate::backend::{HeadRows, MemoryReport, ScoreError};
 use crate::kv::KvDtype;
 use crate::model::config::ModelConfig;
 use crate::model::pass::PassPlan;
@@ -38,6 +38,18 @@ use std::sync::Mutex;
 use weights::{DevWeights, Source};
 
 pub use nonfinite::{decode_nonfinite, decode_state_nonfinite, StatePart};
+
+/// What a pass's head hands over per window.
+#[derive(Clone, Copy)]
+pub(super) enum PassHead<'a> {
+    /// The targets' log-probabilities.
+    Logprobs,
+    /// With the final-normed rows the head read (`--save-reference`).
+    Hidden,
+    /// Compared with a saved reference's rows of the pass (`[scored rows, d]` f32, in the
+    /// pass's order; `--kld-base`).
+    Paired(&'a [f32]),
+}
 
 pub struct CudaModel {
     pub config: ModelConfig,
@@ -52,10 +64,6 @@ pub struct CudaModel {
     /// Whether the last layer's MLP runs on the rows the head reads only (tests turn it off
     /// to check that the trimming changes no bits).
     trim_last_layer: AtomicBool,
-    /// `--save-reference`: each pass also reads its final-normed rows back to the host, per
-    /// window in pass order, for the scheduler to hand over with the log-probabilities.
-    keep_hidden: AtomicBool,
-    hidden_out: Mutex<Vec<Vec<f32>>>,
     /// Routed rows per expert since the last `take_routing` (MoE models).
     routing: Option<Mutex<Vec<u64>>>,
     blas: Blas,
@@ -136,8 +144,6 @@ impl CudaModel {
             peak_used: AtomicUsize::new(0),
             max_windows: AtomicUsize::new(plan::MAX_WINDOWS),
             trim_last_layer: AtomicBool::new(true),
-            keep_hidden: AtomicBool::new(false),
-            hidden_out: Mutex::new(Vec::new()),
             routing,
             blas,
             gpu,
@@ -155,16 +161,6 @@ impl CudaModel {
     /// Limits the windows packed into one forward pass (at least 1).
     pub fn set_max_windows_per_pass(&self, n: usize) {
         self.max_windows.store(n.max(1), Ordering::Relaxed);
-    }
-
-    /// Whether each pass also reads its final-normed rows back ([`CudaModel::take_hidden`]).
-    pub fn set_keep_hidden(&self, on: bool) {
-        self.keep_hidden.store(on, Ordering::Relaxed);
-    }
-
-    /// The last pass's final-normed rows per window (`[rows, d]` f32 each), taken.
-    pub fn take_hidden(&self) -> Vec<Vec<f32>> {
-        std::mem::take(&mut *self.hidden_out.lock().unwrap())
     }
 
     /// Runs the last layer's MLP on every row (`false`) or on the rows the head reads only
@@ -191,17 +187,34 @@ impl CudaModel {
     }
 
     /// One forward pass over packed windows `(tokens, first_target)`; returns each window's
-    /// target log-probabilities.
+    /// rows as `head` asks: its target log-probabilities, with its final-normed rows, or
+    /// compared with a saved reference's rows.
     fn forward_batch(
         &self,
         st: &State,
         wins: &[(&[u32], usize)],
         kv: KvDtype,
-    ) -> Result<Vec<Vec<f32>>, ScoreError> {
+        head: PassHead,
+    ) -> Result<Vec<HeadRows>, ScoreError> {
         let c = &self.config;
         let plan = PassPlan::new(wins, c.vocab_size)
             .map_err(|(index, error)| ScoreError::Window { index, error })?;
         let b = st.bufs.as_ref().expect("allocated");
+        let paired = if let PassHead::Paired(rows) = head {
+            let want = plan.scored.len() * c.hidden_size;
+            if rows.len() != want {
+                return Err(ScoreError::Device(anyhow::anyhow!(
+                    "the saved reference gave {} values for this pass's {} scored rows of {} (a damaged or mismatched file)",
+                    rows.len(),
+                    plan.scored.len(),
+                    c.hidden_size
+                )));
+            }
+            self.upload_reference_rows(b, rows)?;
+            true
+        } else {
+            false
+        };
         let rope = st.rope.as_ref().expect("allocated");
         let p = Pass::upload(self, plan, kv, rope)?;
         let (g, w) = (&self.gpu, &self.weights);
@@ -214,9 +227,9 @@ impl CudaModel {
         }
         // The head reads the scored rows where the last layer left them.
         let lps = if self.trims(w.layers.len() - 1, &p) {
-            self.head(b, &p, &b.x_last, Ints::ScoredInLastLayer)?
+            self.head(b, &p, &b.x_last, Ints::ScoredInLastLayer, paired)?
         } else {
-            self.head(b, &p, &b.x, Ints::Scored)?
+            self.head(b, &p, &b.x, Ints::Scored, paired)?
         };
         let err: Vec<u64> = g.read(&b.err, 0, 2)?;
         if let Ok((free, total)) = g.mem_info() {
@@ -237,40 +250,53 @@ impl CudaModel {
                 *t += n;
             }
         }
-        if self.keep_hidden.load(Ordering::Relaxed) {
-            // The head left the scored rows final-normed in `h`, in the pass's order.
-            let n = p.plan.scored.len() * c.hidden_size;
-            let rows: Vec<f32> = match self.precision {
-                Precision::F32 => g.read::<f32>(&b.h, 0, n)?,
-                Precision::Bf16 => g
-                    .read::<u16>(&b.h, 0, n)?
-                    .into_iter()
-                    .map(|x| half::bf16::from_bits(x).to_f32())
-                    .collect(),
-            };
+        // Each window's share of the pass's scored rows, in order.
+        let spans: Vec<std::ops::Range<usize>> = {
             let mut at = 0;
-            let per_window = p
-                .plan
+            p.plan
                 .windows
                 .iter()
                 .map(|w| {
-                    let k = (w.len - w.first_target) * c.hidden_size;
-                    at += k;
-                    rows[at - k..at].to_vec()
+                    at += w.len - w.first_target;
+                    at - (w.len - w.first_target)..at
                 })
-                .collect();
-            *self.hidden_out.lock().unwrap() = per_window;
-        }
-        let mut at = 0;
-        Ok(p.plan
-            .windows
-            .iter()
-            .map(|w| {
-                let n = w.len - w.first_target;
-                at += n;
-                lps[at - n..at].to_vec()
-            })
-            .collect())
+                .collect()
+        };
+        let d = c.hidden_size;
+        Ok(match head {
+            PassHead::Logprobs => spans
+                .into_iter()
+                .map(|s| HeadRows::Logprobs(lps[s].to_vec()))
+                .collect(),
+            PassHead::Hidden => {
+                // The head left the scored rows final-normed in `h`, in the pass's order.
+                let n = lps.len() * d;
+                let rows: Vec<f32> = match self.precision {
+                    Precision::F32 => g.read::<f32>(&b.h, 0, n)?,
+                    Precision::Bf16 => g
+                        .read::<u16>(&b.h, 0, n)?
+                        .into_iter()
+                        .map(|x| half::bf16::from_bits(x).to_f32())
+                        .collect(),
+                };
+                spans
+                    .into_iter()
+                    .map(|s| {
+                        HeadRows::LogprobsHidden(
+                            lps[s.clone()].to_vec(),
+                            rows[s.start * d..s.end * d].to_vec(),
+                        )
+                    })
+                    .collect()
+            }
+            PassHead::Paired(_) => {
+                let (rs, ps) = self.read_pairs(b, &lps)?;
+                spans
+                    .into_iter()
+                    .map(|s| HeadRows::Paired(rs[s.clone()].to_vec(), ps[s].to_vec()))
+                    .collect()
+            }
+        })
     }
 
     /// The embedding rows of the pass's tokens into the residual stream `x`.

@@ -3,10 +3,10 @@
 //! the windows before a failing one first. CPU twin: `backend/cpu/model/schedule.rs`,
 //! which spreads windows over threads.
 
-use super::CudaModel;
+use super::{CudaModel, PassHead};
 use crate::backend::cuda::kernels::Program;
-use crate::backend::cuda::plan;
-use crate::backend::{FinishWindow, HeadRows, MemoryReport, ScoreError, Scorer};
+use crate::backend::cuda::plan::{self, HeadKind};
+use crate::backend::{Extra, FinishWindow, HeadRows, MemoryReport, ScoreError, Scorer};
 use crate::kv::KvDtype;
 use crate::score::Window;
 use anyhow::Result;
@@ -23,6 +23,22 @@ impl CudaModel {
         windows: &[Window],
         kv: KvDtype,
         on_batch: &mut dyn FnMut(usize, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<(), ScoreError> {
+        self.score_passes(tokens, windows, kv, Extra::Nothing, &mut |first, rows| {
+            on_batch(first, rows.iter().map(HeadRows::logprobs).collect())
+        })
+    }
+
+    /// [`CudaModel::score_batches`] with what `extra` asks of the head: the final-normed
+    /// rows read back (`Extra::Hidden`) or every window compared on the device with a saved
+    /// reference's rows of it (`Extra::Saved`).
+    pub fn score_passes(
+        &self,
+        tokens: &[u32],
+        windows: &[Window],
+        kv: KvDtype,
+        extra: Extra,
+        on_batch: &mut dyn FnMut(usize, Vec<HeadRows>) -> Result<()>,
     ) -> Result<(), ScoreError> {
         if windows.is_empty() {
             return Ok(());
@@ -59,11 +75,22 @@ impl CudaModel {
                 kv: None,
             }])?;
         }
+        let head_kind = match extra {
+            Extra::Saved(_) => HeadKind::Paired,
+            Extra::Nothing | Extra::Hidden => HeadKind::Plain,
+        };
         let longest = windows.iter().map(|w| w.len()).max().unwrap_or(0);
-        self.ensure_buffers(&mut st, longest)?;
+        self.ensure_buffers(&mut st, longest, head_kind)?;
         self.ensure_rope(&mut st, longest)?;
         let plan = st.bufs.as_ref().expect("allocated").plan.clone();
         let lens: Vec<usize> = windows.iter().map(|w| w.len()).collect();
+        // A saved reference's rows for windows `range`, in pass order.
+        let reference_rows = |range: std::ops::Range<usize>| -> Vec<f32> {
+            match extra {
+                Extra::Saved(load) => range.flat_map(load).collect(),
+                Extra::Nothing | Extra::Hidden => Vec::new(),
+            }
+        };
         for batch in plan::pack_batches(
             &lens,
             plan.max_rows,
@@ -73,14 +100,27 @@ impl CudaModel {
                 .iter()
                 .map(|w| (&tokens[w.begin..w.end], w.first_target - w.begin))
                 .collect();
-            match self.forward_batch(&st, &wins, kv) {
-                Ok(lps) => on_batch(batch.start, lps).map_err(ScoreError::Finish)?,
+            let refs = reference_rows(batch.clone());
+            let head = |n: usize| match extra {
+                Extra::Nothing => PassHead::Logprobs,
+                Extra::Hidden => PassHead::Hidden,
+                // The first n windows' rows lead the batch's.
+                Extra::Saved(_) => {
+                    let rows: usize = windows[batch.start..batch.start + n]
+                        .iter()
+                        .map(|w| w.end - w.first_target)
+                        .sum();
+                    PassHead::Paired(&refs[..(rows * self.config.hidden_size).min(refs.len())])
+                }
+            };
+            match self.forward_batch(&st, &wins, kv, head(wins.len())) {
+                Ok(rows) => on_batch(batch.start, rows).map_err(ScoreError::Finish)?,
                 Err(ScoreError::Window { index, error }) => {
                     // As on the CPU, the windows before the failing one are delivered
                     // first: windows are independent, so a pass over just those gives them.
                     if index > 0 {
-                        match self.forward_batch(&st, &wins[..index], kv) {
-                            Ok(lps) => on_batch(batch.start, lps).map_err(ScoreError::Finish)?,
+                        match self.forward_batch(&st, &wins[..index], kv, head(index)) {
+                            Ok(rows) => on_batch(batch.start, rows).map_err(ScoreError::Finish)?,
                             Err(ScoreError::Window { index: i, error }) => {
                                 return Err(ScoreError::Window {
                                     index: batch.start + i,
@@ -110,9 +150,20 @@ impl Scorer for CudaModel {
         kv: KvDtype,
         finish: &mut FinishWindow,
     ) -> Result<(), ScoreError> {
-        let r = self.score_batches(tokens, windows, kv, &mut |first, batch| {
-            for (j, lps) in batch.into_iter().enumerate() {
-                finish(first + j, HeadRows::Logprobs(lps))?;
+        self.score_windows_extra(tokens, windows, kv, Extra::Nothing, finish)
+    }
+
+    fn score_windows_extra(
+        &self,
+        tokens: &[u32],
+        windows: &[Window],
+        kv: KvDtype,
+        extra: Extra,
+        finish: &mut FinishWindow,
+    ) -> Result<(), ScoreError> {
+        let r = self.score_passes(tokens, windows, kv, extra, &mut |first, rows| {
+            for (j, r) in rows.into_iter().enumerate() {
+                finish(first + j, r)?;
             }
             Ok(())
         });
@@ -121,39 +172,6 @@ impl Scorer for CudaModel {
                 e.context(format!("CUDA scoring ({} windows)", windows.len())),
             )),
             other => other,
-        }
-    }
-
-    fn score_windows_extra(
-        &self,
-        tokens: &[u32],
-        windows: &[Window],
-        kv: KvDtype,
-        extra: crate::backend::Extra,
-        finish: &mut FinishWindow,
-    ) -> Result<(), ScoreError> {
-        use crate::backend::Extra;
-        match extra {
-            Extra::Nothing => self.score_windows(tokens, windows, kv, finish),
-            Extra::Hidden => {
-                // Every pass hands over its rows with its log-probabilities.
-                self.set_keep_hidden(true);
-                let r = self.score_batches(tokens, windows, kv, &mut |first, batch| {
-                    let mut hidden = self.take_hidden();
-                    if hidden.len() != batch.len() {
-                        anyhow::bail!("the pass read back {} windows' rows for {}", hidden.len(), batch.len());
-                    }
-                    for (j, (lps, h)) in batch.into_iter().zip(hidden.drain(..)).enumerate() {
-                        finish(first + j, HeadRows::LogprobsHidden(lps, h))?;
-                    }
-                    Ok(())
-                });
-                self.set_keep_hidden(false);
-                r
-            }
-            Extra::Saved(_) => Err(ScoreError::Device(anyhow::anyhow!(
-                "--kld-base runs on the CPU backend only, for now: add --device cpu (a CUDA run can save a reference for it)"
-            ))),
         }
     }
 
