@@ -1,12 +1,14 @@
 //! Scoring: the window protocol ([`window`]), NLL accumulation ([`stats`]), paired
 //! per-window differences of two runs ([`paired`]: `compare`, the gate, a reference pass) and the
-//! calibration of the predictive distribution ([`calibration`]).
+//! calibration of the predictive distribution ([`calibration`]), saved references
+//! ([`saved`]) and what a bounded top-K record of one would keep ([`topk`]).
 
 pub mod calibration;
 pub mod paired;
 pub mod reference;
 pub mod saved;
 pub mod stats;
+pub mod topk;
 pub mod window;
 
 pub use calibration::Calibration;

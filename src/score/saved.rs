@@ -348,6 +348,26 @@ impl SavedReference {
         Ok(rows)
     }
 
+    /// A saved stream's input token ids (checked against the sha256 the index keys it by).
+    pub fn tokens(&self, s: &SavedStream) -> Result<Vec<u32>> {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; 4 * s.input_tokens];
+        self.file
+            .read_exact_at(&mut bytes, s.tokens_offset)
+            .with_context(|| format!("{}: cannot read", self.path.display()))?;
+        let tokens: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if tokens_sha256(&tokens) != s.tokens_sha256 {
+            bail!(
+                "{}: a stream's token ids do not match their sha256",
+                self.path.display()
+            );
+        }
+        Ok(tokens)
+    }
+
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
