@@ -5,7 +5,7 @@
 
 use crate::backend::{DeviceRequest, Precision};
 use crate::kv::KvDtype;
-use crate::score::Protocol;
+use crate::score::{Protocol, WindowPlan};
 use crate::ui::LogLevel;
 use anyhow::{bail, Result};
 use clap::Parser;
@@ -65,9 +65,18 @@ pub struct Args {
     #[arg(long, default_value_t = 4096, allow_hyphen_values = true, value_parser = count)]
     pub context: usize,
 
-    /// New targets scored per window after the first; must be below --context.
-    #[arg(long, default_value_t = 2048, allow_hyphen_values = true, value_parser = count)]
-    pub stride: usize,
+    /// New targets scored per window after the first; must be below --context [default:
+    /// 2048; the sliding plan's only]
+    #[arg(long, allow_hyphen_values = true, value_parser = count)]
+    pub stride: Option<usize>,
+
+    /// How streams are cut into windows: sliding (the seed's: every token after the first
+    /// scored once, strided), disjoint (windows of --context side by side, each scoring all
+    /// but its first token: lm-eval's and vLLM's published numbers), kld-chunks
+    /// (llama-perplexity's: whole chunks of --context, each scoring its last context-1-
+    /// context/2 tokens, the rest of the stream dropped)
+    #[arg(long, default_value = "sliding", value_name = "PLAN")]
+    pub window_plan: String,
 
     /// Main KV representation, as the seed's engine defines them: fp8 (FP8 E4M3, one FP16
     /// scale per row), bf16 (V in FP16), int8 (FP16 scale per 64), nvfp4 (E4M3 scale per 16),
@@ -282,7 +291,17 @@ pub struct ReferenceConfig {
 
 impl Args {
     pub fn validate(self) -> Result<RunConfig> {
-        let protocol = Protocol::new(self.context, self.stride)?;
+        let plan = WindowPlan::parse(&self.window_plan).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--window-plan: `{}` is not one of sliding, disjoint, kld-chunks",
+                self.window_plan
+            )
+        })?;
+        let stride = match plan {
+            WindowPlan::Sliding => Some(self.stride.unwrap_or(2048)),
+            _ => self.stride,
+        };
+        let protocol = Protocol::with_plan(plan, self.context, stride)?;
         let kv = KvDtype::parse(&self.kv_dtype).map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?;
         if self.kv_scales.is_some() && kv.tensor_scales().is_none() {
             bail!(
@@ -409,13 +428,8 @@ mod tests {
     #[test]
     fn defaults_follow_the_spec() {
         let c = parse(&["m.ninfer", "--text", "a.txt"]).unwrap();
-        assert_eq!(
-            c.protocol,
-            Protocol {
-                context: 4096,
-                stride: 2048
-            }
-        );
+        assert_eq!(c.protocol, Protocol::new(4096, 2048).unwrap());
+        assert_eq!(c.protocol.plan, WindowPlan::Sliding);
         // The seed's evaluator scores with NInfer's fp8 by default.
         assert_eq!(c.kv, KvDtype::Fp8);
     }
@@ -429,6 +443,54 @@ mod tests {
             assert!(e.contains("run on the CPU backend only"), "{dev}: {e}");
         }
         assert!(parse(&["m", "--text", "a", "--device", "emu"]).is_ok());
+    }
+
+    #[test]
+    fn window_plans_parse_and_refuse_a_stride() {
+        let c = parse(&[
+            "m",
+            "--text",
+            "a",
+            "--window-plan",
+            "disjoint",
+            "--context",
+            "512",
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.protocol.plan, c.protocol.context, c.protocol.stride),
+            (WindowPlan::Disjoint, 512, 512)
+        );
+        let c = parse(&["m", "--text", "a", "--window-plan", "kld-chunks"]).unwrap();
+        assert_eq!(
+            (c.protocol.plan, c.protocol.stride),
+            (WindowPlan::KldChunks, 4096)
+        );
+        let e = parse(&[
+            "m",
+            "--text",
+            "a",
+            "--window-plan",
+            "kld-chunks",
+            "--stride",
+            "8",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("drop --stride"), "{e}");
+        let e = parse(&["m", "--text", "a", "--window-plan", "rolling"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not one of sliding, disjoint, kld-chunks"),
+            "{e}"
+        );
+        // The sliding plan keeps its stride default and its check.
+        let c = parse(&["m", "--text", "a", "--context", "100"]);
+        assert!(c
+            .unwrap_err()
+            .to_string()
+            .contains("stride must be smaller"));
     }
 
     #[test]

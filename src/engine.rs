@@ -282,6 +282,7 @@ impl Engine {
             hidden_size: self.artifact.config.hidden_size,
             context: protocol.context,
             stride: protocol.stride,
+            window_plan: protocol.plan,
             kv_dtype: kv.name().to_string(),
             device: self.device.describe(),
             build: crate::build_info::LONG_VERSION
@@ -430,10 +431,11 @@ impl Engine {
                     });
                 if !same {
                     anyhow::bail!(
-                        "{shown}: this stream was saved with other windows ({} with context {} and stride {}, here {}): use the saved run's protocol and shard",
+                        "{shown}: this stream was saved with other windows ({} with context {}, stride {} and {} windows; here {}): use the saved run's protocol and shard",
                         s.windows.len(),
                         b.index.identity.context,
                         b.index.identity.stride,
+                        b.index.identity.window_plan.name(),
                         ws.len()
                     );
                 }

@@ -163,8 +163,19 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
     let shards: Vec<(&Loaded, &ShardInfo)> = by_index.into_iter().flatten().collect();
 
     let st = &first.report.settings;
-    let protocol = Protocol::new(st.context, st.stride)
-        .map_err(|e| anyhow!("{}: {e}", first.path.display()))?;
+    let sliding = st.window_plan == crate::score::WindowPlan::Sliding;
+    let protocol = Protocol::with_plan(st.window_plan, st.context, sliding.then_some(st.stride))
+        .ok()
+        .filter(|p| p.stride == st.stride)
+        .ok_or_else(|| {
+            anyhow!(
+                "{}: context {} stride {} is not a {} protocol",
+                first.path.display(),
+                st.context,
+                st.stride,
+                st.window_plan.name()
+            )
+        })?;
     let run_streams = &first_info.run_streams;
     // The plan is recomputed from these counts: check them against what the files hold
     // first, so no recorded number can make it allocate more than the reports themselves.
@@ -190,9 +201,7 @@ pub fn merge(inputs: &[Loaded]) -> Result<Report> {
         );
     }
     for x in run_streams {
-        let most = (x.windows.saturating_sub(1))
-            .saturating_mul(protocol.stride)
-            .saturating_add(protocol.context);
+        let most = protocol.most_tokens(x.windows);
         if x.windows == 0 || x.input_tokens > most {
             bail!(
                 "{}: stream `{}` records {} tokens in {} windows, which context {} stride {} cannot give",

@@ -181,6 +181,13 @@ pub fn check_comparable(base: &Loaded, new: &Loaded) -> Result<()> {
             sa.context, sa.stride, sb.context, sb.stride
         ));
     }
+    if sa.window_plan != sb.window_plan {
+        return refuse(format!(
+            "different window plans ({} vs {})",
+            sa.window_plan.name(),
+            sb.window_plan.name()
+        ));
+    }
     if sa.max_tokens != sb.max_tokens {
         let show = |m: Option<usize>| m.map_or("none".to_string(), |n| n.to_string());
         return refuse(format!(

@@ -77,8 +77,22 @@ pub struct Metric {
 
 impl Default for Metric {
     fn default() -> Metric {
+        Metric::of(crate::score::WindowPlan::Sliding)
+    }
+}
+
+impl Metric {
+    /// The metric a window plan measures: the seed's name for its own plan, the seed
+    /// engine's later name for the llama.cpp chunk plan.
+    pub fn of(plan: crate::score::WindowPlan) -> Metric {
+        use crate::score::WindowPlan;
+        let name = match plan {
+            WindowPlan::Sliding => "fixed-window truncated-context causal perplexity",
+            WindowPlan::Disjoint => "disjoint-window causal perplexity",
+            WindowPlan::KldChunks => "llama.cpp KLD-chunk causal perplexity",
+        };
         Metric {
-            name: "fixed-window truncated-context causal perplexity".into(),
+            name: name.into(),
             log_base: "natural".into(),
         }
     }
@@ -94,6 +108,10 @@ pub struct Execution {
     pub device: Option<usize>,
     pub context_tokens: usize,
     pub stride_tokens: usize,
+    /// How streams were cut into windows (the seed engine's later `window_plan`:
+    /// `sliding`, `disjoint`, `kld-chunks`).
+    #[serde(default)]
+    pub window_plan: crate::score::WindowPlan,
     /// Tokens fed to the model in one pass: a whole window (this engine does not split a
     /// window's prefill), so `context_tokens`.
     pub prefill_chunk_tokens: usize,
@@ -146,6 +164,9 @@ pub struct Settings {
     pub mode: String,
     pub context: usize,
     pub stride: usize,
+    /// How streams were cut into windows (`sliding` in reports older than this field).
+    #[serde(default)]
+    pub window_plan: crate::score::WindowPlan,
     pub kv_dtype: String,
     /// How that representation stores keys and values for this model's head_dim: NInfer's
     /// name for it and the rotations. Absent from reports older than this field.

@@ -29,16 +29,38 @@ fn row(out: &mut String, a: &Aggregate, calibration: bool) {
     out.push('\n');
 }
 
+/// `context C stride S` for the seed's plan; `context C, disjoint windows` or `context C,
+/// llama.cpp chunks (last C-1-C/2 scored)` for the others.
+pub fn protocol_label(p: &crate::score::Protocol) -> String {
+    use crate::score::WindowPlan;
+    match p.plan {
+        WindowPlan::Sliding => format!("context {} stride {}", p.context, p.stride),
+        WindowPlan::Disjoint => format!("context {}, disjoint windows", p.context),
+        WindowPlan::KldChunks => format!(
+            "context {}, llama.cpp chunks (last {} scored)",
+            p.context,
+            p.context.saturating_sub(1 + p.context / 2)
+        ),
+    }
+}
+
 /// Renders the domain/overall table, under a `#` line naming what the numbers measure: the
 /// weight and KV formats and the protocol. `calibration` adds the mean entropy, top-1
 /// accuracy, mean top-1 confidence and ECE columns (`-` where the backend has none).
 pub fn render(r: &Report, calibration: bool) -> String {
     let mut out = String::new();
     let s = &r.settings;
+    let protocol = crate::score::Protocol {
+        context: s.context,
+        stride: s.stride,
+        plan: s.window_plan,
+    };
     let _ = writeln!(
         out,
-        "# weights {} | kv {} | context {} stride {}",
-        r.artifact.weight_format, s.kv_dtype, s.context, s.stride
+        "# weights {} | kv {} | {}",
+        r.artifact.weight_format,
+        s.kv_dtype,
+        protocol_label(&protocol)
     );
     let _ = write!(
         out,

@@ -353,8 +353,8 @@ fn log_startup(cfg: &RunConfig, inputs: &Inputs) {
         engine.precision.name()
     ));
     ui::info(format!(
-        "protocol   context {} stride {}",
-        cfg.protocol.context, cfg.protocol.stride
+        "protocol   {}",
+        crate::report::table::protocol_label(&cfg.protocol)
     ));
     ui::debug(format!(
         "tokenizer sha256 {} vocab {}",

@@ -39,7 +39,7 @@ pub fn build(
     Report {
         schema: report::SCHEMA.into(),
         schema_version: report::SCHEMA_VERSION,
-        metric: report::Metric::default(),
+        metric: report::Metric::of(cfg.protocol.plan),
         execution: report::Execution {
             purpose: "causal_scoring".into(),
             device: match engine.device {
@@ -48,6 +48,7 @@ pub fn build(
             },
             context_tokens: cfg.protocol.context,
             stride_tokens: cfg.protocol.stride,
+            window_plan: cfg.protocol.plan,
             prefill_chunk_tokens: cfg.protocol.context,
             score_tile_tokens: cfg.protocol.context,
             kv_dtype: cfg.kv.format_name(c.head_dim),
@@ -77,6 +78,7 @@ pub fn build(
             },
             context: cfg.protocol.context,
             stride: cfg.protocol.stride,
+            window_plan: cfg.protocol.plan,
             kv_dtype: cfg.kv.name().into(),
             kv_format: Some(report::KvFormat::of(cfg.kv, c.head_dim)),
             kv_tensor_scales: cfg

@@ -14,4 +14,4 @@ pub mod window;
 pub use calibration::Calibration;
 pub use reference::{PositionPair, ReferenceAcc, ReferenceSummary};
 pub use stats::{NllSum, StreamScore, WindowScore};
-pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window};
+pub use window::{processed_tokens, windows, Protocol, ProtocolError, Window, WindowPlan};

@@ -39,6 +39,9 @@ pub struct Identity {
     pub hidden_size: usize,
     pub context: usize,
     pub stride: usize,
+    /// How the streams were cut into windows (`sliding` in files older than this field).
+    #[serde(default)]
+    pub window_plan: crate::score::WindowPlan,
     pub kv_dtype: String,
     pub device: String,
     pub build: String,
@@ -388,6 +391,7 @@ mod tests {
             hidden_size: d,
             context: 4,
             stride: 2,
+            window_plan: Default::default(),
             kv_dtype: "f32".into(),
             device: "cpu".into(),
             build: "test".into(),

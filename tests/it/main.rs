@@ -27,6 +27,8 @@ mod mutation;
 mod compare;
 // `--shard I/N` and `merge`: shards merge into the unsharded run bit for bit.
 mod shard;
+// `--window-plan disjoint|kld-chunks`: other tools' windows, recorded, sharded, not compared.
+mod window_plans;
 // The CPU memory plan: refusals with both figures, caps planned for.
 mod memory;
 
