@@ -344,6 +344,18 @@ impl Engine {
         }
         let id = &saved.index.identity;
         let shown = saved.path.display();
+        if let Some(v) = saved.foreign_vocab() {
+            // Another engine's log-probabilities: no head to match, but the same vocabulary,
+            // and (per stream, when scoring) the same token ids.
+            let ours = self.artifact.config.vocab_size;
+            if v != ours {
+                anyhow::bail!(
+                    "{shown}: log-probabilities over {v} tokens; this artifact's vocabulary has {ours}"
+                );
+            }
+            self.kld_base = Some(saved);
+            return Ok(());
+        }
         if id.tokenizer_sha256 != self.tokenizer.sha256() {
             anyhow::bail!(
                 "{shown}: saved with another tokenizer (sha256 {}, this artifact's is {})",
@@ -562,8 +574,10 @@ impl Engine {
         };
         self.scorer.take_routing(); // counts start at zero for this stream
         let load = |wi: usize| match &saved {
-            Some((b, s)) => b.rows(&s.windows[wi]).unwrap_or_default(),
-            None => Vec::new(),
+            Some((b, s)) => b
+                .window_rows(&s.windows[wi])
+                .unwrap_or(crate::score::saved::SavedRows::Hidden(Vec::new())),
+            None => crate::score::saved::SavedRows::Hidden(Vec::new()),
         };
         let extra = if saved.is_some() {
             crate::backend::Extra::Saved(&load)

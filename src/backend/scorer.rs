@@ -65,8 +65,9 @@ pub enum Extra<'a> {
     /// Every window's final-normed rows (`--save-reference`).
     Hidden,
     /// Compare every window with a saved reference's rows of it (`--kld-base`): the loader
-    /// gives window `i`'s rows `[rows, d]` (empty when it cannot).
-    Saved(&'a (dyn Fn(usize) -> Vec<f32> + Sync)),
+    /// gives window `i`'s rows (hidden states `[rows, d]` or another engine's
+    /// log-probabilities `[rows, vocab]`; empty when it cannot).
+    Saved(&'a (dyn Fn(usize) -> crate::score::saved::SavedRows + Sync)),
 }
 
 impl HeadRows {

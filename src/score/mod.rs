@@ -4,6 +4,7 @@
 //! ([`saved`]) and what a bounded top-K record of one would keep ([`topk`]).
 
 pub mod calibration;
+pub mod llama_logits;
 pub mod paired;
 pub mod reference;
 pub mod saved;

@@ -230,6 +230,22 @@ pub struct SavedReference {
     pub index: Index,
     file: std::fs::File,
     size: u64,
+    /// Another engine's file read as a reference (`None`: this tool's own).
+    llama: Option<LlamaBase>,
+}
+
+/// A llama.cpp `--kl-divergence-base` file: its layout and its token ids.
+struct LlamaBase {
+    layout: super::llama_logits::Layout,
+    tokens: Vec<u32>,
+}
+
+/// What a saved reference holds for a window's scored positions.
+pub enum SavedRows {
+    /// Final-normed hidden states `[rows, d]`, for this head to apply again.
+    Hidden(Vec<f32>),
+    /// Log-probabilities `[rows, vocab]` (another engine's).
+    Logprobs(Vec<f32>),
 }
 
 impl SavedReference {
@@ -243,6 +259,9 @@ impl SavedReference {
         let mut magic = [0u8; 8];
         f.read_exact(&mut magic)
             .map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+        if &magic == super::llama_logits::MAGIC {
+            return Self::open_llama(path, f, size);
+        }
         if &magic != MAGIC {
             bail!("{shown}: not a saved reference (no NINFREF1 magic; write one with --save-reference)");
         }
@@ -318,13 +337,67 @@ impl SavedReference {
             index,
             file: f,
             size,
+            llama: None,
         })
+    }
+
+    /// A llama.cpp `--kl-divergence-base` file (its magic already read).
+    fn open_llama(path: &Path, mut f: std::fs::File, size: u64) -> Result<SavedReference> {
+        use super::llama_logits as ll;
+        let shown = path.display().to_string();
+        let mut head = [0u8; 20];
+        f.seek(SeekFrom::Start(0))?;
+        f.read_exact(&mut head)
+            .map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+        let layout = ll::layout(&shown, &head, size)?;
+        let mut bytes = vec![0u8; 4 * layout.n_chunk * layout.n_ctx];
+        f.read_exact(&mut bytes)
+            .map_err(|e| anyhow!("{shown}: cannot read: {e}"))?;
+        let tokens = ll::tokens(&shown, &bytes)?;
+        let index = ll::index(path, &layout, &tokens);
+        Ok(SavedReference {
+            path: path.to_path_buf(),
+            index,
+            file: f,
+            size,
+            llama: Some(LlamaBase { layout, tokens }),
+        })
+    }
+
+    /// Whether this is another engine's file (log-probabilities, no head to apply).
+    pub fn is_foreign(&self) -> bool {
+        self.llama.is_some()
+    }
+
+    /// The vocabulary of a foreign file's log-probabilities.
+    pub fn foreign_vocab(&self) -> Option<usize> {
+        self.llama.as_ref().map(|l| l.layout.n_vocab)
     }
 
     /// The saved stream whose input tokens are `tokens`.
     pub fn stream(&self, tokens: &[u32]) -> Option<&SavedStream> {
+        if let Some(l) = &self.llama {
+            // llama.cpp keeps the whole chunks only: the stream's tokens must begin with them.
+            return (tokens.len() < l.tokens.len() + l.layout.n_ctx
+                && tokens.starts_with(&l.tokens))
+            .then(|| &self.index.streams[0]);
+        }
         let key = tokens_sha256(tokens);
         self.index.streams.iter().find(|s| s.tokens_sha256 == key)
+    }
+
+    /// What the file holds for window `w`'s scored positions.
+    pub fn window_rows(&self, w: &SavedWindow) -> Result<SavedRows> {
+        use std::os::unix::fs::FileExt;
+        let Some(l) = &self.llama else {
+            return self.rows(w).map(SavedRows::Hidden);
+        };
+        let mut bytes = vec![0u8; 2 * l.layout.nv * (w.end - w.first_target)];
+        self.file
+            .read_exact_at(&mut bytes, w.offset)
+            .with_context(|| format!("{}: cannot read", self.path.display()))?;
+        super::llama_logits::dequantize(&self.path.display().to_string(), &bytes, &l.layout)
+            .map(SavedRows::Logprobs)
     }
 
     /// The rows `[rows, d]` of window `w` of a stream.
@@ -354,6 +427,9 @@ impl SavedReference {
     /// A saved stream's input token ids (checked against the sha256 the index keys it by).
     pub fn tokens(&self, s: &SavedStream) -> Result<Vec<u32>> {
         use std::os::unix::fs::FileExt;
+        if let Some(l) = &self.llama {
+            return Ok(l.tokens.clone());
+        }
         let mut bytes = vec![0u8; 4 * s.input_tokens];
         self.file
             .read_exact_at(&mut bytes, s.tokens_offset)

@@ -371,3 +371,182 @@ fn the_emulated_device_compares_with_a_saved_reference_as_the_cpu_does() {
         assert_eq!(z["delta_nll"].as_f64(), Some(0.0), "{precision}");
     }
 }
+
+/// `ninfer-perplexity ART --text TEXT --window-plan kld-chunks --context C --output DIR
+/// EXTRA...`.
+fn chunk_run(st: &Setup, out: &str, context: usize, extra: &[&str]) -> std::process::Output {
+    let (c, o) = (context.to_string(), st.dir.join(out));
+    let mut a = vec![
+        s(&st.art),
+        "--text",
+        s(&st.text),
+        "--window-plan",
+        "kld-chunks",
+        "--context",
+        &c,
+        "--output",
+        s(&o),
+    ];
+    a.extend_from_slice(extra);
+    common::run_bin("ninfer-perplexity", &a)
+}
+
+/// Writes a file as `llama-perplexity --kl-divergence-base` does (layout in
+/// `score::llama_logits`) holding this artifact's own f32-KV distributions, computed here
+/// in float64 from a saved reference's hidden states and the head: what llama.cpp would
+/// write if it computed exactly as this tool does.
+fn llama_file(st: &Setup, context: usize, out: &Path) {
+    use ninfer_perplexity::score::saved::SavedReference;
+    let refbin = st.dir.join("for-llama.bin");
+    let o = chunk_run(
+        st,
+        "for-llama",
+        context,
+        &["--kv-dtype", "f32", "--save-reference", s(&refbin)],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let a = ninfer_perplexity::artifact::Artifact::open(&st.art).unwrap();
+    let (d, vocab) = (a.config.hidden_size, a.config.vocab_size);
+    let head = if a.config.tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let w = a.tensor_f32(head).unwrap();
+    let saved = SavedReference::open(&refbin).unwrap();
+    let stream = &saved.index.streams[0];
+    let tokens = saved.tokens(stream).unwrap();
+    let chunks = stream.windows.len();
+    let mut b = b"_logits_".to_vec();
+    b.extend((context as u32).to_le_bytes());
+    b.extend((vocab as i32).to_le_bytes());
+    b.extend((chunks as i32).to_le_bytes());
+    for t in &tokens[..chunks * context] {
+        b.extend((*t as i32).to_le_bytes());
+    }
+    for win in &stream.windows {
+        let h = saved.rows(win).unwrap();
+        for row in h.chunks_exact(d) {
+            let l: Vec<f32> = (0..vocab)
+                .map(|v| {
+                    (0..d)
+                        .map(|x| row[x] as f64 * w[v * d + x] as f64)
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            // llama.cpp's log_softmax (perplexity.cpp): 16 nats below the top, 16-bit steps.
+            let max = l.iter().cloned().fold(f32::MIN, f32::max);
+            let min = l.iter().cloned().fold(f32::MAX, f32::min).max(max - 16.0);
+            let lse = l
+                .iter()
+                .map(|&x| ((x - max) as f64).exp())
+                .sum::<f64>()
+                .ln() as f32;
+            let scale = (max - min) / 65535.0;
+            b.extend(scale.to_le_bytes());
+            b.extend((min - max - lse).to_le_bytes());
+            for &x in &l {
+                let q = if x > min {
+                    ((x - min) / scale).round() as u16
+                } else {
+                    0
+                };
+                b.extend(q.to_le_bytes());
+            }
+            if vocab % 2 == 1 {
+                b.extend([0u8; 2]);
+            }
+        }
+    }
+    std::fs::write(out, b).unwrap();
+}
+
+/// `--kld-base` with another engine's log-probabilities (llama.cpp's
+/// `--kl-divergence-base` file): the same positions as the `kld-chunks` plan, KL as
+/// llama.cpp computes it on its own file; a file of the run's own distributions gives
+/// (nearly) zero, a format's KL is the in-process one; other tokens, another vocabulary, a
+/// file cut short and the CUDA path are refused with one line. (Against `llama-perplexity`
+/// itself: docs/compare.md, where the real file gives llama.cpp's own statistics.)
+#[test]
+fn another_engine_s_log_probabilities_are_a_reference() {
+    let st = setup();
+    let dump = st.dir.join("base.kld");
+    llama_file(&st, 16, &dump);
+    let chunked = |out: &str, extra: &[&str]| chunk_run(&st, out, 16, extra);
+    let o = chunked("same", &["--kv-dtype", "f32", "--kld-base", s(&dump)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = common::report(&st.dir.join("same"));
+    let x = &r["overall"]["reference"];
+    assert_eq!(x["positions"], r["overall"]["scored"]);
+    eprintln!(
+        "own distributions through the file: KL {}, reverse {}, dNLL {}",
+        x["mean_kld"], x["mean_kld_reverse"], x["delta_nll"]
+    );
+    // The file's 16-bit steps: measured |KL| at most 2.5e-5 at a position (mean 1e-6), Δp
+    // 7e-8; bounds 4x and 10x. Its floor 16 nats below the top caps the log-probability of
+    // a target less likely than that (this random model has many: NLL 22), so ΔNLL is not
+    // 0 here, and only ever positive (the floor raises the reference's probability).
+    for k in ["kld_max", "kld_reverse_max"] {
+        assert!(x[k].as_f64().unwrap().abs() < 1e-4, "{k}: {x}");
+    }
+    assert!(x["mean_delta_p"].as_f64().unwrap().abs() < 1e-6, "{x}");
+    assert!(x["delta_nll"].as_f64().unwrap() >= 0.0, "{x}");
+    assert_eq!(x["top1_agreement"].as_f64(), Some(1.0));
+    assert_eq!(r["settings"]["reference"]["saved"]["device"], "llama.cpp");
+    // A format against the file is that format against the f32 run in process.
+    let o = chunked("file", &["--kv-dtype", "nvfp4", "--kld-base", s(&dump)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = chunked("inproc", &["--kv-dtype", "nvfp4", "--reference-kv", "f32"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (f, i) = (
+        common::report(&st.dir.join("file")),
+        common::report(&st.dir.join("inproc")),
+    );
+    let (kf, ki) = (
+        f["overall"]["reference"]["mean_kld"].as_f64().unwrap(),
+        i["overall"]["reference"]["mean_kld"].as_f64().unwrap(),
+    );
+    eprintln!("nvfp4: KL against the file {kf:.6e}, in process {ki:.6e}");
+    assert!(ki > 1e-4 && (kf - ki).abs() <= 1e-3 * ki, "{kf} vs {ki}");
+    assert_eq!(
+        f["overall"]["reference"]["top1_agreement"],
+        i["overall"]["reference"]["top1_agreement"]
+    );
+
+    // Refusals: one line, no report.
+    let refused = |out: &str, o: std::process::Output, needles: &[&str]| {
+        assert!(!o.status.success(), "{out}: accepted");
+        let e = common::error_line(&o);
+        for n in needles {
+            assert!(e.contains(n), "{out}: {e}");
+        }
+        assert!(!st.dir.join(out).join("report.json").exists());
+    };
+    let bytes = std::fs::read(&dump).unwrap();
+    // Other tokens: one token id changed.
+    let mut other = bytes.clone();
+    other[20] ^= 1;
+    let p = st.dir.join("other.kld");
+    std::fs::write(&p, &other).unwrap();
+    let o = chunked("r1", &["--kv-dtype", "f32", "--kld-base", s(&p)]);
+    refused("r1", o, &["other.kld", "no stream with these"]);
+    // The file's chunks are not this run's windows (another context).
+    let o = chunk_run(&st, "r2", 8, &["--kld-base", s(&dump)]);
+    refused("r2", o, &["base.kld"]);
+    // Cut short.
+    let p = st.dir.join("short.kld");
+    std::fs::write(&p, &bytes[..bytes.len() - 2]).unwrap();
+    let o = chunked("r3", &["--kld-base", s(&p)]);
+    refused("r3", o, &["short.kld", "cut short"]);
+    // Another vocabulary.
+    let mut v = bytes.clone();
+    v[12..16].copy_from_slice(&(259i32).to_le_bytes());
+    let p = st.dir.join("vocab.kld");
+    std::fs::write(&p, &v).unwrap();
+    let o = chunked("r4", &["--kld-base", s(&p)]);
+    refused("r4", o, &["vocab.kld"]);
+    if cfg!(feature = "cuda") {
+        let o = chunked("r5", &["--device", "emu", "--kld-base", s(&dump)]);
+        refused("r5", o, &["CPU backend only"]);
+    }
+}

@@ -150,6 +150,136 @@ pub fn score_pairs(
     Ok(())
 }
 
+/// Log-probabilities at or below this are left out of KL(reference ‖ run) against another
+/// engine's file, as llama.cpp's own `--kl-divergence` does (its file floors them there).
+pub const FOREIGN_FLOOR: f32 = -16.0;
+
+/// Per chunk: the run's partial, and the two sums against the reference's log-probabilities.
+#[derive(Clone, Copy)]
+struct Foreign {
+    run: Partial,
+    /// `Σ p_ref·(lp_ref − l_run)` and `Σ p_ref` over entries above [`FOREIGN_FLOOR`].
+    a: f64,
+    p: f64,
+    /// `Σ exp(l_run − max_run)·(l_run − lp_ref)` over every entry.
+    u_rev: f32,
+}
+
+/// The run `h[rows, d]` through `w[vocab, d]` against another engine's log-probabilities
+/// `ref_lp[rows, vocab]` (normalized, as that engine computed them; not renormalized
+/// here), `targets[rows]` -> `out[rows]` (the same bits as [`super::head::score_rows`]) and
+/// `pairs[rows]`. KL(reference ‖ run) takes the entries above [`FOREIGN_FLOOR`], as
+/// llama.cpp's `--kl-divergence` does on its own file; KL(run ‖ reference) takes every entry
+/// as the file gives it (its floor included); the reference's target log-probability and
+/// top-1 are the file's values.
+pub fn score_against_logprobs(
+    (h, d, w): (&[f32], usize, WeightRows),
+    ref_lp: &[f32],
+    vocab: usize,
+    targets: &[u32],
+    out: &mut [RowScore],
+    pairs: &mut [PairScore],
+) -> Result<(), (Side, NonFiniteLogit)> {
+    let rows = targets.len();
+    assert_eq!(h.len(), rows * d);
+    assert_eq!(ref_lp.len(), rows * vocab);
+    assert_eq!((w.n(), w.k()), (vocab, d));
+    assert_eq!((out.len(), pairs.len()), (rows, rows));
+    if let Some(i) = ref_lp.iter().position(|x| !x.is_finite()) {
+        let e = NonFiniteLogit {
+            row: i / vocab,
+            token: i % vocab,
+        };
+        return Err((Side::Reference, e));
+    }
+    let chunks: Vec<usize> = (0..vocab).step_by(VOCAB_CHUNK).collect();
+    let parts: Vec<Result<Vec<Foreign>, (Side, NonFiniteLogit)>> = chunks
+        .par_iter()
+        .map(|&v0| {
+            let vc = VOCAB_CHUNK.min(vocab - v0);
+            let mut lg = vec![0.0f32; ROWS.min(rows) * vc];
+            let mut kept = vec![0.0f32; vc];
+            let mut part = Vec::with_capacity(rows);
+            for r0 in (0..rows).step_by(ROWS) {
+                let r = ROWS.min(rows - r0);
+                let a = &mut lg[..r * vc];
+                logits_block(h, d, w, v0, vc, r0, r, a).map_err(|e| (Side::Run, e))?;
+                for (i, x) in a.chunks_mut(vc).enumerate() {
+                    let row = r0 + i;
+                    let run = row_partial::<true>(x, &mut kept, v0, targets[row]);
+                    let lp = &ref_lp[row * vocab + v0..row * vocab + v0 + vc];
+                    let (mut sa, mut sp) = (0.0f64, 0.0f64);
+                    for (&q, &l) in lp.iter().zip(&kept) {
+                        if q > FOREIGN_FLOOR {
+                            let p = (q as f64).exp();
+                            sa += p * (q as f64 - l as f64);
+                            sp += p;
+                        }
+                    }
+                    // `x` now holds exp(l − max) (row_partial), `kept` the logits.
+                    let u_rev = diff_weighted_sum(x, &kept, lp);
+                    part.push(Foreign {
+                        run,
+                        a: sa,
+                        p: sp,
+                        u_rev,
+                    });
+                }
+            }
+            Ok(part)
+        })
+        .collect();
+    if let Some(e) = parts.iter().filter_map(|p| p.as_ref().err()).min() {
+        return Err(*e);
+    }
+    let parts: Vec<Vec<Foreign>> = parts.into_iter().map(|p| p.unwrap_or_default()).collect();
+    let run: Vec<Vec<Partial>> = parts
+        .iter()
+        .map(|c| c.iter().map(|b| b.run).collect())
+        .collect();
+    for i in 0..rows {
+        let (lp, sum, wsum, top1) = combine(&run, i);
+        let ln_s = sum.ln();
+        out[i] = RowScore {
+            logprob: lp,
+            entropy: (ln_s - wsum / sum) as f32,
+            top1,
+            top1_logprob: (-ln_s) as f32,
+        };
+        let m = run
+            .iter()
+            .map(|c| c[i].max)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let lse = m as f64 + ln_s;
+        let (a, p): (f64, f64) = parts
+            .iter()
+            .fold((0.0, 0.0), |(a, p), c| (a + c[i].a, p + c[i].p));
+        let u_rev: f64 = parts
+            .iter()
+            .map(|c| c[i].u_rev as f64 * ((c[i].run.max - m) as f64).exp())
+            .sum();
+        let row = &ref_lp[i * vocab..(i + 1) * vocab];
+        let (top, top_lp) =
+            row.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (j, &v)| {
+                    if v > bv {
+                        (j, v)
+                    } else {
+                        (bi, bv)
+                    }
+                });
+        pairs[i] = PairScore {
+            ref_logprob: row[targets[i] as usize],
+            kld: (a + p * lse) as f32,
+            kld_reverse: (u_rev / sum - lse) as f32,
+            ref_top1: top as u32,
+            ref_top1_logprob: top_lp,
+        };
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::head::score_rows;
@@ -268,5 +398,96 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e, (Side::Reference, NonFiniteLogit { row: 0, token: 17 }));
+    }
+
+    /// Against log-probabilities as another engine writes them: KL(reference ‖ run) over
+    /// the entries above the floor, unnormalized as llama.cpp takes them, and the reverse
+    /// over every entry, both to a direct float64 computation; the run's rows keep their
+    /// bits; a reference equal to the run (its own log-softmax) gives 0.
+    #[test]
+    fn another_engine_s_log_probabilities_give_llama_cpp_s_kl() {
+        let (rows, d, vocab) = (6, 5, VOCAB_CHUNK + 300);
+        let (h, w) = data(rows, d, vocab, 2);
+        let (h2, _) = data(rows, d, vocab, 9);
+        let targets: Vec<u32> = (0..rows).map(|i| (i * 1237 % vocab) as u32).collect();
+        let logits = |h: &[f32], i: usize| -> Vec<f64> {
+            (0..vocab)
+                .map(|v| (0..d).map(|x| (h[i * d + x] * w[v * d + x]) as f64).sum())
+                .collect()
+        };
+        let lsm = |l: Vec<f64>| {
+            let m = l.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            l.iter().map(|x| x - lse).collect::<Vec<f64>>()
+        };
+        // The reference: another hidden state's log-softmax, as f32 log-probabilities.
+        let reference: Vec<Vec<f64>> = (0..rows).map(|i| lsm(logits(&h2, i))).collect();
+        let ref_lp: Vec<f32> = reference.iter().flatten().map(|&x| x as f32).collect();
+        let mut out = vec![RowScore::default(); rows];
+        let mut pairs = vec![PairScore::default(); rows];
+        score_against_logprobs(
+            (&h, d, WeightRows::f32(&w, d)),
+            &ref_lp,
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap();
+        let mut alone = vec![RowScore::default(); rows];
+        score_rows(&h, d, &w, vocab, &targets, &mut alone).unwrap();
+        assert_eq!(out, alone, "the run's rows keep their bits");
+        let mut below = 0;
+        for i in 0..rows {
+            let run = lsm(logits(&h, i));
+            let q: Vec<f64> = ref_lp[i * vocab..(i + 1) * vocab]
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            below += q.iter().filter(|&&x| x <= FOREIGN_FLOOR as f64).count();
+            let kl: f64 = q
+                .iter()
+                .zip(&run)
+                .filter(|(&p, _)| p > FOREIGN_FLOOR as f64)
+                .map(|(p, r)| p.exp() * (p - r))
+                .sum();
+            let kl_rev: f64 = run.iter().zip(&q).map(|(r, p)| r.exp() * (r - p)).sum();
+            assert!(
+                (pairs[i].kld as f64 - kl).abs() < 1e-4 * kl.max(1.0),
+                "{} vs {kl}",
+                pairs[i].kld
+            );
+            assert!(kl > 0.01);
+            assert!(
+                (pairs[i].kld_reverse as f64 - kl_rev).abs() < 1e-4 * kl_rev.max(1.0),
+                "{} vs {kl_rev}",
+                pairs[i].kld_reverse
+            );
+            assert_eq!(
+                pairs[i].ref_logprob,
+                ref_lp[i * vocab + targets[i] as usize]
+            );
+        }
+        assert!(
+            below > 0,
+            "some entries lie below the floor, so it is exercised"
+        );
+        // The run against its own log-probabilities: 0 up to f32 rounding.
+        let own: Vec<f32> = (0..rows)
+            .flat_map(|i| lsm(logits(&h, i)))
+            .map(|x| x as f32)
+            .collect();
+        score_against_logprobs(
+            (&h, d, WeightRows::f32(&w, d)),
+            &own,
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap();
+        for p in &pairs {
+            assert!(p.kld.abs() < 1e-4 && p.kld_reverse.abs() < 1e-4, "{p:?}");
+        }
     }
 }

@@ -22,6 +22,8 @@ pub enum Against<'a> {
     Model(&'a CpuModel, KvDtype),
     /// A reference's final-normed rows `[rows, d]`, saved by an earlier run of this head.
     Rows(&'a [f32]),
+    /// Another engine's log-probabilities `[rows, vocab]` over this vocabulary.
+    Logprobs(&'a [f32]),
 }
 
 impl CpuModel {
@@ -56,6 +58,24 @@ impl CpuModel {
             }
             // Saved rows of a reference with this head (checked by its digest when opened).
             Against::Rows(hr) => Some((std::borrow::Cow::Borrowed(hr), self)),
+            Against::Logprobs(lp) => {
+                let mut pairs = vec![PairScore::default(); rows];
+                head_pair::score_against_logprobs(
+                    (hn, d, self.weights.head().rows(d)),
+                    lp,
+                    c.vocab_size,
+                    targets,
+                    &mut out,
+                    &mut pairs,
+                )
+                .map_err(|(side, e)| match side {
+                    Side::Run => logit_error(e.row, e.token),
+                    Side::Reference => {
+                        ForwardError::InReference(Box::new(logit_error(e.row, e.token)))
+                    }
+                })?;
+                return Ok((out, Some(pairs)));
+            }
         };
         let pairs = match reference {
             None => {

@@ -200,15 +200,20 @@ impl CpuModel {
         tokens: &[u32],
         first_target: usize,
         kv: KvDtype,
-        reference_rows: &[f32],
+        reference: &crate::score::saved::SavedRows,
         may_split: &(dyn Fn() -> bool + Sync),
     ) -> Result<(Vec<RowScore>, Vec<PairScore>), ForwardError> {
+        use crate::score::saved::SavedRows;
+        let against = match reference {
+            SavedRows::Hidden(h) => Against::Rows(h),
+            SavedRows::Logprobs(l) => Against::Logprobs(l),
+        };
         let (rows, pairs, _) = self.forward_with(
             tokens,
             first_target,
             kv,
             Split::Ask(may_split),
-            Against::Rows(reference_rows),
+            against,
             false,
         )?;
         Ok((rows, pairs.unwrap_or_default()))
@@ -258,11 +263,16 @@ impl CpuModel {
         let t_len = tokens.len();
         let mut laps = Laps::new(self.profile);
         let (hn, cut) = self.hidden(tokens, first_target, kv, split, &mut laps)?;
-        if let Against::Rows(hr) = against {
-            if hr.len() != hn.len() {
+        let want = match against {
+            Against::Rows(_) => Some(hn.len()),
+            Against::Logprobs(_) => Some((t_len - first_target) * self.config.vocab_size),
+            _ => None,
+        };
+        if let (Against::Rows(hr) | Against::Logprobs(hr), Some(want)) = (against, want) {
+            if hr.len() != want {
                 return Err(ForwardError::SavedRows {
                     got: hr.len(),
-                    want: hn.len(),
+                    want,
                     rows: t_len - first_target,
                 });
             }

@@ -8,6 +8,7 @@ use crate::backend::cuda::kernels::Program;
 use crate::backend::cuda::plan::{self, HeadKind};
 use crate::backend::{Extra, FinishWindow, HeadRows, MemoryReport, ScoreError, Scorer};
 use crate::kv::KvDtype;
+use crate::score::saved::SavedRows;
 use crate::score::Window;
 use anyhow::Result;
 use std::sync::atomic::Ordering;
@@ -84,12 +85,23 @@ impl CudaModel {
         self.ensure_rope(&mut st, longest)?;
         let plan = st.bufs.as_ref().expect("allocated").plan.clone();
         let lens: Vec<usize> = windows.iter().map(|w| w.len()).collect();
-        // A saved reference's rows for windows `range`, in pass order.
-        let reference_rows = |range: std::ops::Range<usize>| -> Vec<f32> {
-            match extra {
-                Extra::Saved(load) => range.flat_map(load).collect(),
-                Extra::Nothing | Extra::Hidden => Vec::new(),
+        // A saved reference's rows for windows `range`, in pass order (hidden states only:
+        // another engine's log-probabilities are compared on the CPU).
+        let reference_rows = |range: std::ops::Range<usize>| -> Result<Vec<f32>, ScoreError> {
+            let mut rows = Vec::new();
+            if let Extra::Saved(load) = extra {
+                for wi in range {
+                    match load(wi) {
+                        SavedRows::Hidden(h) => rows.extend(h),
+                        SavedRows::Logprobs(_) => {
+                            return Err(ScoreError::Device(anyhow::anyhow!(
+                                "another engine's log-probabilities (a llama.cpp file) are compared on the CPU backend only: add --device cpu"
+                            )))
+                        }
+                    }
+                }
             }
+            Ok(rows)
         };
         for batch in plan::pack_batches(
             &lens,
@@ -100,7 +112,7 @@ impl CudaModel {
                 .iter()
                 .map(|w| (&tokens[w.begin..w.end], w.first_target - w.begin))
                 .collect();
-            let refs = reference_rows(batch.clone());
+            let refs = reference_rows(batch.clone())?;
             let head = |n: usize| match extra {
                 Extra::Nothing => PassHead::Logprobs,
                 Extra::Hidden => PassHead::Hidden,
