@@ -44,6 +44,20 @@ fn diff_weighted_sum(e: &[f32], a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// The run's row `i` from its chunks' partials (as [`super::head::score_rows`] gives it) and
+/// its sum of `exp(l − max)`.
+fn run_row(run: &[Vec<Partial>], i: usize) -> (RowScore, f64) {
+    let (lp, sum, wsum, top1) = combine(run, i);
+    let ln_s = sum.ln();
+    let row = RowScore {
+        logprob: lp,
+        entropy: (ln_s - wsum / sum) as f32,
+        top1,
+        top1_logprob: (-ln_s) as f32,
+    };
+    (row, sum)
+}
+
 #[derive(Clone, Copy)]
 struct Both {
     run: Partial,
@@ -117,15 +131,10 @@ pub fn score_pairs(
         .map(|c| c.iter().map(|b| b.reference).collect())
         .collect();
     for i in 0..rows {
-        let (lp, sum, wsum, top1) = combine(&run, i);
-        let (lp_ref, sum_ref, _, top1_ref) = combine(&refs, i);
+        let (row, sum) = run_row(&run, i);
+        out[i] = row;
         let ln_s = sum.ln();
-        out[i] = RowScore {
-            logprob: lp,
-            entropy: (ln_s - wsum / sum) as f32,
-            top1,
-            top1_logprob: (-ln_s) as f32,
-        };
+        let (lp_ref, sum_ref, _, top1_ref) = combine(&refs, i);
         let max =
             |p: &Vec<Vec<Partial>>| p.iter().map(|c| c[i].max).fold(f32::NEG_INFINITY, f32::max);
         let (m, m_ref) = (max(&run), max(&refs));
@@ -238,14 +247,9 @@ pub fn score_against_logprobs(
         .map(|c| c.iter().map(|b| b.run).collect())
         .collect();
     for i in 0..rows {
-        let (lp, sum, wsum, top1) = combine(&run, i);
+        let (row, sum) = run_row(&run, i);
+        out[i] = row;
         let ln_s = sum.ln();
-        out[i] = RowScore {
-            logprob: lp,
-            entropy: (ln_s - wsum / sum) as f32,
-            top1,
-            top1_logprob: (-ln_s) as f32,
-        };
         let m = run
             .iter()
             .map(|c| c[i].max)

@@ -46,6 +46,11 @@ impl CpuModel {
             pos: first_target - 1 + pos,
             token,
         };
+        // A non-finite logit of either side, named as the run's or the reference's.
+        let pair_error = |(side, e): (Side, head::NonFiniteLogit)| match side {
+            Side::Run => logit_error(e.row, e.token),
+            Side::Reference => ForwardError::InReference(Box::new(logit_error(e.row, e.token))),
+        };
         let mut out = vec![RowScore::default(); rows];
         let reference = match against {
             Against::Nothing => None,
@@ -68,12 +73,7 @@ impl CpuModel {
                     &mut out,
                     &mut pairs,
                 )
-                .map_err(|(side, e)| match side {
-                    Side::Run => logit_error(e.row, e.token),
-                    Side::Reference => {
-                        ForwardError::InReference(Box::new(logit_error(e.row, e.token)))
-                    }
-                })?;
+                .map_err(pair_error)?;
                 return Ok((out, Some(pairs)));
             }
         };
@@ -94,12 +94,7 @@ impl CpuModel {
                     &mut out,
                     &mut pairs,
                 )
-                .map_err(|(side, e)| match side {
-                    Side::Run => logit_error(e.row, e.token),
-                    Side::Reference => {
-                        ForwardError::InReference(Box::new(logit_error(e.row, e.token)))
-                    }
-                })?;
+                .map_err(pair_error)?;
                 Some(pairs)
             }
         };
