@@ -2,7 +2,7 @@
 //! log-probabilities, read so `--kld-base` can hold this tool's run to them on the same
 //! tokens (or show that the tokens differ).
 //!
-//! The layout, as `llama-perplexity` writes it (`tools/perplexity/perplexity.cpp`,
+//! The layout, as `llama-perplexity` writes it (`llama.cpp:tools/perplexity/perplexity.cpp`,
 //! `perplexity()` with `--kl-divergence-base`): the 8 bytes `_logits_`, u32 `n_ctx`, i32
 //! `n_vocab`, i32 `n_chunk`, i32 token ids `[n_chunk · n_ctx]`, then for every chunk its
 //! `n_ctx − 1 − n_ctx/2` scored positions, each `nv = 2·⌈n_vocab/2⌉ + 4` u16: an f32 scale
