@@ -574,10 +574,8 @@ impl Engine {
         };
         self.scorer.take_routing(); // counts start at zero for this stream
         let load = |wi: usize| match &saved {
-            Some((b, s)) => b
-                .window_rows(&s.windows[wi])
-                .unwrap_or(crate::score::saved::SavedRows::Hidden(Vec::new())),
-            None => crate::score::saved::SavedRows::Hidden(Vec::new()),
+            Some((b, s)) => b.window_rows(&s.windows[wi]).map_err(|e| format!("{e:#}")),
+            None => Err("no saved reference".to_string()),
         };
         let extra = if saved.is_some() {
             crate::backend::Extra::Saved(&load)

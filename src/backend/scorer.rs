@@ -66,8 +66,8 @@ pub enum Extra<'a> {
     Hidden,
     /// Compare every window with a saved reference's rows of it (`--kld-base`): the loader
     /// gives window `i`'s rows (hidden states `[rows, d]` or another engine's
-    /// log-probabilities `[rows, vocab]`; empty when it cannot).
-    Saved(&'a (dyn Fn(usize) -> crate::score::saved::SavedRows + Sync)),
+    /// log-probabilities `[rows, vocab]`), or why it cannot (one line naming the file).
+    Saved(&'a (dyn Fn(usize) -> Result<crate::score::saved::SavedRows, String> + Sync)),
 }
 
 impl HeadRows {

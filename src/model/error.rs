@@ -73,6 +73,9 @@ pub enum ForwardError {
         want: usize,
         rows: usize,
     },
+    /// The saved reference could not give this window's rows (its read error).
+    #[error("{0}")]
+    SavedRead(String),
 }
 
 /// `x[T, heads, D]` (rows from window position `first`) checked for NaN and infinity: the
@@ -113,9 +116,9 @@ impl ForwardError {
                 head,
             } => (1 + layer, part, pos, head),
             ForwardError::NonFiniteLogit { pos, token } => (usize::MAX, Part::Query, pos, token),
-            ForwardError::InReference(_) | ForwardError::SavedRows { .. } => {
-                (usize::MAX, Part::State, usize::MAX, usize::MAX)
-            }
+            ForwardError::InReference(_)
+            | ForwardError::SavedRows { .. }
+            | ForwardError::SavedRead(_) => (usize::MAX, Part::State, usize::MAX, usize::MAX),
         }
     }
 }

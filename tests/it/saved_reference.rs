@@ -545,6 +545,15 @@ fn another_engine_s_log_probabilities_are_a_reference() {
     std::fs::write(&p, &v).unwrap();
     let o = chunked("r4", &["--kld-base", s(&p)]);
     refused("r4", o, &["vocab.kld"]);
+    // A damaged position (its scale not a number): the read error itself, naming the file.
+    let mut nan = bytes.clone();
+    let chunks = i32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
+    let at = 20 + 4 * chunks * 16;
+    nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let p = st.dir.join("nan.kld");
+    std::fs::write(&p, &nan).unwrap();
+    let o = chunked("r6", &["--kld-base", s(&p)]);
+    refused("r6", o, &["nan.kld", "a position with scale NaN"]);
     if cfg!(feature = "cuda") {
         let o = chunked("r5", &["--device", "emu", "--kld-base", s(&dump)]);
         refused("r5", o, &["CPU backend only"]);

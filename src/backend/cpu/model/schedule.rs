@@ -98,23 +98,26 @@ impl Scorer for CpuScorer {
             .reference
             .as_ref()
             .map(|(m, k)| (m.as_deref().unwrap_or(model), *k));
-        let compute =
-            |wi: usize, t: &[u32], first: usize, may_split: &(dyn Fn() -> bool + Sync)| match (
-                reference, extra,
-            ) {
-                (None, Extra::Nothing) => model
-                    .window_rows_with(t, first, kv, may_split)
-                    .map(HeadRows::Scored),
-                (None, Extra::Hidden) => model
-                    .window_rows_hidden_with(t, first, kv, may_split)
-                    .map(|(rows, hidden)| HeadRows::Hidden(rows, hidden)),
-                (None, Extra::Saved(load)) => model
-                    .window_pairs_saved_with(t, first, kv, &load(wi), may_split)
-                    .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
-                (Some(r), _) => model
-                    .window_pairs_with(t, first, kv, r, may_split)
-                    .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
-            };
+        let compute = |wi: usize,
+                       t: &[u32],
+                       first: usize,
+                       may_split: &(dyn Fn() -> bool + Sync)| match (
+            reference, extra,
+        ) {
+            (None, Extra::Nothing) => model
+                .window_rows_with(t, first, kv, may_split)
+                .map(HeadRows::Scored),
+            (None, Extra::Hidden) => model
+                .window_rows_hidden_with(t, first, kv, may_split)
+                .map(|(rows, hidden)| HeadRows::Hidden(rows, hidden)),
+            (None, Extra::Saved(load)) => load(wi)
+                .map_err(crate::model::ForwardError::SavedRead)
+                .and_then(|saved| model.window_pairs_saved_with(t, first, kv, &saved, may_split))
+                .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
+            (Some(r), _) => model
+                .window_pairs_with(t, first, kv, r, may_split)
+                .map(|(rows, pairs)| HeadRows::Paired(rows, pairs)),
+        };
         score_cpu(
             &compute,
             &self.pool,

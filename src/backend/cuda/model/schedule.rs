@@ -91,7 +91,7 @@ impl CudaModel {
             let mut rows = Vec::new();
             if let Extra::Saved(load) = extra {
                 for wi in range {
-                    match load(wi) {
+                    match load(wi).map_err(|e| ScoreError::Device(anyhow::anyhow!(e)))? {
                         SavedRows::Hidden(h) => rows.extend(h),
                         SavedRows::Logprobs(_) => {
                             return Err(ScoreError::Device(anyhow::anyhow!(
