@@ -150,8 +150,8 @@ pub trait Scorer: Send + Sync {
         finish: &mut FinishWindow,
     ) -> Result<(), ScoreError>;
 
-    /// [`Scorer::score_windows`] with more asked of the head ([`Extra`]): the CPU backend
-    /// only, for now.
+    /// [`Scorer::score_windows`] with more asked of the head ([`Extra`]). Both models
+    /// override it; a backend that does not refuses anything beyond plain scoring.
     fn score_windows_extra(
         &self,
         tokens: &[u32],
@@ -163,7 +163,7 @@ pub trait Scorer: Send + Sync {
         match extra {
             Extra::Nothing => self.score_windows(tokens, windows, kv, finish),
             _ => Err(ScoreError::Device(anyhow::anyhow!(
-                "--save-reference and --kld-base run on the CPU backend only, for now: add --device cpu"
+                "--save-reference and --kld-base are not supported by this backend: add --device cpu"
             ))),
         }
     }

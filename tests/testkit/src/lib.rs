@@ -211,8 +211,7 @@ fn full_name(t: &Test) -> String {
 
 /// The binary's registered tests as libtest-mimic trials, sorted by name.
 pub fn trials(probes: &'static Probes) -> Vec<Trial> {
-    let mut tests: Vec<(String, &'static Test)> =
-        TESTS.iter().map(|t| (full_name(t), t)).collect();
+    let mut tests: Vec<(String, &'static Test)> = TESTS.iter().map(|t| (full_name(t), t)).collect();
     tests.sort_by(|a, b| a.0.cmp(&b.0));
     tests
         .into_iter()

@@ -57,9 +57,10 @@ fn expand(attr: TokenStream, item: TokenStream) -> Result<TokenStream, String> {
         }
     }
     let name = name.ok_or("#[test] goes on a function")?;
-    if let Some(TokenTree::Group(g)) = tokens.iter().find(
-        |t| matches!(t, TokenTree::Group(g) if g.delimiter() == Delimiter::Parenthesis),
-    ) {
+    if let Some(TokenTree::Group(g)) = tokens
+        .iter()
+        .find(|t| matches!(t, TokenTree::Group(g) if g.delimiter() == Delimiter::Parenthesis))
+    {
         if !g.stream().is_empty() {
             return Err(format!("#[test] fn {name}: a test takes no arguments"));
         }
