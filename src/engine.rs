@@ -474,10 +474,13 @@ impl Engine {
             }
             if let (HeadRows::Paired(rs, ps), Some(acc)) = (&rows, reference.as_mut()) {
                 if let Some(i) = ps.iter().position(|p| {
-                    !p.kld.is_finite() || !p.kld_reverse.is_finite() || !p.ref_logprob.is_finite()
+                    !p.kld.is_finite()
+                        || !p.kld_reverse.is_finite()
+                        || !p.js.is_finite()
+                        || !p.ref_logprob.is_finite()
                 }) {
                     anyhow::bail!(
-                        "window {wi} [{}, {}): non-finite KL divergence or reference log-probability at position {}",
+                        "window {wi} [{}, {}): non-finite KL or Jensen-Shannon divergence or reference log-probability at position {}",
                         w.begin,
                         w.end,
                         w.first_target - 1 + i
@@ -493,6 +496,9 @@ impl Engine {
                         depth: w.first_target - w.begin + i,
                         position: w.first_target + i,
                         ref_top1_logprob: p.ref_top1_logprob,
+                        js: p.js,
+                        top5: p.top5,
+                        top10: p.top10,
                     }
                 }));
             }

@@ -22,6 +22,7 @@ if __name__ == "__main__":  # before torch: the CPU kernels this script's commit
     pin_cpu("avx512")
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,13 @@ import make_fixtures as mf
 
 CONTEXT, STRIDE = 128, 64
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def overlap(run: torch.Tensor, ref: torch.Tensor, k: int) -> int:
+    """How many of the run's k largest logits' ids are among the reference's k (ties to the
+    lower id: a stable sort of the negated logits)."""
+    top = lambda x: set(torch.sort(-x, stable=True).indices[:k].tolist())
+    return len(top(run) & top(ref))
 
 
 def e2m1_round(a: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,9 @@ def main() -> None:
         begin, start, end = bounds
         pr, pn = torch.log_softmax(lr.double(), -1), torch.log_softmax(ln.double(), -1)
         kld = (pr.exp() * (pr - pn)).sum(-1)
+        # Jensen-Shannon with the mixture m = (p + q) / 2, in float64.
+        lm = torch.logaddexp(pr, pn) - math.log(2.0)
+        js = 0.5 * ((pr.exp() * (pr - lm)).sum(-1) + (pn.exp() * (pn - lm)).sum(-1))
         tgt = torch.tensor(ids[start:end])[:, None]
         wins.append({
             "begin": begin, "start": start, "end": end,
@@ -118,15 +129,23 @@ def main() -> None:
             "run_logprob": pn.gather(1, tgt)[:, 0].tolist(),
             "ref_top1": lr.argmax(-1).tolist(),
             "run_top1": ln.argmax(-1).tolist(),
+            "js": js.tolist(),
+            "top5_overlap": [overlap(a, b, 5) for a, b in zip(ln, lr)],
+            "top10_overlap": [overlap(a, b, 10) for a, b in zip(ln, lr)],
         })
     n = sum(len(w["kld"]) for w in wins)
     mean = sum(sum(w["kld"]) for w in wins) / n
     agree = sum(a == b for w in wins for a, b in zip(w["ref_top1"], w["run_top1"])) / n
-    print(f"{n} positions, {len(wins)} windows: mean KLD {mean:.6f}, top-1 agreement {agree:.4f}")
+    mean_js = sum(sum(w["js"]) for w in wins) / n
+    top5 = sum(sum(w["top5_overlap"]) for w in wins) / (5 * n)
+    top10 = sum(sum(w["top10_overlap"]) for w in wins) / (10 * n)
+    print(f"{n} positions, {len(wins)} windows: mean KLD {mean:.6f}, top-1 agreement {agree:.4f}, "
+          f"mean JS {mean_js:.6f}, top-5 overlap {top5:.4f}, top-10 overlap {top10:.4f}")
     mf.write_json(out / "smollm2_kld_f32_vs_nvfp4.json", {
         "model": mf.SMOLLM2_SOURCE, "gguf_sha256": mf.SMOLLM2_GGUF_SHA256, **mf.versions(),
         "reference_kv": "f32", "run_kv": "nvfp4", "context": CONTEXT, "stride": STRIDE,
         "text": text, "token_ids": ids, "mean_kld": mean, "top1_agreement": agree,
+        "mean_js": mean_js, "top5_overlap": top5, "top10_overlap": top10,
         "windows": wins,
     })
 

@@ -40,6 +40,11 @@ pub struct PairScore {
     /// The reference's top-1 token (lowest id on ties) and its log-probability.
     pub ref_top1: u32,
     pub ref_top1_logprob: f32,
+    /// Jensen–Shannon divergence of the two distributions, nats (at most ln 2).
+    pub js: f32,
+    /// How many of the run's 5 (10) most likely tokens are among the reference's 5 (10).
+    pub top5: u8,
+    pub top10: u8,
 }
 
 /// What a backend's head gives for a window's targets, in target order.

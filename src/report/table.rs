@@ -98,7 +98,7 @@ fn reference_row(out: &mut String, a: &Aggregate) {
     };
     let _ = writeln!(
         out,
-        "{:<22} {:>9} {:>9.6} {:>9.6} {:>9.6} {:>9.6} {:>9.5} {:>9.6} {:>10.5} {:>+9.6} {:>8.6} {:>+10.6} {:>22}",
+        "{:<22} {:>9} {:>9.6} {:>9.6} {:>9.6} {:>9.6} {:>9.5} {:>9.6} {:>9.6} {:>10.5} {:>7.4} {:>7.4} {:>+9.6} {:>8.6} {:>+10.6} {:>22}",
         a.title,
         r.positions,
         r.mean_kld,
@@ -107,7 +107,10 @@ fn reference_row(out: &mut String, a: &Aggregate) {
         r.kld_p99,
         r.kld_max,
         r.mean_kld_reverse,
+        r.mean_js,
         r.top1_agreement,
+        r.top5_overlap,
+        r.top10_overlap,
         r.mean_delta_p,
         r.rms_delta_p,
         r.delta_nll,
@@ -143,12 +146,12 @@ pub fn render_reference(r: &Report) -> Option<String> {
         });
     let _ = writeln!(
         out,
-        "# reference: weights {} | kv {} ({name}) | KL(reference || run) in nats, kld_rev = mean KL(run || reference), dp = p_run(target) - p_ref(target), delta_nll = run - reference",
+        "# reference: weights {} | kv {} ({name}) | KL(reference || run) in nats, kld_rev = mean KL(run || reference), js = mean Jensen-Shannon (nats), top5/top10 = mean share of the run's top 5/10 tokens among the reference's, dp = p_run(target) - p_ref(target), delta_nll = run - reference",
         rs.weight_format, rs.kv_dtype
     );
     let _ = writeln!(
         out,
-        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>10} {:>22}",
+        "{:<22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9} {:>8} {:>10} {:>22}",
         "domain",
         "positions",
         "mean_kld",
@@ -157,7 +160,10 @@ pub fn render_reference(r: &Report) -> Option<String> {
         "kld_p99",
         "kld_max",
         "kld_rev",
+        "js",
         "top1_agree",
+        "top5",
+        "top10",
         "mean_dp",
         "rms_dp",
         "delta_nll",

@@ -2,9 +2,11 @@
 //! how far the run's predictive distribution is from the reference's at every scored
 //! position, over the full vocabulary.
 //!
-//! Per position the head gives KL(reference ‖ run) and KL(run ‖ reference), both target
-//! log-probabilities and both top-1 tokens; this keeps every KL value of both directions
-//! (8 bytes a position, for the percentiles), the sums for top-1 agreement and Δp (the
+//! Per position the head gives KL(reference ‖ run) and KL(run ‖ reference), the
+//! Jensen–Shannon divergence, both target log-probabilities, both top-1 tokens and how
+//! many of the run's top 5 and top 10 are among the reference's; this keeps every KL and JS
+//! value (12 bytes a position, for the percentiles), the sums for top-1 agreement, top-k
+//! overlap and Δp (the
 //! run's target probability minus the reference's), sums per depth in the window (so a
 //! failure that grows with context shows as depth), and the per-window NLL sums that
 //! [`crate::score::paired`] turns into an interval for the paired ΔNLL. Percentiles are
@@ -13,7 +15,9 @@
 //! Both directions, because they weigh different errors: KL(reference ‖ run) is large where
 //! the run gives little mass to what the reference expects (a lost token), KL(run ‖
 //! reference) where the run is confident about what the reference finds unlikely (a new,
-//! wrong token).
+//! wrong token). Jensen–Shannon is symmetric and bounded by ln 2, so one broken position
+//! cannot dominate its mean the way an unbounded KL can; top-5 / top-10 overlap says whether
+//! the candidates a sampler would choose from are still the same ones.
 
 use crate::score::paired::{paired, Paired, WindowPair};
 use serde::{Deserialize, Serialize};
@@ -36,6 +40,11 @@ pub struct PositionPair {
     pub position: usize,
     /// The reference's log-probability of its own top-1 token (its confidence).
     pub ref_top1_logprob: f32,
+    /// Jensen–Shannon divergence, nats.
+    pub js: f32,
+    /// How many of the run's top 5 (top 10) tokens are among the reference's top 5 (10).
+    pub top5: u8,
+    pub top10: u8,
 }
 
 /// Confidence buckets: bucket `i` holds positions whose reference top-1 probability is in
@@ -66,6 +75,10 @@ pub struct DepthAcc {
 pub struct ReferenceAcc {
     pub kld: Vec<f32>,
     pub kld_reverse: Vec<f32>,
+    pub js: Vec<f32>,
+    /// Sums of [`PositionPair::top5`] and [`PositionPair::top10`].
+    pub top5_sum: u64,
+    pub top10_sum: u64,
     /// Per [`depth_bucket`].
     pub depth: Vec<DepthAcc>,
     /// Per confidence bucket of the reference ([`CONFIDENCE_BUCKETS`]).
@@ -102,8 +115,23 @@ pub struct ReferenceSummary {
     pub kld_reverse_p99: f64,
     #[serde(default)]
     pub kld_reverse_max: f64,
+    /// Jensen–Shannon divergence (nats, at most ln 2): mean and percentiles.
+    #[serde(default)]
+    pub mean_js: f64,
+    #[serde(default)]
+    pub js_median: f64,
+    #[serde(default)]
+    pub js_p99: f64,
+    #[serde(default)]
+    pub js_max: f64,
     /// Positions where the run's and the reference's top-1 tokens are the same.
     pub top1_agreement: f64,
+    /// Mean share of the run's 5 (10) most likely tokens that are among the reference's 5
+    /// (10).
+    #[serde(default)]
+    pub top5_overlap: f64,
+    #[serde(default)]
+    pub top10_overlap: f64,
     /// Mean and RMS of p_run(target) − p_ref(target).
     pub mean_delta_p: f64,
     pub rms_delta_p: f64,
@@ -215,6 +243,9 @@ impl ReferenceAcc {
             c.ref_nll_sum -= p.ref_logprob as f64;
             self.kld.push(p.kld);
             self.kld_reverse.push(p.kld_reverse);
+            self.js.push(p.js);
+            self.top5_sum += p.top5 as u64;
+            self.top10_sum += p.top10 as u64;
             self.top1_agree += p.top1_agree as u64;
             let dp = (p.logprob as f64).exp() - (p.ref_logprob as f64).exp();
             self.dp_sum += dp;
@@ -300,6 +331,9 @@ impl ReferenceAcc {
     pub fn add(&mut self, o: &ReferenceAcc) {
         self.kld.extend_from_slice(&o.kld);
         self.kld_reverse.extend_from_slice(&o.kld_reverse);
+        self.js.extend_from_slice(&o.js);
+        self.top5_sum += o.top5_sum;
+        self.top10_sum += o.top10_sum;
         self.positions.extend_from_slice(&o.positions);
         self.dnll.extend_from_slice(&o.dnll);
         self.window_first.extend_from_slice(&o.window_first);
@@ -341,6 +375,7 @@ impl ReferenceAcc {
             s
         };
         let (sorted, sorted_rev) = (sorted_of(&self.kld), sorted_of(&self.kld_reverse));
+        let sorted_js = sorted_of(&self.js);
         let rank_in = |s: &[f32], p: f64| {
             s[((p * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1] as f64
         };
@@ -363,7 +398,13 @@ impl ReferenceAcc {
             kld_reverse_median: if rev { rank_in(&sorted_rev, 0.5) } else { 0.0 },
             kld_reverse_p99: if rev { rank_in(&sorted_rev, 0.99) } else { 0.0 },
             kld_reverse_max: sorted_rev.last().map_or(0.0, |&k| k as f64),
+            mean_js: self.js.iter().map(|&k| k as f64).sum::<f64>() / self.js.len().max(1) as f64,
+            js_median: if sorted_js.is_empty() { 0.0 } else { rank_in(&sorted_js, 0.5) },
+            js_p99: if sorted_js.is_empty() { 0.0 } else { rank_in(&sorted_js, 0.99) },
+            js_max: sorted_js.last().map_or(0.0, |&k| k as f64),
             top1_agreement: self.top1_agree as f64 / nf,
+            top5_overlap: self.top5_sum as f64 / (5.0 * nf),
+            top10_overlap: self.top10_sum as f64 / (10.0 * nf),
             mean_delta_p: mean_dp,
             rms_delta_p: (self.dp_sq_sum / nf).sqrt(),
             ref_mean_nll: p.base_mean_nll,
@@ -425,6 +466,9 @@ mod tests {
             depth: i,
             position: i,
             ref_top1_logprob: -(i as f32) / 50.0,
+            js: i as f32 / 400.0,
+            top5: (i % 6) as u8,
+            top10: (i % 11) as u8,
         };
         a.push_window((1..=60).map(|i| row(i, -1.0, -1.0, i % 2 == 0)));
         a.push_window((61..=100).map(|i| row(i, -2.0, -1.5, true)));
@@ -453,6 +497,10 @@ mod tests {
         assert_eq!(s.kld_reverse_median, 1.0f32 as f64);
         assert_eq!(s.kld_reverse_max, 2.0);
         assert!((s.mean_kld_reverse - 2.0 * s.mean_kld).abs() < 1e-6);
+        assert_eq!((s.js_median, s.js_p99, s.js_max), (0.125, 0.2475f32 as f64, 0.25));
+        assert!((s.mean_js - 50.5 / 400.0).abs() < 1e-7);
+        // Σ i%6 over 1..=100 = 16·15 + (1+2+3+4) = 250; Σ i%11 = 9·55 + 1 = 496.
+        assert_eq!((s.top5_overlap, s.top10_overlap), (250.0 / 500.0, 496.0 / 1000.0));
         // Depths 1..=100: buckets [1,2) .. [64,128); the last holds 64..=100, all in
         // window 2 (61..=100) but 61..=63, so ΔNLL there is 0.5.
         let last = s.by_depth.last().unwrap();
@@ -497,11 +545,16 @@ mod tests {
                 depth: i + 1,
                 position: w * 20 + i + 1,
                 ref_top1_logprob: -0.1,
+                js: 0.0,
+                top5: 5,
+                top10: 10,
             }));
         }
         let s = a.summary().unwrap();
         assert_eq!((s.mean_kld, s.kld_max, s.top1_agreement), (0.0, 0.0, 1.0));
         assert_eq!((s.mean_kld_reverse, s.kld_reverse_max), (0.0, 0.0));
+        assert_eq!((s.mean_js, s.js_max), (0.0, 0.0));
+        assert_eq!((s.top5_overlap, s.top10_overlap), (1.0, 1.0));
         assert_eq!((s.delta_nll, s.delta_nll_ci95), (0.0, Some([0.0, 0.0])));
         assert_eq!((s.mean_delta_p, s.rms_delta_p), (0.0, 0.0));
     }

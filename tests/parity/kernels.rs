@@ -1048,12 +1048,14 @@ fn the_head_matches_the_cpu() {
     }
 }
 
-/// head_pair_reduce / head_pair_finish (the device's `--kld-base` head) against its CPU twin
-/// `backend/cpu/head_pair.rs`, computed here in f64 from the same logits: chunks with the
-/// last one partial, targets at chunk edges, a maximum that moves to a later chunk, a tie
-/// for the top token across chunks (the lowest id wins), and a row whose reference equals
-/// the run (exactly 0 both ways).
-/// Measured: worst |difference| 6.0e-7 (KL, entropy and log-probabilities); bound 2e-6.
+/// head_pair_reduce / head_pair_js / head_pair_finish (the device's `--kld-base` head)
+/// against its CPU twins `backend/cpu/head_pair.rs` and `head_pair_js.rs`, computed here in
+/// f64 from the same logits: chunks with the last one partial, targets at chunk edges, a
+/// maximum that moves to a later chunk, a tie for the top token across chunks (the lowest id
+/// wins), ties inside the top ten, and a row whose reference equals the run (exactly 0 both
+/// ways and for Jensen–Shannon, full overlap).
+/// Measured: worst |difference| 9.9e-7 (KL, entropy and log-probabilities), Jensen–Shannon
+/// worst relative difference 6.4e-7; bounds 2e-6.
 #[test(gxx)]
 fn the_paired_head_matches_its_cpu_twin() {
     let mut r = Rng(43);
@@ -1085,15 +1087,23 @@ fn the_paired_head_matches_its_cpu_twin() {
         l.iter().position(|&v| v == m).unwrap() as u32
     };
     let tb = up(&targets.iter().map(|&t| t as i32).collect::<Vec<i32>>());
-    let state = gpu().alloc(rows * 64).unwrap();
-    for v0 in (0..vocab).step_by(chunk) {
+    // Row 4: ties inside the top ten across chunks (ids 100 and 700 share a value; 5 and 6).
+    (run[4 * vocab + 100], run[4 * vocab + 700]) = (20.0, 20.0);
+    (refs[4 * vocab + 6], refs[4 * vocab + 5]) = (19.0, 19.0);
+    let state = gpu()
+        .alloc(rows * plan::PAIR_ROW_BYTES)
+        .unwrap();
+    let chunks = |v0: usize| -> (DevBuf, DevBuf, usize) {
         let vc = chunk.min(vocab - v0);
         let slice = |all: &[f32]| -> Vec<f32> {
             (0..rows)
                 .flat_map(|i| all[i * vocab + v0..i * vocab + v0 + vc].to_vec())
                 .collect()
         };
-        let (a, b) = (up(&slice(&run)), up(&slice(&refs)));
+        (up(&slice(&run)), up(&slice(&refs)), vc)
+    };
+    for v0 in (0..vocab).step_by(chunk) {
+        let (a, b, vc) = chunks(v0);
         gpu()
             .launch(
                 "head_pair_reduce",
@@ -1111,7 +1121,25 @@ fn the_paired_head_matches_its_cpu_twin() {
             )
             .unwrap();
     }
-    let out = gpu().alloc(rows * 32).unwrap();
+    for v0 in (0..vocab).step_by(chunk) {
+        let (a, b, vc) = chunks(v0);
+        gpu()
+            .launch(
+                "head_pair_js",
+                (rows as u32, 1, 1),
+                256,
+                0,
+                &launch::HeadPairJs {
+                    logits: p(&a),
+                    logits_ref: p(&b),
+                    vc: vc as i32,
+                    v0: v0 as i32,
+                    state: p(&state),
+                },
+            )
+            .unwrap();
+    }
+    let out = gpu().alloc(rows * 48).unwrap();
     gpu()
         .launch(
             "head_pair_finish",
@@ -1125,9 +1153,19 @@ fn the_paired_head_matches_its_cpu_twin() {
             },
         )
         .unwrap();
-    let got: Vec<u32> = gpu().read(&out, 0, rows * 8).unwrap();
+    let got: Vec<u32> = gpu().read(&out, 0, rows * 12).unwrap();
     let f = f32::from_bits;
-    let mut worst = 0f64;
+    let (mut worst, mut worst_js) = (0f64, 0f64);
+    let top_ids = |l: &[f64], k: usize| {
+        let mut ids: Vec<usize> = (0..l.len()).collect();
+        ids.sort_by(|&i, &j| l[j].total_cmp(&l[i]).then(i.cmp(&j)));
+        ids.truncate(k);
+        ids
+    };
+    let overlap = |a: &[f64], b: &[f64], k: usize| {
+        let tb = top_ids(b, k);
+        top_ids(a, k).iter().filter(|i| tb.contains(i)).count() as u32
+    };
     for i in 0..rows {
         let (x, y) = (
             &run[i * vocab..(i + 1) * vocab],
@@ -1137,7 +1175,26 @@ fn the_paired_head_matches_its_cpu_twin() {
         let kl: f64 = ly.iter().zip(&lx).map(|(q, p)| q.exp() * (q - p)).sum();
         let kl_rev: f64 = lx.iter().zip(&ly).map(|(p, q)| p.exp() * (p - q)).sum();
         let entropy: f64 = -lx.iter().map(|p| p.exp() * p).sum::<f64>();
-        let o = &got[i * 8..(i + 1) * 8];
+        let o = &got[i * 12..(i + 1) * 12];
+        let js: f64 = lx
+            .iter()
+            .zip(&ly)
+            .map(|(&a, &b)| {
+                let (p, q) = (a.exp(), b.exp());
+                let m = 0.5 * (p + q);
+                0.5 * (p * (p / m).ln() + q * (q / m).ln())
+            })
+            .sum();
+        if i != 3 {
+            let e = (f(o[8]) as f64 - js).abs() / js;
+            worst_js = worst_js.max(e);
+            assert!(e <= 2e-6, "row {i} JS: {} vs {js}", f(o[8]));
+        }
+        assert_eq!(
+            (o[9], o[10]),
+            (overlap(&lx, &ly, 5), overlap(&lx, &ly, 10)),
+            "row {i}: top-5 / top-10 overlap"
+        );
         let want = [
             (entropy, f(o[0]), "entropy"),
             (lx[top(x) as usize], f(o[2]), "top-1 log-probability"),
@@ -1162,17 +1219,21 @@ fn the_paired_head_matches_its_cpu_twin() {
         assert_eq!((o[1], o[6]), (top(x), top(y)), "row {i}: top-1 ids");
         if i == 3 {
             assert_eq!(
-                (f(o[4]), f(o[5])),
-                (0.0, 0.0),
+                (f(o[4]), f(o[5]), f(o[8]), o[9], o[10]),
+                (0.0, 0.0, 0.0, 5, 10),
                 "a reference equal to the run"
             );
         } else {
             assert!(kl > 1e-3, "row {i} differs");
         }
     }
-    assert_eq!((got[8 + 1], got[8 + 6]), (990, 995));
-    assert_eq!((got[16 + 1], got[16 + 6]), (5, 383));
-    eprintln!("paired head: worst |difference| {worst:e}");
+    assert_eq!((got[12 + 1], got[12 + 6]), (990, 995));
+    assert_eq!((got[24 + 1], got[24 + 6]), (5, 383));
+    assert!(
+        got.chunks(12).any(|o| o[9] < 5 && o[10] > o[9]),
+        "some overlaps are partial"
+    );
+    eprintln!("paired head: worst |difference| {worst:e}, JS relative {worst_js:e}");
 }
 
 // ------------------------------------------------------------------ the checks catch faults

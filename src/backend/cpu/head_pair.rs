@@ -7,10 +7,12 @@
 //! `KL(ref ‖ run) = U/S_ref − lse_ref + lse_run` follows (and the mirror sum for
 //! `KL(run ‖ ref)`). No logits outlive their chunk, so
 //! memory stays `O(rows × chunk)` whatever the vocabulary. Identical inputs give a KL of
-//! exactly 0.
+//! exactly 0. A second sweep over the same chunks, with both normalizers known, gives the
+//! Jensen–Shannon divergence and the top-5 / top-10 overlap ([`super::head_pair_js`]).
 
 use super::head::{combine, logits_block, row_partial, NonFiniteLogit, Partial, RowScore};
 use super::head::{ROWS, VOCAB_CHUNK};
+use super::head_pair_js::{self, overlap, RefSide, Spread, TOP_K};
 use super::operand::WeightRows;
 use rayon::prelude::*;
 
@@ -130,6 +132,7 @@ pub fn score_pairs(
         .iter()
         .map(|c| c.iter().map(|b| b.reference).collect())
         .collect();
+    let mut lses = Vec::with_capacity(rows);
     for i in 0..rows {
         let (row, sum) = run_row(&run, i);
         out[i] = row;
@@ -154,9 +157,27 @@ pub fn score_pairs(
             kld_reverse: (u_rev / sum - lse + lse_ref) as f32,
             ref_top1: top1_ref,
             ref_top1_logprob: (-sum_ref.ln()) as f32,
+            ..PairScore::default()
         };
+        lses.push((lse, lse_ref));
     }
+    let spread = head_pair_js::spread(
+        (h, d, w),
+        RefSide::Rows(h_ref, d_ref, w_ref),
+        vocab,
+        &lses,
+    )?;
+    fill_spread(pairs, &spread);
     Ok(())
+}
+
+/// The second sweep's Jensen–Shannon divergence and top-k overlap into `pairs`.
+fn fill_spread(pairs: &mut [PairScore], spread: &[Spread]) {
+    for (p, s) in pairs.iter_mut().zip(spread) {
+        p.js = s.js as f32;
+        p.top5 = overlap(&s.top, &s.top_ref, 5);
+        p.top10 = overlap(&s.top, &s.top_ref, TOP_K);
+    }
 }
 
 /// Log-probabilities at or below this are left out of KL(reference ‖ run) against another
@@ -246,6 +267,7 @@ pub fn score_against_logprobs(
         .iter()
         .map(|c| c.iter().map(|b| b.run).collect())
         .collect();
+    let mut lses = Vec::with_capacity(rows);
     for i in 0..rows {
         let (row, sum) = run_row(&run, i);
         out[i] = row;
@@ -279,8 +301,12 @@ pub fn score_against_logprobs(
             kld_reverse: (u_rev / sum - lse) as f32,
             ref_top1: top as u32,
             ref_top1_logprob: top_lp,
+            ..PairScore::default()
         };
+        lses.push((lse, 0.0));
     }
+    let spread = head_pair_js::spread((h, d, w), RefSide::Logprobs(ref_lp), vocab, &lses)?;
+    fill_spread(pairs, &spread);
     Ok(())
 }
 
@@ -357,7 +383,94 @@ mod tests {
                 b.iter().position(|&x| x == top).unwrap()
             );
             assert!((pairs[i].ref_top1_logprob as f64 - top).abs() < 1e-4);
+            let js = js_direct(&a, &b);
+            assert!(
+                (pairs[i].js as f64 - js).abs() < 1e-5 * js,
+                "JS {} vs {js}",
+                pairs[i].js
+            );
+            assert_eq!(pairs[i].top5, overlap_direct(&a, &b, 5));
+            assert_eq!(pairs[i].top10, overlap_direct(&a, &b, 10));
         }
+    }
+
+    /// A reference close to the run (the same head, rows nudged): Jensen–Shannon small and
+    /// accurate to float64, overlaps partial and counted as float64 counts them.
+    #[test]
+    fn a_close_reference_gives_small_js_and_partial_overlaps() {
+        let (rows, d, vocab) = (16, 6, 2 * VOCAB_CHUNK + 301);
+        // Values without ties (a multiplicative hash), so the top lists are unambiguous.
+        let noise = |i: usize, salt: u64| {
+            // splitmix64's finalizer of (i, salt).
+            let mut x = (i as u64).wrapping_add(salt << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let h: Vec<f32> = (0..rows * d).map(|i| 4.0 * noise(i, 1)).collect();
+        let w: Vec<f32> = (0..vocab * d).map(|i| noise(i, 2)).collect();
+        let h_ref: Vec<f32> = (0..rows * d).map(|i| h[i] + 0.1 * noise(i, 3)).collect();
+        let targets: Vec<u32> = (0..rows).map(|i| (i * 331 % vocab) as u32).collect();
+        let mut out = vec![RowScore::default(); rows];
+        let mut pairs = vec![PairScore::default(); rows];
+        score_pairs(
+            (&h, d, WeightRows::f32(&w, d)),
+            (&h_ref, d, WeightRows::f32(&w, d)),
+            vocab,
+            &targets,
+            &mut out,
+            &mut pairs,
+        )
+        .unwrap();
+        let lsm = |h: &[f32], i: usize| -> Vec<f64> {
+            let l: Vec<f64> = (0..vocab)
+                .map(|v| (0..d).map(|x| (h[i * d + x] * w[v * d + x]) as f64).sum())
+                .collect();
+            let m = l.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + l.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            l.iter().map(|x| x - lse).collect()
+        };
+        let mut tops = Vec::new();
+        for (i, p) in pairs.iter().enumerate() {
+            let (a, b) = (lsm(&h, i), lsm(&h_ref, i));
+            let js = js_direct(&a, &b);
+            assert!(js < 0.05 && js > 0.0, "close: {js}");
+            assert!(
+                (p.js as f64 - js).abs() < 2e-5 * js,
+                "JS {} vs {js}",
+                p.js
+            );
+            assert_eq!((p.top5, p.top10), (overlap_direct(&a, &b, 5), overlap_direct(&a, &b, 10)));
+            tops.push((p.top5, p.top10));
+        }
+        assert!(
+            tops.iter().any(|&(a, b)| a < 5 && b > a && b < 10),
+            "some overlaps are partial: {tops:?}"
+        );
+    }
+
+    /// Jensen–Shannon divergence of two log-probability vectors, in float64.
+    fn js_direct(a: &[f64], b: &[f64]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(&x, &y)| {
+                let (p, q) = (x.exp(), y.exp());
+                let m = 0.5 * (p + q);
+                0.5 * (p * (p / m).ln() + q * (q / m).ln())
+            })
+            .sum()
+    }
+
+    /// How many of `a`'s `k` largest ids are among `b`'s (ties to the lower id).
+    fn overlap_direct(a: &[f64], b: &[f64], k: usize) -> u8 {
+        let top = |v: &[f64]| {
+            let mut ids: Vec<usize> = (0..v.len()).collect();
+            ids.sort_by(|&i, &j| v[j].total_cmp(&v[i]).then(i.cmp(&j)));
+            ids.truncate(k);
+            ids
+        };
+        let (ta, tb) = (top(a), top(b));
+        ta.iter().filter(|i| tb.contains(i)).count() as u8
     }
 
     #[test]
@@ -377,7 +490,8 @@ mod tests {
         )
         .unwrap();
         for (o, p) in out.iter().zip(&pairs) {
-            assert_eq!((p.kld, p.kld_reverse), (0.0, 0.0));
+            assert_eq!((p.kld, p.kld_reverse, p.js), (0.0, 0.0, 0.0));
+            assert_eq!((p.top5, p.top10), (5, 10));
             assert_eq!(p.ref_logprob.to_bits(), o.logprob.to_bits());
             assert_eq!(p.ref_top1, o.top1);
         }
@@ -471,6 +585,13 @@ mod tests {
                 pairs[i].ref_logprob,
                 ref_lp[i * vocab + targets[i] as usize]
             );
+            let js = js_direct(&run, &q);
+            assert!(
+                (pairs[i].js as f64 - js).abs() < 1e-4 * js,
+                "JS {} vs {js}",
+                pairs[i].js
+            );
+            assert_eq!(pairs[i].top10, overlap_direct(&run, &q, 10));
         }
         assert!(
             below > 0,

@@ -7,6 +7,7 @@ pub mod delta_rule;
 pub mod exp;
 pub mod head;
 pub mod head_pair;
+pub mod head_pair_js;
 pub mod isa;
 pub mod matmul;
 pub mod model;

@@ -150,6 +150,7 @@ impl Program {
                 "head_reduce",
                 "head_finish",
                 "head_pair_reduce",
+                "head_pair_js",
                 "head_pair_finish",
             ]
             .iter()
@@ -254,6 +255,7 @@ mod tests {
             "head_reduce",
             "head_finish",
             "head_pair_reduce",
+            "head_pair_js",
             "head_pair_finish",
             "dequant_nvfp4",
             "dequant_fp8",

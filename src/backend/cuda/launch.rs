@@ -55,7 +55,7 @@ pub enum Any {}
 pub enum Int4 {}
 /// CUDA's `int2` (two `i32`).
 pub enum Int2 {}
-/// A paired head's running record of one row (`PairRow` in `kernels/head.cu`, 64 bytes).
+/// A paired head's running record of one row (`PairRow` in `kernels/head.cu`, 232 bytes).
 pub enum PairRow {}
 
 /// A stored K or V tensor (`KvTensor` in `kernels/common.cuh`): payload, FP16 scales, u8
@@ -240,7 +240,20 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `head_pair_finish`: each row's record -> its eight comparison fields.
+    /// `head_pair_js`: the second sweep over one vocabulary chunk of both heads, with each
+    /// row's first sweep finished: Jensen–Shannon divergence and each side's top ten.
+    /// Grid (rows), block 256.
+    HeadPairJs = ("head", ["head_pair_js"]) {
+        logits: Ptr<f32>,
+        logits_ref: Ptr<f32>,
+        vc: i32,
+        v0: i32,
+        state: Ptr<PairRow>,
+    }
+}
+
+kernel_args! {
+    /// `head_pair_finish`: each row's record -> its twelve comparison fields.
     HeadPairFinish = ("head", ["head_pair_finish"]) {
         state: Ptr<PairRow>,
         out: Ptr<f32>,
@@ -602,6 +615,7 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<HeadReduce>(),
         one::<HeadFinish>(),
         one::<HeadPairReduce>(),
+        one::<HeadPairJs>(),
         one::<HeadPairFinish>(),
         one::<QkvPrep>(),
         one::<AttnF32>(),

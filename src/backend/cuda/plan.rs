@@ -272,9 +272,9 @@ pub enum HeadKind {
 }
 
 /// Bytes of one row's running record in a paired head (`PairRow` in `kernels/head.cu`).
-pub const PAIR_ROW_BYTES: usize = 64;
-/// Bytes of one row's finished comparison (eight 4-byte fields, `head_pair_finish`).
-pub const PAIR_OUT_BYTES: usize = 32;
+pub const PAIR_ROW_BYTES: usize = 232;
+/// Bytes of one row's finished comparison (twelve 4-byte fields, `head_pair_finish`).
+pub const PAIR_OUT_BYTES: usize = 48;
 
 /// How a batch uses device memory.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -6,7 +6,10 @@
 //!
 //! A paired head (`--kld-base`) also multiplies a saved reference's rows by the same chunk
 //! and folds both chunks into one running record per row (`head_pair_reduce`, CPU twin
-//! `backend/cpu/head_pair.rs`); the run's log-probabilities keep the bits of a plain pass.
+//! `backend/cpu/head_pair.rs`); once a row block has seen every chunk, a second sweep
+//! multiplies the chunks again for what needs both normalizers, the Jensen–Shannon
+//! divergence and the top-10 lists (`head_pair_js`, CPU twin `backend/cpu/head_pair_js.rs`).
+//! The run's log-probabilities keep the bits of a plain pass.
 
 use super::buffers::Buffers;
 use super::layer::{Ints, Pass};
@@ -100,6 +103,37 @@ impl CudaModel {
                     )?;
                 }
             }
+            // The second sweep, with this row block's normalizers known.
+            if let Some(pair) = pair {
+                for v0 in (0..c.vocab_size).step_by(vc_max) {
+                    let vc = vc_max.min(c.vocab_size - v0);
+                    for (rows_of, logits) in [(&b.h, &b.logits), (&pair.h_ref, &pair.logits_ref)] {
+                        self.blas.gemm(
+                            g,
+                            rb,
+                            vc,
+                            d,
+                            Mat::of(rows_of, r0 * d * e, d),
+                            Mat::of(head, v0 * d * e, d),
+                            Mat::of(logits, 0, vc),
+                            false,
+                        )?;
+                    }
+                    g.launch(
+                        "head_pair_js",
+                        (rb as u32, 1, 1),
+                        256,
+                        0,
+                        &launch::HeadPairJs {
+                            logits: Ptr::new(b.logits.ptr),
+                            logits_ref: Ptr::new(pair.logits_ref.ptr),
+                            vc: vc as i32,
+                            v0: v0 as i32,
+                            state: Ptr::new(pair.state.at(plan::PAIR_ROW_BYTES * r0)),
+                        },
+                    )?;
+                }
+            }
         }
         if let Some(pair) = pair {
             g.launch(
@@ -161,10 +195,10 @@ impl CudaModel {
             bail!("a paired head without its buffers (planned plain)");
         };
         let n = logprobs.len();
-        let raw: Vec<u32> = self.gpu.read(&pair.out, 0, 8 * n)?;
+        let raw: Vec<u32> = self.gpu.read(&pair.out, 0, 12 * n)?;
         let f = f32::from_bits;
         Ok(raw
-            .chunks_exact(8)
+            .chunks_exact(12)
             .zip(logprobs)
             .map(|(o, &logprob)| {
                 (
@@ -180,6 +214,9 @@ impl CudaModel {
                         kld_reverse: f(o[5]),
                         ref_top1: o[6],
                         ref_top1_logprob: f(o[7]),
+                        js: f(o[8]),
+                        top5: o[9] as u8,
+                        top10: o[10] as u8,
                     },
                 )
             })
