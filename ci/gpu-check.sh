@@ -191,13 +191,13 @@ def kld_rows(title, head, rows):
     if not any(r for _, r in rows):
         return
     print(title)
-    print(f"{'kv':<6} {'positions':>9} {head[0]:>13} {head[1]:>13} {'kld p99':>9} {'top-1 agree':>11} {'dNLL':>10}")
+    print(f"{'kv':<6} {'positions':>9} {head[0]:>13} {head[1]:>13} {'kld p99':>9} {'JS':>10} {'top-1 agree':>11} {'top-10':>7} {'dNLL':>10}")
     for kv, r in rows:
         x = (r or {}).get("overall", {}).get("reference")
         if not x:
             print(f"{kv:<6} {'failed':>9}")
             continue
-        print(f"{kv:<6} {x['positions']:>9} {x['mean_kld']:>13.3e} {x['mean_kld_reverse']:>13.3e} {x['kld_p99']:>9.2e} {x['top1_agreement']:>11.4f} {x['delta_nll']:>+10.2e}")
+        print(f"{kv:<6} {x['positions']:>9} {x['mean_kld']:>13.3e} {x['mean_kld_reverse']:>13.3e} {x['kld_p99']:>9.2e} {x.get('mean_js', 0):>10.3e} {x['top1_agreement']:>11.4f} {x.get('top10_overlap', 0):>7.4f} {x['delta_nll']:>+10.2e}")
 kld_rows("== SmolLM2, the CPU's f32-KV run saved as the reference, each GPU run (bf16 mode) compared on the device (--kld-base), 2048 tokens of each quick stream; dNLL = GPU - CPU ==",
          ("KL(CPU||GPU)", "KL(GPU||CPU)"),
          [(kv, load(f"kld-gpu-vs-cpu-{kv}.json")) for kv in ("f32", "bf16", "fp8", "int8", "nvfp4", "k8v4")])
