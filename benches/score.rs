@@ -1,11 +1,16 @@
-//! Scoring speed: this engine vs transformers float32 on exactly the same windows.
+//! Scoring speed: this engine vs transformers float32 on exactly the same windows, and vs
+//! llama.cpp's `llama-perplexity` on the same tokens and its own chunk windows.
 //!
-//! `cargo bench --bench score [-- --context 1024 --stride 512 --tokens 4096 --threads 2 --rounds 2]`
+//! `cargo bench --bench score [-- --context 1024 --stride 512 --tokens 4096 --threads 2 --rounds 2 --no-llama]`
 //!
 //! Needs `bash ci/prepare.sh` (artifact and corpus) and `bash eval/generators/setup-python.sh` (the
-//! peer). Prints processed and scored tokens/s for both, their ratio, the FLOPs per processed
-//! token, the rate in GFLOP/s against the machine's measured f32 GEMM rate, peak RSS, and
-//! whether each of the speed targets (docs/performance.md) is met.
+//! peer); builds `llama-perplexity` on first use (`eval/peers/llama-cpp.sh`, several minutes;
+//! `--no-llama` leaves that peer out). Prints processed and scored tokens/s for both, their
+//! ratio, the FLOPs per processed token, the rate in GFLOP/s against the machine's measured
+//! f32 GEMM rate, peak RSS, whether each of the speed targets (docs/performance.md) is met,
+//! and then the llama.cpp table ([`llama`]): processed tokens/s of this engine with
+//! `--window-plan kld-chunks` and of `llama-perplexity` on the Q4_1 GGUF as published and on
+//! a float32 GGUF of its dequantized weights, with the ratios beside transformers'.
 //!
 //! FLOPs are counted two ways. The forward pass (`Work::ForwardPass`: every layer
 //! and the output head for every processed token, causal attention) is what a model forward
@@ -33,8 +38,10 @@ use ninfer_perplexity::backend::cpu::matmul::matmul_wt;
 use ninfer_perplexity::engine::{Engine, LoadOptions};
 use ninfer_perplexity::kv::KvDtype;
 use ninfer_perplexity::model::flops::{window_flops, Work};
-use ninfer_perplexity::score::{windows, Protocol};
+use ninfer_perplexity::score::{windows, Protocol, WindowPlan};
 mod common;
+#[path = "score/llama.rs"]
+mod llama;
 
 use common::arg;
 use std::path::PathBuf;
@@ -331,4 +338,86 @@ fn main() {
         rss as f64 / 1e6,
         verdict(rss as f64 <= 1.5e9),
     );
+    if !std::env::args().any(|a| a == "--no-llama") {
+        llama_peer(&engine, &root, &text, n_tokens, context, threads, rounds, &py, ratio);
+    }
+}
+
+/// llama.cpp's `llama-perplexity` and this engine on the same tokens and chunk windows,
+/// alternating for `rounds` rounds, each keeping its fastest; `tf_ratio` is transformers'
+/// ratio from the table above, printed beside.
+#[allow(clippy::too_many_arguments)]
+fn llama_peer(
+    engine: &Engine,
+    root: &std::path::Path,
+    text: &str,
+    n_tokens: usize,
+    context: usize,
+    threads: usize,
+    rounds: usize,
+    py: &std::path::Path,
+    tf_ratio: f64,
+) {
+    let gguf = root.join("models/cache/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let prose = llama::prose(text);
+    let ids = engine.tokenizer.encode(&prose).unwrap();
+    let chunks = ids.len().min(n_tokens) / context;
+    assert!(chunks >= 2, "--tokens {n_tokens}: fewer than two chunks of {context}");
+    let tokens = &ids[..chunks * context];
+    let p = Protocol::with_plan(WindowPlan::KldChunks, context, None).unwrap();
+    let processed: usize = windows(tokens.len(), p).unwrap().iter().map(|w| w.len()).sum();
+    let dir = std::env::temp_dir().join(format!("ninfer-bench-llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text_file = dir.join("prose.txt");
+    std::fs::write(&text_file, &prose).unwrap();
+    let bin = llama::binary(root);
+    let f32_gguf = dir.join("f32.gguf");
+    llama::f32_gguf(root, py, &gguf, &f32_gguf);
+    let (mut ours_s, mut q41_s, mut f32_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    let (mut ours_nll, mut q41_nll, mut f32_nll) = (0.0, 0.0, 0.0);
+    for round in 1..=rounds {
+        let t0 = Instant::now();
+        let s = engine
+            .score(tokens, p, KvDtype::Bf16, false, &mut |_, _| {})
+            .unwrap();
+        let t = t0.elapsed().as_secs_f64();
+        ours_s = ours_s.min(t);
+        ours_nll = s.totals.mean_nll();
+        let q = llama::run(&bin, &gguf, &text_file, context, chunks, threads);
+        let f = llama::run(&bin, &f32_gguf, &text_file, context, chunks, threads);
+        eprintln!(
+            "llama round {round}: ours {t:.2} s, llama.cpp Q4_1 {:.2} s, F32 {:.2} s",
+            q.seconds, f.seconds
+        );
+        (q41_s, q41_nll) = (q41_s.min(q.seconds), q.mean_nll);
+        (f32_s, f32_nll) = (f32_s.min(f.seconds), f.mean_nll);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!();
+    println!(
+        "llama.cpp: the same {} tokens of en-long-1 with whitespace runs made one space, {chunks} chunks of {context} \
+         (llama-perplexity's windows: each scores its last {}), {threads} threads, best of {rounds} alternating rounds; \
+         16-bit KV cache on both sides",
+        tokens.len(),
+        context - 1 - context / 2
+    );
+    println!();
+    println!("| engine | seconds | processed tok/s | mean NLL | speed ratio, ours / peer |");
+    println!("|---|---:|---:|---:|---:|");
+    let rate = |s: f64| processed as f64 / s;
+    println!(
+        "| ninfer-perplexity `--window-plan kld-chunks` (bf16 artifact, f32 compute, KV bf16) | {ours_s:.2} | {:.1} | {ours_nll:.5} | - |",
+        rate(ours_s)
+    );
+    println!(
+        "| llama-perplexity, Q4_1 GGUF as published (Q4_1 x Q8 dot products, KV f16) | {q41_s:.2} | {:.1} | {q41_nll:.5} | {:.2}x |",
+        rate(q41_s),
+        q41_s / ours_s
+    );
+    println!(
+        "| llama-perplexity, F32 GGUF of the same weights (f32, KV f16) | {f32_s:.2} | {:.1} | {f32_nll:.5} | {:.2}x |",
+        rate(f32_s),
+        f32_s / ours_s
+    );
+    println!("| transformers float32 (the table above, sliding windows) | | | | {tf_ratio:.2}x |");
 }
