@@ -11,8 +11,10 @@
 //
 // attn_f32_*: f32 arithmetic throughout (the f32 precision mode and head dims the tensor
 // core kernel does not take); any D <= 256.
-// attn_mma_*: bf16 tensor cores (mma.sync m16n8k16, f32 accumulation) for D = 64 or 128;
-// the dequantized K/V and the probabilities are rounded to bf16 for the products.
+// attn_mma_*: bf16 tensor cores (mma.sync m16n8k16, f32 accumulation) for D = 64, 128 and
+// 256; the dequantized K/V and the probabilities are rounded to bf16 for the products. At
+// D = 256 (the Qwen3.5 family's gated attention) key tiles are 32 keys, not 64, so the key
+// and transposed value tiles (37,376 B) stay under the 48 KiB of static shared memory.
 
 // ------------------------------------------------------------------ f32 kernel
 
@@ -125,7 +127,6 @@ __device__ void attn_f32(const float* __restrict__ q, KvTensor kt, KvTensor vt, 
 // ------------------------------------------------------------------ tensor-core kernel
 
 #define AM_ROWS 64  // query rows per block (16 per warp)
-#define AM_KEYS 64  // keys per tile
 
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): g = lane / 4, c = lane % 4.
 //   A (16x16, row major): reg0 = (g, 2c..2c+1), reg1 = (g+8, 2c..), reg2 = (g, 2c+8..),
@@ -135,7 +136,8 @@ __device__ void attn_f32(const float* __restrict__ q, KvTensor kt, KvTensor vt, 
 // So B fragments of K^T are two consecutive dims of key g (row g of Ks[key][dim]) and
 // B fragments of V are two consecutive keys of dim g (row g of Vt[dim][key]); the C
 // fragments of two adjacent key blocks of S are exactly the A fragment of P.
-template <int KF, int VF, int D>
+// AM_KEYS: keys per tile (a multiple of 16).
+template <int KF, int VF, int D, int AM_KEYS>
 __device__ void attn_mma(const u16* __restrict__ q, KvTensor kt, KvTensor vt, const int4* __restrict__ tiles,
                          u16* __restrict__ out, int hq, int hkv, float scale_log2) {
     const int KS = D + 8;         // Ks row stride (u16): conflict-free fragment reads
@@ -156,14 +158,17 @@ __device__ void attn_mma(const u16* __restrict__ q, KvTensor kt, KvTensor vt, co
     // Last query position of this warp; -1 when the warp holds no query row of the tile.
     int warp_last = warp * 16 < n_q ? q_pos0 + min(warp * 16 + 15, n_q - 1) : -1;
 
-    // Q fragments, straight from global memory (bf16 [rows, hq, D]).
-    u32 qf[D / 16][4];
-    {
-        const u32* q0 = (const u32*)(q + ((q_row0 + r0) * hq + h) * D);
-        const u32* q1 = (const u32*)(q + ((q_row0 + r1) * hq + h) * D);
-        bool v0 = r0 < n_q, v1 = r1 < n_q;
+    // Q fragments, straight from global memory (bf16 [rows, hq, D]): held in registers up to
+    // D = 128; at D = 256 they would take 64 of the registers the output accumulators need
+    // (ptxas spilled), so they are read again (from cache) for each key tile.
+    const bool q_in_regs = D <= 128;
+    const u32* q0 = (const u32*)(q + ((q_row0 + r0) * hq + h) * D);
+    const u32* q1 = (const u32*)(q + ((q_row0 + r1) * hq + h) * D);
+    const bool v0 = r0 < n_q, v1 = r1 < n_q;
+    u32 qf[q_in_regs ? D / 16 : 1][4];
+    if (q_in_regs) {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < (q_in_regs ? D / 16 : 1); ++kk) {
             qf[kk][0] = v0 ? q0[kk * 8 + c] : 0u;
             qf[kk][1] = v1 ? q1[kk * 8 + c] : 0u;
             qf[kk][2] = v0 ? q0[kk * 8 + 4 + c] : 0u;
@@ -204,12 +209,25 @@ __device__ void attn_mma(const u16* __restrict__ q, KvTensor kt, KvTensor vt, co
         for (int nt = 0; nt < AM_KEYS / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a0, a1, a2, a3;
+            if (q_in_regs) {
+                const int i = q_in_regs ? kk : 0;
+                a0 = qf[i][0];
+                a1 = qf[i][1];
+                a2 = qf[i][2];
+                a3 = qf[i][3];
+            } else {
+                a0 = v0 ? q0[kk * 8 + c] : 0u;
+                a1 = v1 ? q1[kk * 8 + c] : 0u;
+                a2 = v0 ? q0[kk * 8 + 4 + c] : 0u;
+                a3 = v1 ? q1[kk * 8 + 4 + c] : 0u;
+            }
 #pragma unroll
             for (int nt = 0; nt < AM_KEYS / 8; ++nt) {
                 const u16* kr = Ks + (nt * 8 + g) * KS + kk * 16 + 2 * c;
                 u32 b0 = *(const u32*)kr;
                 u32 b1 = *(const u32*)(kr + 8);
-                mma_bf16_16816(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], b0, b1);
+                mma_bf16_16816(s[nt], a0, a1, a2, a3, b0, b1);
             }
         }
 
@@ -299,11 +317,15 @@ __device__ void attn_mma(const u16* __restrict__ q, KvTensor kt, KvTensor vt, co
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_mma_##FMT##_d64(                                   \
         const u16* q, KvTensor kt, KvTensor vt, const int4* tiles, u16* out, int hq, int hkv, float sl2) {     \
-        attn_mma<KF, VF, 64>(q, kt, vt, tiles, out, hq, hkv, sl2);                                             \
+        attn_mma<KF, VF, 64, 64>(q, kt, vt, tiles, out, hq, hkv, sl2);                                         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_mma_##FMT##_d128(                                  \
         const u16* q, KvTensor kt, KvTensor vt, const int4* tiles, u16* out, int hq, int hkv, float sl2) {     \
-        attn_mma<KF, VF, 128>(q, kt, vt, tiles, out, hq, hkv, sl2);                                            \
+        attn_mma<KF, VF, 128, 64>(q, kt, vt, tiles, out, hq, hkv, sl2);                                        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_mma_##FMT##_d256(                                  \
+        const u16* q, KvTensor kt, KvTensor vt, const int4* tiles, u16* out, int hq, int hkv, float sl2) {     \
+        attn_mma<KF, VF, 256, 32>(q, kt, vt, tiles, out, hq, hkv, sl2);                                        \
     }
 
 // One variant per KV representation (KV_ONLY_<name>, or KV_ALL), as in qkv.cu.

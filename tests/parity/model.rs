@@ -429,6 +429,34 @@ device_case!(random_hybrid_matches_the_cpu_for_every_kv_format, |dev| {
     random_case(&Run::on(dev), "random-hybrid", small_hybrid(), 11)
 });
 
+/// The 27B's own head shapes at a small width: gated attention of head_dim 256 (the
+/// tensor-core kernel's 32-key tiles in bf16) and Gated DeltaNet heads of 128 x 128 (the
+/// chunked rule at its largest shared-memory plan).
+fn small_hybrid_real_heads() -> ModelConfig {
+    let mut c = small_hybrid();
+    let h = c.hybrid.as_mut().unwrap();
+    (h.rotary_dim, h.linear_num_key_heads, h.linear_num_value_heads) = (64, 1, 2);
+    (h.linear_key_head_dim, h.linear_value_head_dim) = (128, 128);
+    ModelConfig {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 256,
+        ..c
+    }
+}
+
+device_case!(
+    random_hybrid_with_the_27b_head_shapes_matches_the_cpu,
+    |dev| {
+        random_case(
+            &Run::on(dev),
+            "random-hybrid-hd256",
+            small_hybrid_real_heads(),
+            13,
+        )
+    }
+);
+
 /// SmolLM2's shape (llama, 9/3 heads of 64, tied 49,152-entry head) with 2 layers of
 /// random weights: the head_dim-64 tensor-core path, needing no files.
 fn smollm2_shaped() -> ModelConfig {

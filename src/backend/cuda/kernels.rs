@@ -144,6 +144,7 @@ impl Program {
                     format!("attn_f32_{k}"),
                     format!("attn_mma_{k}_d64"),
                     format!("attn_mma_{k}_d128"),
+                    format!("attn_mma_{k}_d256"),
                 ]
             }
             ("head", _) => [

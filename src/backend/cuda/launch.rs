@@ -310,9 +310,9 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `attn_mma_<kv>_d64` / `_d128`: tensor-core causal attention (bf16 q and output);
-    /// `sl2` is the score scale times log2(e).
-    AttnMma = ("attention", ["attn_mma_##FMT##_d64", "attn_mma_##FMT##_d128"]) {
+    /// `attn_mma_<kv>_d64` / `_d128` / `_d256`: tensor-core causal attention (bf16 q and
+    /// output); `sl2` is the score scale times log2(e).
+    AttnMma = ("attention", ["attn_mma_##FMT##_d64", "attn_mma_##FMT##_d128", "attn_mma_##FMT##_d256"]) {
         q: Ptr<u16>,
         kt: KvArg,
         vt: KvArg,

@@ -21,7 +21,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Which attention kernel a shape and precision use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKernel {
-    /// `attn_mma_<fmt>_d<D>` with D = 64 or 128.
+    /// `attn_mma_<fmt>_d<D>` with D = 64, 128 or 256.
     Mma { head_dim: usize },
     /// `attn_f32_<fmt>`.
     F32,
@@ -30,7 +30,7 @@ pub enum AttnKernel {
 impl AttnKernel {
     pub fn choose(precision: Precision, head_dim: usize) -> AttnKernel {
         match (precision, head_dim) {
-            (Precision::Bf16, 64 | 128) => AttnKernel::Mma { head_dim },
+            (Precision::Bf16, 64 | 128 | 256) => AttnKernel::Mma { head_dim },
             _ => AttnKernel::F32,
         }
     }
@@ -624,6 +624,10 @@ mod tests {
         assert_eq!(
             AttnKernel::choose(Precision::Bf16, 64),
             AttnKernel::Mma { head_dim: 64 }
+        );
+        assert_eq!(
+            AttnKernel::choose(Precision::Bf16, 256),
+            AttnKernel::Mma { head_dim: 256 }
         );
         assert_eq!(AttnKernel::choose(Precision::Bf16, 8), AttnKernel::F32);
         assert_eq!(AttnKernel::choose(Precision::Bf16, 80), AttnKernel::F32);
