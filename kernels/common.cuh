@@ -464,3 +464,17 @@ __device__ __forceinline__ void kv_store_warp(const KvTensor& t, i64 i, int D, c
 __device__ __forceinline__ void report_nonfinite(u64* err, u64 key) {
     atomicMin(err, key);
 }
+
+// The smallest `key` among the lanes of this warp with `bad`, recorded with one atomicMin
+// per warp rather than one per element (a tensor of NaNs would otherwise queue millions of
+// atomics on one address). Every lane of the warp must call it: none may have returned.
+__device__ __forceinline__ void warp_record_min(u64* err, bool bad, u64 key) {
+    if (__ballot_sync(FULL_MASK, bad) == 0u) return;
+    u64 k = bad ? key : ~(u64)0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 other = __shfl_xor_sync(FULL_MASK, k, o);
+        k = other < k ? other : k;
+    }
+    if ((threadIdx.x & 31) == 0) atomicMin(err, k);
+}

@@ -139,10 +139,13 @@ extern "C" __global__ void hadamard_rows(void* __restrict__ x, int x_bf16, i64 n
 extern "C" __global__ void nonfinite_scan(const float* __restrict__ x, i64 rows, int cols, const i32* __restrict__ pos,
                                           const i32* __restrict__ win, int layer, int part, u64* __restrict__ err) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows * cols) return;
-    if (is_finite_f32(x[idx])) return;
-    i64 r = idx / cols;
-    u64 col = (u64)(idx - r * cols);
-    u64 flat = (u64)pos[r] * (u64)cols + col;
-    atomicMin(err, ((u64)win[r] << 48) | ((u64)(layer & 0xFF) << 40) | ((u64)(part & 7) << 37) | flat);
+    bool bad = idx < rows * cols && !is_finite_f32(x[idx]);
+    u64 key = 0;
+    if (bad) {
+        i64 r = idx / cols;
+        u64 col = (u64)(idx - r * cols);
+        u64 flat = (u64)pos[r] * (u64)cols + col;
+        key = ((u64)win[r] << 48) | ((u64)(layer & 0xFF) << 40) | ((u64)(part & 7) << 37) | flat;
+    }
+    warp_record_min(err, bad, key);
 }

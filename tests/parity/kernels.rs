@@ -702,6 +702,109 @@ fn qkv_prep_records_the_first_non_finite_kv_value() {
     );
 }
 
+/// nonfinite_scan, dequant_fp8 and dequant_nvfp4 record the first non-finite element with
+/// one atomic per warp: several bad elements in one warp, in several warps and blocks (the
+/// last block partial), and for the scan a smaller record (an earlier window) at a later
+/// index; the record is the smallest one each time, as one atomic per element gave.
+#[test(gxx)]
+fn non_finite_records_keep_the_smallest_with_one_atomic_per_warp() {
+    // The scan: 7 rows x 100 columns (700 elements, three blocks of 256), rows 0-2 in window
+    // 1 and rows 3-6 in window 0, so row 3's first bad element wins over row 0's.
+    let (rows, cols) = (7usize, 100usize);
+    let mut x = vec![1.0f32; rows * cols];
+    for &i in &[5usize, 40, 41, 63, 317, 318, 350, 699] {
+        x[i] = if i % 2 == 0 { f32::NAN } else { f32::INFINITY };
+    }
+    let pos: Vec<i32> = (0..rows as i32).map(|r| if r < 3 { r } else { r - 3 }).collect();
+    let win: Vec<i32> = (0..rows).map(|r| if r < 3 { 1 } else { 0 }).collect();
+    let (xb, pb, wb) = (up(&x), up(&pos), up(&win));
+    let err = up(&[u64::MAX]);
+    gpu()
+        .launch(
+            "nonfinite_scan",
+            (plan::blocks_for(rows * cols, 256), 1, 1),
+            256,
+            0,
+            &launch::NonfiniteScan {
+                x: p(&xb),
+                rows: rows as i64,
+                cols: cols as i32,
+                pos: p(&pb),
+                win: p(&wb),
+                layer: 3,
+                part: 2,
+                err: p(&err),
+            },
+        )
+        .unwrap();
+    let key = |i: usize| {
+        let r = i / cols;
+        ((win[r] as u64) << 48) | (3u64 << 40) | (2u64 << 37) | (pos[r] as u64 * cols as u64 + (i % cols) as u64)
+    };
+    let want = [5usize, 40, 41, 63, 317, 318, 350, 699].iter().map(|&i| key(i)).min().unwrap();
+    assert_eq!(want, key(317), "row 3 (window 0) sorts first");
+    assert_eq!(gpu().read::<u64>(&err, 0, 1).unwrap()[0], want);
+
+    // dequant_fp8 with a per-row scale that sends two rows past f32 (e4m3 448 x 1e36) and
+    // dequant_nvfp4 with a global scale that does (6 x 448 x 2e35): the first bad index.
+    let (r8, c8) = (5usize, 130usize);
+    let codes: Vec<u8> = (0..r8 * c8).map(|i| if i % 7 == 3 { 0x7e } else { 0x38 }).collect();
+    let scales = [1.0f32, 1.0, 1e36, 1.0, 1e36];
+    let (cb, sb) = (up(&codes), up(&scales));
+    let out = gpu().alloc(r8 * c8 * 4).unwrap();
+    let err = up(&[u64::MAX]);
+    gpu()
+        .launch(
+            "dequant_fp8",
+            (plan::blocks_for(r8 * c8, 256), 1, 1),
+            256,
+            0,
+            &launch::DequantFp8 {
+                codes: p(&cb),
+                scale: p(&sb),
+                kind: 1,
+                rows: r8 as i64,
+                cols: c8 as i32,
+                out: p(&out),
+                out_bf16: 0,
+                err: p(&err),
+            },
+        )
+        .unwrap();
+    // Row 2's first 448 (code 0x7e) times 1e36.
+    let first = (2 * c8..3 * c8).find(|i| i % 7 == 3).unwrap() as u64;
+    assert_eq!(gpu().read::<u64>(&err, 0, 1).unwrap()[0], first);
+
+    let n = 608usize;
+    // Nibble 7 is e2m1 6.0, nibble 2 is 1.0; block scale e4m3 0x7e (448) for block 20 on.
+    let packed: Vec<u8> = (0..n / 2).map(|i| if i % 5 == 0 { 0x27 } else { 0x22 }).collect();
+    let bscale: Vec<u8> = (0..n / 16).map(|b| if b >= 20 { 0x7e } else { 0x38 }).collect();
+    let (pk, bs) = (up(&packed), up(&bscale));
+    let out = gpu().alloc(n * 4).unwrap();
+    let err = up(&[u64::MAX]);
+    gpu()
+        .launch(
+            "dequant_nvfp4",
+            (plan::blocks_for(n, 256), 1, 1),
+            256,
+            0,
+            &launch::DequantNvfp4 {
+                packed: p(&pk),
+                bscale: p(&bs),
+                g: 2e35,
+                divide: 0,
+                n: n as i64,
+                out: p(&out),
+                out_bf16: 0,
+                err: p(&err),
+            },
+        )
+        .unwrap();
+    // The first element of block 20 on with nibble 7: even index, byte i/2 with i/2 % 5 == 0.
+    let first = (20 * 16..n).find(|i| i % 2 == 0 && (i / 2) % 5 == 0).unwrap() as u64;
+    assert_eq!(gpu().read::<u64>(&err, 0, 1).unwrap()[0], first);
+}
+
 // ------------------------------------------------------------------ attention
 
 /// CPU reference: each window alone through `causal_attention`, over the K/V values the

@@ -197,9 +197,13 @@ impl Program {
     }
 }
 
-/// Entry points whose speed matters most: local-memory spills there are a defect.
+/// Entry points whose speed matters most: local-memory spills there are a defect. Besides
+/// attention, the q/k/v preparation and the head, the Qwen3.5 family's own: every Gated
+/// DeltaNet kernel (the chunked rule above all) and the MoE routing and combination.
 pub fn is_hot(entry: &str) -> bool {
-    entry.starts_with("attn_mma_") || entry.starts_with("qkv_prep_") || entry.starts_with("head_")
+    ["attn_mma_", "qkv_prep_", "head_", "delta_", "moe_"]
+        .iter()
+        .any(|p| entry.starts_with(p))
 }
 
 #[cfg(test)]
@@ -207,6 +211,17 @@ mod tests {
     use super::*;
     use crate::backend::cuda::plan::{qkv_entry, AttnKernel, Precision};
     use crate::kv::{Elem, KvDtype};
+
+    /// The 27B's hot kernels are held to "no spills" (tests/parity/nvrtc.rs) with the rest.
+    #[test]
+    fn the_hybrid_and_moe_kernels_are_hot() {
+        for e in ["delta_rule_chunked", "delta_prep", "moe_route", "attn_mma_bf16_d256", "head_pair_js"] {
+            assert!(is_hot(e), "{e}");
+        }
+        for e in ["kv_decode_f32", "dequant_fp8", "attn_f32_bf16", "nonfinite_scan"] {
+            assert!(!is_hot(e), "{e}");
+        }
+    }
 
     #[test]
     fn every_launched_entry_has_a_program() {
