@@ -339,7 +339,9 @@ fn main() {
         verdict(rss as f64 <= 1.5e9),
     );
     if !std::env::args().any(|a| a == "--no-llama") {
-        llama_peer(&engine, &root, &text, n_tokens, context, threads, rounds, &py, ratio);
+        llama_peer(
+            &engine, &root, &text, n_tokens, context, threads, rounds, &py, ratio,
+        );
     }
 }
 
@@ -362,10 +364,17 @@ fn llama_peer(
     let prose = llama::prose(text);
     let ids = engine.tokenizer.encode(&prose).unwrap();
     let chunks = ids.len().min(n_tokens) / context;
-    assert!(chunks >= 2, "--tokens {n_tokens}: fewer than two chunks of {context}");
+    assert!(
+        chunks >= 2,
+        "--tokens {n_tokens}: fewer than two chunks of {context}"
+    );
     let tokens = &ids[..chunks * context];
     let p = Protocol::with_plan(WindowPlan::KldChunks, context, None).unwrap();
-    let processed: usize = windows(tokens.len(), p).unwrap().iter().map(|w| w.len()).sum();
+    let processed: usize = windows(tokens.len(), p)
+        .unwrap()
+        .iter()
+        .map(|w| w.len())
+        .sum();
     let dir = std::env::temp_dir().join(format!("ninfer-bench-llama-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let text_file = dir.join("prose.txt");

@@ -12,7 +12,10 @@
 // divergent barrier and fails the launch; it never hangs.
 //
 // `__shared__` variables are `static`: one copy, used by one block at a time (the runtime
-// serializes launches process-wide). Arithmetic is IEEE single/double with no contraction
+// serializes launches process-wide). Strict mode (NINFER_EMU_STRICT=1) fills them with 0xff
+// bytes (NaN as floats) before every block, as a GPU's shared memory starts as garbage, and
+// resumes a block's threads in reverse order: a value one thread writes and another reads
+// without a barrier between them then arrives late, or as poison, instead of passing. Arithmetic is IEEE single/double with no contraction
 // (-ffp-contract=off), so the explicitly rounded intrinsics are exact; `expf`, `exp2f`,
 // `log` and friends are the host's libm, not the GPU's (a limit of the emulation).
 
@@ -25,11 +28,14 @@
 
 #define NINFER_EMU 1
 
-#define __device__
+// Device functions have internal linkage, so their `__shared__` statics are plain local
+// statics (not COMDAT) and can all live in one section, `emu_shared`, which the runtime
+// fills with a poison value before each block in strict mode (NINFER_EMU_STRICT=1).
+#define __device__ static
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static __attribute__((section("emu_shared")))
 #define __align__(n) __attribute__((aligned(n)))
 
 struct emu_dim3 {

@@ -250,16 +250,36 @@ const char* op_name(int op) {
     }
 }
 
+// Strict mode (NINFER_EMU_STRICT=1): static shared memory poisoned before each block, and
+// threads resumed last to first.
+bool strict_mode() {
+    static const bool on = [] {
+        const char* v = std::getenv("NINFER_EMU_STRICT");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+
+// Every `__shared__` static of every kernel (kernels/emu.h puts them in this section).
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+
+void poison_static_shared() {
+    if (__start_emu_shared && __stop_emu_shared > __start_emu_shared)
+        std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
+}
+
 // Runs every fiber of one block to completion. Returns an empty string, or why the block
 // cannot complete (a divergent barrier).
 std::string run_block(Run& r) {
     for (unsigned i = 0; i < r.n; ++i) start_fiber(r, &r.fibers[i]);
     unsigned done = 0;
     unsigned nwarps = (r.n + 31) / 32;
+    const bool reverse = strict_mode();
     for (;;) {
         bool moved = false;
-        for (unsigned i = 0; i < r.n; ++i) {
-            Fiber* f = &r.fibers[i];
+        for (unsigned j = 0; j < r.n; ++j) {
+            Fiber* f = &r.fibers[reverse ? r.n - 1 - j : j];
             if (f->state != READY) continue;
             resume(r, f);
             moved = true;
@@ -417,6 +437,7 @@ extern "C" int ninfer_emu_launch(const char* entry, unsigned gx, unsigned gy, un
                 emu_block_idx = {x, y, z};
                 // Shared memory starts as garbage on a GPU; here as NaN-like bytes.
                 if (smem) std::memset(dynamic_smem, 0xff, smem);
+                if (strict_mode()) poison_static_shared();
                 for (unsigned i = 0; i < block; ++i) {
                     Fiber& f = fibers[i];
                     f.t.tid = {i, 0, 0};

@@ -51,3 +51,13 @@ extern "C" __global__ void emu_selftest_mma(const u16* __restrict__ a, const u16
     cm[(g + 8) * 8 + 2 * c] = acc[2];
     cm[(g + 8) * 8 + 2 * c + 1] = acc[3];
 }
+
+// A race on purpose: thread 0 writes a shared value that every thread reads with no barrier
+// between. Resumed in thread order (the default) every thread sees it; in strict mode
+// (NINFER_EMU_STRICT=1: reverse order, shared memory poisoned per block) the others read
+// before it is written, and get the poison.
+extern "C" __global__ void emu_selftest_race(float* __restrict__ out) {
+    __shared__ float value;
+    if (threadIdx.x == 0) value = 7.0f;
+    out[threadIdx.x] = value;
+}

@@ -54,7 +54,10 @@ pub fn f32_gguf(root: &Path, py: &Path, gguf: &Path, dst: &Path) {
 
 /// Seconds since the start of the run from a log timestamp `M.SS.mmm.uuu`.
 fn stamp(s: &str) -> Option<f64> {
-    let p: Vec<f64> = s.split('.').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    let p: Vec<f64> = s
+        .split('.')
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
     (p.len() == 4).then(|| p[0] * 60.0 + p[1] + p[2] / 1e3 + p[3] / 1e6)
 }
 
@@ -77,15 +80,28 @@ pub fn run(
 ) -> LlamaRun {
     let c = context.to_string();
     let out = Command::new(bin)
-        .args(["-m".as_ref(), gguf.as_os_str(), "-f".as_ref(), text.as_os_str()])
+        .args([
+            "-m".as_ref(),
+            gguf.as_os_str(),
+            "-f".as_ref(),
+            text.as_os_str(),
+        ])
         .args(["-c", &c, "-b", &c, "-t", &threads.to_string()])
-        .args(["--chunks", &chunks.to_string(), "--log-timestamps", "--log-prefix"])
+        .args([
+            "--chunks",
+            &chunks.to_string(),
+            "--log-timestamps",
+            "--log-prefix",
+        ])
         .output()
         .expect("llama-perplexity");
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "llama-perplexity failed: {log}");
     let want = format!("calculating perplexity over {chunks} chunks");
-    assert!(log.contains(&want), "llama-perplexity did not run {chunks} chunks: {log}");
+    assert!(
+        log.contains(&want),
+        "llama-perplexity did not run {chunks} chunks: {log}"
+    );
     let t0 = time_of(&log, "perplexity: calculating perplexity").expect("its start time");
     let t1 = time_of(&log, "Final estimate").expect("its end time");
     let ppl: f64 = log

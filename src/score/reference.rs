@@ -399,8 +399,16 @@ impl ReferenceAcc {
             kld_reverse_p99: if rev { rank_in(&sorted_rev, 0.99) } else { 0.0 },
             kld_reverse_max: sorted_rev.last().map_or(0.0, |&k| k as f64),
             mean_js: self.js.iter().map(|&k| k as f64).sum::<f64>() / self.js.len().max(1) as f64,
-            js_median: if sorted_js.is_empty() { 0.0 } else { rank_in(&sorted_js, 0.5) },
-            js_p99: if sorted_js.is_empty() { 0.0 } else { rank_in(&sorted_js, 0.99) },
+            js_median: if sorted_js.is_empty() {
+                0.0
+            } else {
+                rank_in(&sorted_js, 0.5)
+            },
+            js_p99: if sorted_js.is_empty() {
+                0.0
+            } else {
+                rank_in(&sorted_js, 0.99)
+            },
             js_max: sorted_js.last().map_or(0.0, |&k| k as f64),
             top1_agreement: self.top1_agree as f64 / nf,
             top5_overlap: self.top5_sum as f64 / (5.0 * nf),
@@ -497,10 +505,16 @@ mod tests {
         assert_eq!(s.kld_reverse_median, 1.0f32 as f64);
         assert_eq!(s.kld_reverse_max, 2.0);
         assert!((s.mean_kld_reverse - 2.0 * s.mean_kld).abs() < 1e-6);
-        assert_eq!((s.js_median, s.js_p99, s.js_max), (0.125, 0.2475f32 as f64, 0.25));
+        assert_eq!(
+            (s.js_median, s.js_p99, s.js_max),
+            (0.125, 0.2475f32 as f64, 0.25)
+        );
         assert!((s.mean_js - 50.5 / 400.0).abs() < 1e-7);
         // Σ i%6 over 1..=100 = 16·15 + (1+2+3+4) = 250; Σ i%11 = 9·55 + 1 = 496.
-        assert_eq!((s.top5_overlap, s.top10_overlap), (250.0 / 500.0, 496.0 / 1000.0));
+        assert_eq!(
+            (s.top5_overlap, s.top10_overlap),
+            (250.0 / 500.0, 496.0 / 1000.0)
+        );
         // Depths 1..=100: buckets [1,2) .. [64,128); the last holds 64..=100, all in
         // window 2 (61..=100) but 61..=63, so ΔNLL there is 0.5.
         let last = s.by_depth.last().unwrap();

@@ -191,7 +191,10 @@ fn kld_matches_transformers() {
     // top-5 0.8671 vs 0.8612 (5.5e-3), top-10 0.8765 vs 0.8751 (1.3e-3).
     let ours = shape_of(r);
     shape.push(ours);
-    for (i, key) in ["mean_js", "top5_overlap", "top10_overlap"].iter().enumerate() {
+    for (i, key) in ["mean_js", "top5_overlap", "top10_overlap"]
+        .iter()
+        .enumerate()
+    {
         let want = fx[*key].as_f64().unwrap();
         let own: Vec<f64> = shape.iter().map(|s| s[i]).collect();
         eprintln!(

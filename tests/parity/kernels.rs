@@ -41,13 +41,24 @@ fn bf16_round(v: f32) -> f32 {
     bf16::from_f32(v).to_f32()
 }
 
-/// Largest |a - b| over `scale` (the reference's largest magnitude, at least 1e-30).
+/// |a − b|, infinite when either is not finite (`f64::max` would drop a NaN).
+fn abs_diff(a: f32, b: f32) -> f64 {
+    let d = (a as f64 - b as f64).abs();
+    if d.is_finite() {
+        d
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Largest |a - b| over `scale` (the reference's largest magnitude, at least 1e-30); a
+/// non-finite element on either side gives infinity.
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30) as f64;
     a.iter()
         .zip(b)
-        .map(|(x, y)| ((*x as f64) - (*y as f64)).abs() / scale)
+        .map(|(x, y)| abs_diff(*x, *y) / scale)
         .fold(0.0, f64::max)
 }
 
@@ -157,6 +168,77 @@ fn a_divergent_barrier_fails_the_launch() {
     )
     .unwrap();
     assert_eq!(read_f32(&out, 64), vec![1.0; 64]);
+}
+
+/// A race on purpose (kernels/emu_selftest.cu): thread 0 writes a shared value the others
+/// read without a barrier. The default order hides it; strict mode (reverse order, shared
+/// memory poisoned) shows it: every thread but 0 reads the poison.
+#[test(gxx)]
+fn a_race_reads_what_the_thread_order_gives() {
+    let out = gpu().alloc(64 * 4).unwrap();
+    selftest("emu_selftest_race", 64, vec![p::<f32>(&out).arg()]).unwrap();
+    let got = read_f32(&out, 64);
+    assert_eq!(got[0], 7.0);
+    if std::env::var("NINFER_EMU_STRICT").is_ok_and(|v| v == "1") {
+        assert!(got[1..].iter().all(|v| v.is_nan()), "{got:?}");
+    } else {
+        assert!(got.iter().all(|&v| v == 7.0), "{got:?}");
+    }
+}
+
+/// Strict mode (NINFER_EMU_STRICT=1, kernels/emu.h): every kernel check of this module passes
+/// with a block's threads resumed in reverse order and static shared memory poisoned per
+/// block; the synthetic race above reads poison there; and two races planted in real kernels
+/// (a barrier removed after one thread writes the chunk's decay sums in
+/// `delta_rule_chunked`, the `__syncwarp` before the RoPE partner read in `qkv_prep`) fail
+/// their checks in strict mode (whether the default order also catches them is printed).
+#[test(gxx)]
+fn the_strict_emulator_catches_planted_races() {
+    if in_child() {
+        return;
+    }
+    let strict = ("NINFER_EMU_STRICT", "1".to_string());
+    let (ok, out) = child_except(
+        &[
+            "planted_kernel_faults_fail_these_checks",
+            "the_kernels_run_clean_under_address_sanitizer",
+            "the_strict_emulator_catches_planted_races",
+        ],
+        std::slice::from_ref(&strict),
+    );
+    assert!(ok, "a kernel check fails in strict mode:\n{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("a_race_reads_what_the_thread_order_gives") && l.ends_with("ok")),
+        "the race check did not run:\n{out}"
+    );
+    for (fault, test) in [
+        (
+            "delta-chunk-gc-race",
+            "the_chunked_delta_rule_kernel_computes_the_recurrence",
+        ),
+        (
+            "rope-no-syncwarp",
+            "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
+        ),
+    ] {
+        let planted = ("NINFER_EMU_FAULT", fault.to_string());
+        let (ok_default, _) = child(test, std::slice::from_ref(&planted));
+        let (ok_strict, out) = child(test, &[planted, strict.clone()]);
+        assert!(
+            !ok_strict,
+            "{test} passed in strict mode with the race {fault}:\n{out}"
+        );
+        assert!(out.contains("planted fault"), "{fault}: not built:\n{out}");
+        eprintln!(
+            "{fault}: strict mode fails {test}; the default order {}",
+            if ok_default {
+                "passes it"
+            } else {
+                "fails it too"
+            }
+        );
+    }
 }
 
 #[test(gxx)]
@@ -304,7 +386,7 @@ fn swiglu_is_within_expf_rounding() {
     let worst = got
         .iter()
         .zip(&want)
-        .map(|(a, b)| ((a - b).abs() / b.abs().max(1e-30)) as f64)
+        .map(|(a, b)| abs_diff(*a, *b) / b.abs().max(1e-30) as f64)
         .fold(0.0, f64::max);
     eprintln!("swiglu: worst relative difference {worst:e}");
     assert!(worst <= 4.8e-7, "swiglu max relative difference {worst:e}");
@@ -715,7 +797,9 @@ fn non_finite_records_keep_the_smallest_with_one_atomic_per_warp() {
     for &i in &[5usize, 40, 41, 63, 317, 318, 350, 699] {
         x[i] = if i % 2 == 0 { f32::NAN } else { f32::INFINITY };
     }
-    let pos: Vec<i32> = (0..rows as i32).map(|r| if r < 3 { r } else { r - 3 }).collect();
+    let pos: Vec<i32> = (0..rows as i32)
+        .map(|r| if r < 3 { r } else { r - 3 })
+        .collect();
     let win: Vec<i32> = (0..rows).map(|r| if r < 3 { 1 } else { 0 }).collect();
     let (xb, pb, wb) = (up(&x), up(&pos), up(&win));
     let err = up(&[u64::MAX]);
@@ -739,16 +823,25 @@ fn non_finite_records_keep_the_smallest_with_one_atomic_per_warp() {
         .unwrap();
     let key = |i: usize| {
         let r = i / cols;
-        ((win[r] as u64) << 48) | (3u64 << 40) | (2u64 << 37) | (pos[r] as u64 * cols as u64 + (i % cols) as u64)
+        ((win[r] as u64) << 48)
+            | (3u64 << 40)
+            | (2u64 << 37)
+            | (pos[r] as u64 * cols as u64 + (i % cols) as u64)
     };
-    let want = [5usize, 40, 41, 63, 317, 318, 350, 699].iter().map(|&i| key(i)).min().unwrap();
+    let want = [5usize, 40, 41, 63, 317, 318, 350, 699]
+        .iter()
+        .map(|&i| key(i))
+        .min()
+        .unwrap();
     assert_eq!(want, key(317), "row 3 (window 0) sorts first");
     assert_eq!(gpu().read::<u64>(&err, 0, 1).unwrap()[0], want);
 
     // dequant_fp8 with a per-row scale that sends two rows past f32 (e4m3 448 x 1e36) and
     // dequant_nvfp4 with a global scale that does (6 x 448 x 2e35): the first bad index.
     let (r8, c8) = (5usize, 130usize);
-    let codes: Vec<u8> = (0..r8 * c8).map(|i| if i % 7 == 3 { 0x7e } else { 0x38 }).collect();
+    let codes: Vec<u8> = (0..r8 * c8)
+        .map(|i| if i % 7 == 3 { 0x7e } else { 0x38 })
+        .collect();
     let scales = [1.0f32, 1.0, 1e36, 1.0, 1e36];
     let (cb, sb) = (up(&codes), up(&scales));
     let out = gpu().alloc(r8 * c8 * 4).unwrap();
@@ -777,8 +870,12 @@ fn non_finite_records_keep_the_smallest_with_one_atomic_per_warp() {
 
     let n = 608usize;
     // Nibble 7 is e2m1 6.0, nibble 2 is 1.0; block scale e4m3 0x7e (448) for block 20 on.
-    let packed: Vec<u8> = (0..n / 2).map(|i| if i % 5 == 0 { 0x27 } else { 0x22 }).collect();
-    let bscale: Vec<u8> = (0..n / 16).map(|b| if b >= 20 { 0x7e } else { 0x38 }).collect();
+    let packed: Vec<u8> = (0..n / 2)
+        .map(|i| if i % 5 == 0 { 0x27 } else { 0x22 })
+        .collect();
+    let bscale: Vec<u8> = (0..n / 16)
+        .map(|b| if b >= 20 { 0x7e } else { 0x38 })
+        .collect();
     let (pk, bs) = (up(&packed), up(&bscale));
     let out = gpu().alloc(n * 4).unwrap();
     let err = up(&[u64::MAX]);
@@ -801,7 +898,9 @@ fn non_finite_records_keep_the_smallest_with_one_atomic_per_warp() {
         )
         .unwrap();
     // The first element of block 20 on with nibble 7: even index, byte i/2 with i/2 % 5 == 0.
-    let first = (20 * 16..n).find(|i| i % 2 == 0 && (i / 2) % 5 == 0).unwrap() as u64;
+    let first = (20 * 16..n)
+        .find(|i| i % 2 == 0 && (i / 2) % 5 == 0)
+        .unwrap() as u64;
     assert_eq!(gpu().read::<u64>(&err, 0, 1).unwrap()[0], first);
 }
 
@@ -1193,9 +1292,7 @@ fn the_paired_head_matches_its_cpu_twin() {
     // Row 4: ties inside the top ten across chunks (ids 100 and 700 share a value; 5 and 6).
     (run[4 * vocab + 100], run[4 * vocab + 700]) = (20.0, 20.0);
     (refs[4 * vocab + 6], refs[4 * vocab + 5]) = (19.0, 19.0);
-    let state = gpu()
-        .alloc(rows * plan::PAIR_ROW_BYTES)
-        .unwrap();
+    let state = gpu().alloc(rows * plan::PAIR_ROW_BYTES).unwrap();
     let chunks = |v0: usize| -> (DevBuf, DevBuf, usize) {
         let vc = chunk.min(vocab - v0);
         let slice = |all: &[f32]| -> Vec<f32> {
@@ -2013,7 +2110,7 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
                     for i in r0 as usize..(r0 + t) as usize {
                         let at = (i * hv + j) * dv;
                         for (a, b) in x[at..at + dv].iter().zip(&want[at..at + dv]) {
-                            d = d.max((*a as f64 - *b as f64).abs());
+                            d = d.max(abs_diff(*a, *b));
                             m = m.max(b.abs() as f64);
                         }
                     }

@@ -435,7 +435,11 @@ device_case!(random_hybrid_matches_the_cpu_for_every_kv_format, |dev| {
 fn small_hybrid_real_heads() -> ModelConfig {
     let mut c = small_hybrid();
     let h = c.hybrid.as_mut().unwrap();
-    (h.rotary_dim, h.linear_num_key_heads, h.linear_num_value_heads) = (64, 1, 2);
+    (
+        h.rotary_dim,
+        h.linear_num_key_heads,
+        h.linear_num_value_heads,
+    ) = (64, 1, 2);
     (h.linear_key_head_dim, h.linear_value_head_dim) = (128, 128);
     ModelConfig {
         num_heads: 2,
@@ -601,7 +605,9 @@ fn reruns_case(run: &Run, tokens: usize, config: ModelConfig) {
             let d = first
                 .iter()
                 .zip(&single)
+                // A NaN on either side counts as infinitely far (f64::max would drop it).
                 .map(|(x, y)| (*x as f64 - *y as f64).abs())
+                .map(|d| if d.is_finite() { d } else { f64::INFINITY })
                 .fold(0.0, f64::max);
             emit(
                 serde_json::json!({"check": "batching", "precision": precision.name(), "kv": kv.name(), "max_abs_dlogprob": d}),

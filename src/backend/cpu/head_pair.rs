@@ -161,12 +161,7 @@ pub fn score_pairs(
         };
         lses.push((lse, lse_ref));
     }
-    let spread = head_pair_js::spread(
-        (h, d, w),
-        RefSide::Rows(h_ref, d_ref, w_ref),
-        vocab,
-        &lses,
-    )?;
+    let spread = head_pair_js::spread((h, d, w), RefSide::Rows(h_ref, d_ref, w_ref), vocab, &lses)?;
     fill_spread(pairs, &spread);
     Ok(())
 }
@@ -402,7 +397,9 @@ mod tests {
         // Values without ties (a multiplicative hash), so the top lists are unambiguous.
         let noise = |i: usize, salt: u64| {
             // splitmix64's finalizer of (i, salt).
-            let mut x = (i as u64).wrapping_add(salt << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut x = (i as u64)
+                .wrapping_add(salt << 32)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
             x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
@@ -435,12 +432,11 @@ mod tests {
             let (a, b) = (lsm(&h, i), lsm(&h_ref, i));
             let js = js_direct(&a, &b);
             assert!(js < 0.05 && js > 0.0, "close: {js}");
-            assert!(
-                (p.js as f64 - js).abs() < 2e-5 * js,
-                "JS {} vs {js}",
-                p.js
+            assert!((p.js as f64 - js).abs() < 2e-5 * js, "JS {} vs {js}", p.js);
+            assert_eq!(
+                (p.top5, p.top10),
+                (overlap_direct(&a, &b, 5), overlap_direct(&a, &b, 10))
             );
-            assert_eq!((p.top5, p.top10), (overlap_direct(&a, &b, 5), overlap_direct(&a, &b, 10)));
             tops.push((p.top5, p.top10));
         }
         assert!(

@@ -303,9 +303,16 @@ mod tests {
         let mut all = TopK::default();
         all.scan(&row, 0);
         assert_eq!(a.merge(&b), all);
-        let mut want: Vec<(f32, u32)> = row.iter().enumerate().map(|(i, &v)| (v, i as u32)).collect();
+        let mut want: Vec<(f32, u32)> = row
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (v, i as u32))
+            .collect();
         want.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
-        assert_eq!(all.id.to_vec(), want[..TOP_K].iter().map(|x| x.1).collect::<Vec<_>>());
+        assert_eq!(
+            all.id.to_vec(),
+            want[..TOP_K].iter().map(|x| x.1).collect::<Vec<_>>()
+        );
         let mut short = TopK::default();
         short.scan(&[1.0, 2.0], 5);
         assert_eq!((short.id[0], short.id[1], short.id[2]), (6, 5, u32::MAX));

@@ -215,10 +215,21 @@ mod tests {
     /// The 27B's hot kernels are held to "no spills" (tests/parity/nvrtc.rs) with the rest.
     #[test]
     fn the_hybrid_and_moe_kernels_are_hot() {
-        for e in ["delta_rule_chunked", "delta_prep", "moe_route", "attn_mma_bf16_d256", "head_pair_js"] {
+        for e in [
+            "delta_rule_chunked",
+            "delta_prep",
+            "moe_route",
+            "attn_mma_bf16_d256",
+            "head_pair_js",
+        ] {
             assert!(is_hot(e), "{e}");
         }
-        for e in ["kv_decode_f32", "dequant_fp8", "attn_f32_bf16", "nonfinite_scan"] {
+        for e in [
+            "kv_decode_f32",
+            "dequant_fp8",
+            "attn_f32_bf16",
+            "nonfinite_scan",
+        ] {
             assert!(!is_hot(e), "{e}");
         }
     }

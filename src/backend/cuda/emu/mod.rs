@@ -31,11 +31,12 @@ pub const RUNTIME: &str = include_str!("../../../../kernels/emu_runtime.cpp");
 pub const SELFTEST: &str = include_str!("../../../../kernels/emu_selftest.cu");
 
 /// Entry points only the emulated device has (`kernels/emu_selftest.cu`).
-pub const SELFTEST_ENTRIES: [&str; 4] = [
+pub const SELFTEST_ENTRIES: [&str; 5] = [
     "emu_selftest_warp_ops",
     "emu_selftest_divergent_barrier",
     "emu_selftest_early_exit",
     "emu_selftest_mma",
+    "emu_selftest_race",
 ];
 
 /// Every entry point of the emulated device: each program's, then the self tests'.
@@ -57,7 +58,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 18] = [
+pub const FAULTS: [Fault; 20] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -165,6 +166,18 @@ pub const FAULTS: [Fault; 18] = [
         what: "the Hadamard rotation leaves out its 1/sqrt(D) normalization",
         from: "for (int k = 0; k < NK; ++k) v[k] = __fmul_rn(v[k], c);",
         to: "for (int k = 0; k < NK; ++k) v[k] = __fmul_rn(v[k], 1.0f);",
+    },
+    Fault {
+        name: "delta-chunk-gc-race",
+        what: "the chunked delta rule reads the chunk's decay sums without waiting for the thread that writes them (a barrier removed)",
+        from: "                gc[i] = acc;\n            }\n        }\n        __syncthreads();",
+        to: "                gc[i] = acc;\n            }\n        }",
+    },
+    Fault {
+        name: "rope-no-syncwarp",
+        what: "q/k preparation reads its RoPE partner from the warp's staging row without a __syncwarp",
+        from: "        __syncwarp();\n        int half = rot >> 1;",
+        to: "        int half = rot >> 1;",
     },
 ];
 
