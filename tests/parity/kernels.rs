@@ -241,6 +241,41 @@ fn the_strict_emulator_catches_planted_races() {
     }
 }
 
+/// With the emulated GEMM summing in an order that follows the call's row count
+/// (`NINFER_EMU_GEMM_ORDER=by-rows`, as cuBLAS picks its algorithm by shape), one window per
+/// pass no longer gives the bits of packed passes, and the model's batching checks still hold
+/// the bound they hold on a GPU (2e-3 in f32, from the H200's 6.1e-4). The f32 differences
+/// must be non-zero, so the perturbation is known to have acted. Measured: dense head_dim
+/// 128, 7.1e-5 (bf16 KV) and 9.5e-4 (k8v4), past the emulator's own tight bound of 1e-4;
+/// the small hybrid 2.9e-6.
+#[test(gxx)]
+fn the_batching_bound_holds_when_the_gemm_order_follows_the_row_count() {
+    if in_child() {
+        return;
+    }
+    for test in [
+        "model::reruns_are_bitwise_and_batching_changes_nothing::emu",
+        "model::hybrid_reruns_are_bitwise_and_batching_changes_nothing::emu",
+    ] {
+        let (ok, out) = child(test, &[("NINFER_EMU_GEMM_ORDER", "by-rows".to_string())]);
+        assert!(
+            ok,
+            "{test} fails with the GEMM order following the row count:\n{out}"
+        );
+        let f32_diffs: Vec<f64> = out
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
+            .filter(|v| v["check"] == "batching" && v["precision"] == "f32")
+            .filter_map(|v| v["max_abs_dlogprob"].as_f64())
+            .collect();
+        assert!(
+            f32_diffs.iter().any(|&d| d > 0.0),
+            "{test}: the GEMM order changed no bits: {f32_diffs:?}\n{out}"
+        );
+        eprintln!("{test}, GEMM order by rows: f32 one-window vs packed {f32_diffs:?}");
+    }
+}
+
 #[test(gxx)]
 fn a_launch_with_the_wrong_arguments_is_refused() {
     let e = selftest("emu_selftest_mma", 32, vec![Arg::I32(1)]).unwrap_err();

@@ -9,6 +9,13 @@
 //!
 //! The "TN" form the model uses runs on the CPU backend's GEMM (a row-major reading of the
 //! same call); every other form runs the defining triple loop.
+//!
+//! A GPU's cuBLAS picks its algorithm by shape, so the same row can round differently in a
+//! call with another number of rows; this GEMM computes each row alone, the same bits in any
+//! call. `NINFER_EMU_GEMM_ORDER=by-rows` imitates the GPU: the TN form sums the inner
+//! dimension in two parts split at a point that depends on the call's row count
+//! ([`split_for`]), so the checks that compare packed and one-window passes can be shown to
+//! hold their GPU bound when bits differ.
 
 use crate::backend::cuda::device::{ColGemm, GemmInput};
 use anyhow::{bail, Result};
@@ -57,6 +64,18 @@ fn widen(input: GemmInput, bytes: &[u8]) -> Vec<f32> {
     }
 }
 
+/// Whether `NINFER_EMU_GEMM_ORDER=by-rows` is set (read once).
+fn order_by_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NINFER_EMU_GEMM_ORDER").is_ok_and(|v| v == "by-rows"))
+}
+
+/// Where a TN product of `rows` rows splits its inner dimension `k` in `by-rows` order: a
+/// quarter, a half or three quarters of the way, by `rows % 3`.
+pub fn split_for(rows: usize, k: usize) -> usize {
+    k * (1 + rows % 3) / 4
+}
+
 /// Runs the call. `a` and `b` hold exactly their extents in the input type, `c` its
 /// extent in f32.
 pub fn run(g: &ColGemm, a: &[u8], b: &[u8], c: &mut [f32]) -> Result<()> {
@@ -88,7 +107,36 @@ pub fn run(g: &ColGemm, a: &[u8], b: &[u8], c: &mut [f32]) -> Result<()> {
             out
         };
         let (x, w) = (rows(b, g.n, g.ldb), rows(a, g.m, g.lda));
-        if g.k > 0 {
+        let split = if order_by_rows() {
+            split_for(g.n, g.k)
+        } else {
+            0
+        };
+        if split > 0 {
+            // Two partial products over [0, split) and [split, k), added.
+            let part = |v: &[f32], n: usize, r: std::ops::Range<usize>| -> Vec<f32> {
+                (0..n)
+                    .flat_map(|i| v[i * g.k + r.start..i * g.k + r.end].to_vec())
+                    .collect()
+            };
+            let (lo, hi) = (0..split, split..g.k);
+            let mut second = vec![0f32; g.m * g.n];
+            let (x0, w0) = (part(&x, g.n, lo.clone()), part(&w, g.m, lo));
+            let (x1, w1) = (part(&x, g.n, hi.clone()), part(&w, g.m, hi));
+            crate::backend::cpu::matmul::matmul_wt(&x0, g.n, split, &w0, g.m, &mut prod, false);
+            crate::backend::cpu::matmul::matmul_wt(
+                &x1,
+                g.n,
+                g.k - split,
+                &w1,
+                g.m,
+                &mut second,
+                false,
+            );
+            for (p, s) in prod.iter_mut().zip(&second) {
+                *p += s;
+            }
+        } else if g.k > 0 {
             crate::backend::cpu::matmul::matmul_wt(&x, g.n, g.k, &w, g.m, &mut prod, false);
         }
     } else {
