@@ -67,46 +67,72 @@ pub fn open_path(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Files in `dir` that are CUDA libraries this backend uses, in load order. `.alt.`
-/// variants (a second build of the same library in NVIDIA's wheels) are skipped.
+/// The version numbers after `prefix` in a file name (`libnvrtc.so.13.0.88` -> [13, 0,
+/// 88]; the bare `.so` -> []), or `None` when the name is not that library (another prefix,
+/// a `.alt.` second build from NVIDIA's wheels, a static archive).
+fn version_of(name: &str, prefix: &str) -> Option<Vec<u64>> {
+    let tail = name.strip_prefix(prefix)?;
+    if name.contains(".alt.") {
+        return None;
+    }
+    if tail.is_empty() {
+        return Some(Vec::new());
+    }
+    tail.strip_prefix('.')?
+        .split('.')
+        .map(|p| p.parse().ok())
+        .collect()
+}
+
+/// The CUDA libraries this backend uses that `dir` holds, in load order, one file each: of
+/// `libnvrtc.so`, `libnvrtc.so.13` and `libnvrtc.so.13.0.88`, the highest version (two
+/// copies of one library in a process, with `RTLD_GLOBAL`, would bind symbols to either).
 pub fn libraries_in(dir: &Path) -> Vec<PathBuf> {
-    let mut names: Vec<String> = match std::fs::read_dir(dir) {
+    let names: Vec<String> = match std::fs::read_dir(dir) {
         Ok(rd) => rd
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect(),
         Err(_) => return Vec::new(),
     };
-    names.sort();
-    let mut out = Vec::new();
+    PREFIXES
+        .iter()
+        .filter_map(|prefix| {
+            names
+                .iter()
+                .filter_map(|n| version_of(n, prefix).map(|v| (v, n)))
+                .max()
+                .map(|(_, n)| dir.join(n))
+        })
+        .collect()
+}
+
+/// What [`preload_env`] opens for `dirs`: each library once, from the first directory that
+/// holds it, in load order.
+pub fn preload_plan(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
     for prefix in PREFIXES {
-        for n in &names {
-            let tail = &n[prefix.len().min(n.len())..];
-            if n.starts_with(prefix)
-                && (tail.is_empty() || tail.starts_with('.'))
-                && !n.contains(".alt.")
-            {
-                out.push(dir.join(n));
-            }
-        }
+        let first = dirs.iter().find_map(|d| {
+            libraries_in(d).into_iter().find(|p| {
+                p.file_name()
+                    .is_some_and(|n| version_of(&n.to_string_lossy(), prefix).is_some())
+            })
+        });
+        out.extend(first);
     }
     out
 }
 
-/// Preloads the libraries found in the environment's directories, once per process.
-/// Returns the failures (a library that exists but cannot be opened), for diagnostics.
+/// Preloads the libraries found in the environment's directories, once per process, one
+/// copy of each ([`preload_plan`]). Returns the failures (a library that exists but cannot
+/// be opened), for diagnostics.
 pub fn preload_env() -> &'static [String] {
     static DONE: OnceLock<Vec<String>> = OnceLock::new();
     DONE.get_or_init(|| {
-        let mut errs = Vec::new();
-        for dir in env_dirs() {
-            for lib in libraries_in(&dir) {
-                if let Err(e) = open_path(&lib) {
-                    errs.push(e);
-                }
-            }
-        }
-        errs
+        preload_plan(&env_dirs())
+            .iter()
+            .filter_map(|lib| open_path(lib).err())
+            .collect()
     })
 }
 
@@ -231,13 +257,55 @@ mod tests {
             names,
             [
                 "libnvrtc-builtins.so.13.0",
-                "libnvrtc.so",
                 "libnvrtc.so.13",
                 "libcublasLt.so.13",
                 "libcublas.so.13"
             ]
         );
         assert!(libraries_in(Path::new("/nonexistent/dir")).is_empty());
+    }
+
+    /// One copy of each library: the highest version in a directory (numerically: 13.10
+    /// after 13.9), and a library two directories hold from the first of them only.
+    #[test]
+    fn each_library_is_loaded_once() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for n in [
+            "libcublas.so.12",
+            "libcublas.so.13.9",
+            "libcublas.so.13.10",
+            "libnvrtc.so.13",
+        ] {
+            std::fs::write(a.path().join(n), b"").unwrap();
+        }
+        for n in [
+            "libnvrtc.so.13",
+            "libnvrtc-builtins.so.13.0",
+            "libcublas.so.13",
+        ] {
+            std::fs::write(b.path().join(n), b"").unwrap();
+        }
+        let plan = preload_plan(&[a.path().to_path_buf(), b.path().to_path_buf()]);
+        let got: Vec<(bool, String)> = plan
+            .iter()
+            .map(|p| {
+                (
+                    p.starts_with(a.path()),
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (false, "libnvrtc-builtins.so.13.0".to_string()),
+                (true, "libnvrtc.so.13".to_string()),
+                (true, "libcublas.so.13.10".to_string()),
+            ]
+        );
+        assert_eq!(version_of("libcublasLt.so.13", "libcublas.so"), None);
+        assert_eq!(version_of("libcublasLt_static.a", "libcublasLt.so"), None);
+        assert_eq!(version_of("libnvrtc.alt.so.13", "libnvrtc.so"), None);
     }
 
     #[test]
