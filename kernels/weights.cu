@@ -4,6 +4,15 @@
 // Both record the first flat index whose value is not finite in `err` (one atomicMin per
 // warp), which the host turns into the CPU loader's error.
 
+// out[i] = v in the GEMM input precision (bf16 when out_bf16, else f32).
+__device__ __forceinline__ void store_weight(void* out, int out_bf16, i64 i, float v) {
+    if (out_bf16) {
+        ((u16*)out)[i] = f32_to_bf16(v);
+    } else {
+        ((float*)out)[i] = v;
+    }
+}
+
 // nvfp4 `[rows, cols]` (cols a multiple of 16): byte i holds flat elements 2i (low nibble)
 // and 2i + 1; block scale flat / 16 (e4m3); then times the global scale, or divided by it.
 // Grid: (ceil(n / 256)), block 256.
@@ -18,11 +27,7 @@ extern "C" __global__ void dequant_nvfp4(const u8* __restrict__ packed, const u8
         float v = __fmul_rn(e2m1_to_f32(code), e4m3_to_f32(bscale[i >> 4]));  // exact
         v = divide ? __fdiv_rn(v, g) : __fmul_rn(v, g);
         bad = !is_finite_f32(v);
-        if (out_bf16) {
-            ((u16*)out)[i] = f32_to_bf16(v);
-        } else {
-            ((float*)out)[i] = v;
-        }
+        store_weight(out, out_bf16, i, v);
     }
     warp_record_min(err, bad, (u64)i);
 }
@@ -41,11 +46,7 @@ extern "C" __global__ void dequant_fp8(const u8* __restrict__ codes, const float
         float s = kind == 0 ? scale[0] : (kind == 1 ? scale[r] : scale[(r >> 7) * ((cols + 127) >> 7) + (c >> 7)]);
         float v = __fmul_rn(e4m3_to_f32(codes[i]), s);
         bad = !is_finite_f32(v);
-        if (out_bf16) {
-            ((u16*)out)[i] = f32_to_bf16(v);
-        } else {
-            ((float*)out)[i] = v;
-        }
+        store_weight(out, out_bf16, i, v);
     }
     warp_record_min(err, bad, (u64)i);
 }
