@@ -5,9 +5,9 @@
 //! Row-major Y is column-major Yᵀ, so each product is the column-major
 //! `Yᵀ[n, m] = op(W)[n, k] · Xᵀ[k, m]` with W transposed (the "TN" form cuBLAS runs
 //! fastest). bf16 precision: bf16 W and X, f32 Y and f32 accumulation
-//! (CUBLAS_COMPUTE_32F). f32 precision: all f32, CUBLAS_COMPUTE_32F with the default math
-//! mode, which never uses TF32. The device runs the call: cuBLAS on a GPU, the reference
-//! GEMM on the emulated device.
+//! (CUBLAS_COMPUTE_32F). f32 precision: all f32, CUBLAS_COMPUTE_32F_PEDANTIC, which rules
+//! out TF32 and emulated f32 explicitly (`real::compute_type`). The device runs the call:
+//! cuBLAS on a GPU, the reference GEMM on the emulated device.
 //!
 //! cuBLAS indexes with 32-bit integers, and some of its algorithms fail once one operand
 //! spans more than 2^31 elements: the 27B hybrid's gate/up output at 16 windows of 4096 rows

@@ -14,6 +14,18 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// cuBLAS's compute type for a GEMM's inputs. bf16: f32 accumulation on tensor cores.
+/// f32 (the parity mode): the pedantic type, which rules out TF32 and the bf16x9
+/// emulation of f32 whatever the handle's math mode or the environment
+/// (`NVIDIA_TF32_OVERRIDE`, `CUBLAS_EMULATION_STRATEGY`) say, so the claim "f32 products
+/// in f32" does not rest on a default.
+pub fn compute_type(input: GemmInput) -> blas_sys::cublasComputeType_t {
+    match input {
+        GemmInput::Bf16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        GemmInput::F32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+    }
+}
+
 /// The stream every call uses: the legacy default stream.
 pub const STREAM: sys::CUstream = std::ptr::null_mut();
 
@@ -335,6 +347,7 @@ impl Backend for RealGpu {
             GemmInput::Bf16 => blas_sys::cudaDataType::CUDA_R_16BF,
             GemmInput::F32 => blas_sys::cudaDataType::CUDA_R_32F,
         };
+        let compute = compute_type(g.input);
         self.bind()?;
         // SAFETY: device pointers and leading dimensions describe allocations of the
         // model's buffers (checked by the callers' size arithmetic); alpha/beta are host
@@ -358,10 +371,23 @@ impl Backend for RealGpu {
                 g.c as *mut c_void,
                 blas_sys::cudaDataType::CUDA_R_32F,
                 int(g.ldc, "ldc")?,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                compute,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
         .map_err(|e| anyhow!("cuBLAS GEMM m {} n {} k {}: {e}", g.m, g.n, g.k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blas_sys::cublasComputeType_t as C;
+
+    #[test]
+    fn f32_products_ask_cublas_for_pedantic_f32() {
+        // The f32 (parity) mode must not depend on cuBLAS's default math mode.
+        assert_eq!(compute_type(GemmInput::F32), C::CUBLAS_COMPUTE_32F_PEDANTIC);
+        assert_eq!(compute_type(GemmInput::Bf16), C::CUBLAS_COMPUTE_32F);
     }
 }

@@ -92,8 +92,8 @@ pub const FAULTS: [Fault; 20] = [
     Fault {
         name: "delta-chunk-undecayed-carry",
         what: "the chunked delta rule carries the State into the next chunk without its decay exp(gc_last)",
-        from: "float acc = __fmul_rn(S[idx], carry);",
-        to: "float acc = S[idx];",
+        from: "? __fmul_rn(S[e * dv + d], carry) : 0.0f;",
+        to: "? S[e * dv + d] : 0.0f;",
     },
     Fault {
         name: "bf16-store-overrun",
