@@ -530,6 +530,28 @@ device_case!(
     |dev| reruns_case(&Run::on(dev), if dev == Dev::Cuda { 3000 } else { 300 }, small_hybrid())
 );
 
+/// The small hybrid with the 35B-A3B's sparse MLP at a small width: every layer 16 experts
+/// of width 128, 4 chosen per token, and a gated shared expert.
+fn small_moe() -> ModelConfig {
+    let big = preset("qwen3_5-35b-a3b").unwrap().with_layers(4);
+    let mut m = big.moe.clone().unwrap();
+    (m.num_experts, m.num_experts_per_tok) = (16, 4);
+    (m.moe_intermediate_size, m.shared_expert_intermediate_size) = (128, 128);
+    ModelConfig {
+        family: big.family,
+        moe: Some(m),
+        ..small_hybrid()
+    }
+}
+
+device_case!(
+    /// The experts' grouping and grouped GEMMs run on the device: a rerun gives the same
+    /// bits, and one window per pass what packed passes give (each routed row's product
+    /// depends only on that row).
+    moe_reruns_are_bitwise_and_batching_changes_nothing,
+    |dev| reruns_case(&Run::on(dev), if dev == Dev::Cuda { 3000 } else { 200 }, small_moe())
+);
+
 /// The last layer's MLP on the rows the head reads only (`PassPlan::last_layer`, the CPU's
 /// policy) gives the bits of the MLP on every row, for a dense, a hybrid and a MoE model in
 /// both precisions: the emulated GEMM computes each row alone, so any difference is a wrong

@@ -158,7 +158,18 @@ impl Program {
             .map(|s| s.to_string())
             .collect(),
             ("weights", _) => vec!["dequant_nvfp4".into(), "dequant_fp8".into()],
-            ("moe", _) => vec!["moe_route".into(), "moe_combine".into()],
+            ("moe", _) => [
+                "moe_route",
+                "moe_combine",
+                "moe_count",
+                "moe_offsets",
+                "moe_place",
+                "moe_gemm_bf16",
+                "moe_gemm_f32",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
             ("delta_net", _) => [
                 "delta_conv_silu",
                 "delta_prep",
@@ -219,6 +230,8 @@ mod tests {
             "delta_rule_chunked",
             "delta_prep",
             "moe_route",
+            "moe_gemm_bf16",
+            "moe_gemm_f32",
             "attn_mma_bf16_d256",
             "head_pair_js",
         ] {
@@ -292,6 +305,11 @@ mod tests {
             "delta_gated_norm",
             "moe_route",
             "moe_combine",
+            "moe_count",
+            "moe_offsets",
+            "moe_place",
+            "moe_gemm_bf16",
+            "moe_gemm_f32",
         ] {
             assert!(Program::of(e).is_some(), "{e}");
         }

@@ -598,6 +598,94 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// `moe_count`: each expert's choices per chunk of [`MOE_GROUP_ROWS`] tokens.
+    /// Grid (chunks), block 256, dynamic shared memory [`moe_group_smem`].
+    MoeCount = ("moe", ["moe_count"]) {
+        idx: Ptr<i32>,
+        rows: i64,
+        k: i32,
+        experts: i32,
+        counts: Ptr<i32>,
+    }
+}
+
+kernel_args! {
+    /// `moe_offsets`: the counts become each (chunk, expert)'s first routed row; the
+    /// experts' offsets, the GEMM tiles and the run's routing counts. Grid (1), block 256,
+    /// dynamic shared memory `4 · (2 · experts + 1)`.
+    MoeOffsets = ("moe", ["moe_offsets"]) {
+        counts: Ptr<i32>,
+        chunks: i32,
+        experts: i32,
+        offsets: Ptr<i32>,
+        tiles: Ptr<Int4>,
+        max_tiles: i32,
+        routed: Ptr<u64>,
+    }
+}
+
+kernel_args! {
+    /// `moe_place`: every (token, choice) pair at its routed row (`src`), and each token's
+    /// rows and choices in expert order (`slot`, `pick`). Grid (chunks), block 256, dynamic
+    /// shared memory [`moe_group_smem`].
+    MoePlace = ("moe", ["moe_place"]) {
+        idx: Ptr<i32>,
+        rows: i64,
+        k: i32,
+        experts: i32,
+        base: Ptr<i32>,
+        src: Ptr<i32>,
+        slot: Ptr<i32>,
+        pick: Ptr<i32>,
+    }
+}
+
+kernel_args! {
+    /// `moe_gemm_bf16`: every expert's `y = x · w_eᵀ` over its routed rows on tensor cores.
+    /// Grid (ceil(N / 64), max tiles), block 128.
+    MoeGemmBf16 = ("moe", ["moe_gemm_bf16"]) {
+        x: Ptr<u16>,
+        w: Ptr<u16>,
+        tiles: Ptr<Int4>,
+        N: i32,
+        K: i32,
+        y: Ptr<f32>,
+        ldy: i32,
+    }
+}
+
+kernel_args! {
+    /// `moe_gemm_f32`: the same in f32 with the CPU GEMM's bits. Grid (ceil(N / 64), max
+    /// tiles), block 256.
+    MoeGemmF32 = ("moe", ["moe_gemm_f32"]) {
+        x: Ptr<f32>,
+        w: Ptr<f32>,
+        tiles: Ptr<Int4>,
+        N: i32,
+        K: i32,
+        y: Ptr<f32>,
+        ldy: i32,
+    }
+}
+
+/// Tokens per chunk of the MoE grouping kernels (`MOE_GROUP_ROWS` in kernels/moe.cu).
+pub const MOE_GROUP_ROWS: usize = 256;
+/// Routed rows per tile of the expert GEMMs (`MOE_TILE_ROWS` in kernels/moe.cu).
+pub const MOE_TILE_ROWS: usize = 64;
+/// Output columns per block of the expert GEMMs (`MG_COLS`).
+pub const MOE_TILE_COLS: usize = 64;
+
+/// Dynamic shared memory of `moe_count` and `moe_place`: one chunk's choices.
+pub fn moe_group_smem(k: usize) -> u32 {
+    (4 * MOE_GROUP_ROWS * k) as u32
+}
+
+/// The most GEMM tiles any grouping of `routed` rows over `experts` experts needs.
+pub fn moe_max_tiles(routed: usize, experts: usize) -> usize {
+    routed.div_ceil(MOE_TILE_ROWS) + experts
+}
+
 /// Every launcher's `(SOURCE, signature)`, for the check against the sources.
 type Signature = (
     (&'static str, &'static [&'static str]),
@@ -635,6 +723,11 @@ pub fn all_signatures() -> Vec<Signature> {
         one::<DeltaGatedNorm>(),
         one::<MoeRoute>(),
         one::<MoeCombine>(),
+        one::<MoeCount>(),
+        one::<MoeOffsets>(),
+        one::<MoePlace>(),
+        one::<MoeGemmBf16>(),
+        one::<MoeGemmF32>(),
     ]
 }
 

@@ -256,8 +256,97 @@ pub fn bytes_per_row(c: &ModelConfig, kv: KvDtype, p: Precision) -> usize {
         + e * w.act // SwiGLU output
         + 4 * (w.conv + w.gates) // Gated DeltaNet conv output and gates
         + 4 * w.router + e * w.moe_in + 4 * w.moe_out // a sparse MoE block's buffers
-        + 4 * 3 * c.moe.as_ref().map_or(0, |m| m.num_experts_per_tok) // its per-pass grouping
+        + moe_group_per_row(c) // its grouping by expert
         + 8 // the per-window spans of the State kernels (at most one window per row)
+}
+
+/// Where the arrays of a MoE block's grouping by expert lie in the pass's group buffer, for
+/// `rows` tokens (byte offsets). The routing counts come first so that every layer of a
+/// pass, whatever its rows, adds to the same place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeGroupLayout {
+    /// Tokens, and chunks of [`super::launch::MOE_GROUP_ROWS`] of them.
+    pub rows: usize,
+    pub chunks: usize,
+    /// GEMM tiles listed (used ones first, the rest marked empty).
+    pub max_tiles: usize,
+    /// `u64 [E]`: routed rows per expert, summed over the pass's MoE layers.
+    pub routed: usize,
+    /// `int4 [max_tiles]`: (expert, first routed row, rows, 0).
+    pub tiles: usize,
+    /// `i32 [rows · k]`: each routed row's token.
+    pub src: usize,
+    /// `i32 [rows, k]` each: a token's routed rows and choices, its experts in index order.
+    pub slot: usize,
+    pub pick: usize,
+    /// `i32 [chunks, E]`: counts per chunk, then each (chunk, expert)'s first routed row.
+    pub base: usize,
+    /// `i32 [E + 1]`: each expert's first routed row.
+    pub offsets: usize,
+    /// The whole buffer.
+    pub bytes: usize,
+}
+
+impl MoeGroupLayout {
+    pub fn new(rows: usize, k: usize, experts: usize) -> MoeGroupLayout {
+        let routed_rows = rows * k;
+        let chunks = rows.div_ceil(super::launch::MOE_GROUP_ROWS);
+        let max_tiles = super::launch::moe_max_tiles(routed_rows, experts);
+        let routed = 0;
+        let tiles = (8 * experts).next_multiple_of(16);
+        let src = tiles + 16 * max_tiles;
+        let slot = src + 4 * routed_rows;
+        let pick = slot + 4 * routed_rows;
+        let base = pick + 4 * routed_rows;
+        let offsets = base + 4 * chunks * experts;
+        MoeGroupLayout {
+            rows,
+            chunks,
+            max_tiles,
+            routed,
+            tiles,
+            src,
+            slot,
+            pick,
+            base,
+            offsets,
+            bytes: offsets + 4 * (experts + 1),
+        }
+    }
+}
+
+/// Bytes of a forward pass's MoE grouping buffer for `rows` tokens ([`MoeGroupLayout`]; 0
+/// for a dense model).
+pub fn moe_group_bytes(c: &ModelConfig, rows: usize) -> usize {
+    c.moe.as_ref().map_or(0, |m| {
+        MoeGroupLayout::new(rows, m.num_experts_per_tok, m.num_experts).bytes
+    })
+}
+
+/// The most rows one pass may hold so that the expert GEMMs' tile list fits a grid's y
+/// dimension (65,535): `usize::MAX` for a dense model.
+pub fn moe_max_rows(c: &ModelConfig) -> usize {
+    c.moe.as_ref().map_or(usize::MAX, |m| {
+        65_535usize.saturating_sub(m.num_experts + 1) * super::launch::MOE_TILE_ROWS
+            / m.num_experts_per_tok.max(1)
+    })
+}
+
+/// The per-row part of a bound on [`moe_group_bytes`]: `rows · this + moe_group_fixed`
+/// is at least `moe_group_bytes(rows)` for every `rows`.
+fn moe_group_per_row(c: &ModelConfig) -> usize {
+    c.moe.as_ref().map_or(0, |m| {
+        let (e, k) = (m.num_experts, m.num_experts_per_tok);
+        (16 * k).div_ceil(super::launch::MOE_TILE_ROWS)
+            + 4 * 3 * k
+            + 4 * e.div_ceil(super::launch::MOE_GROUP_ROWS)
+    })
+}
+
+/// The fixed part of that bound (the `+ 1`s of the divisions rounded up, and the
+/// per-expert arrays).
+pub fn moe_group_fixed(c: &ModelConfig) -> usize {
+    c.moe.as_ref().map_or(0, |m| 32 * m.num_experts + 32)
 }
 
 /// What the head computes per pass, which decides its buffers.
@@ -312,10 +401,11 @@ pub fn plan_memory(
     head: HeadKind,
 ) -> Result<MemPlan> {
     let per_row = bytes_per_row(c, kv, p);
-    let rope = rope_bytes(c, longest);
+    // Bytes that do not grow with the rows: the RoPE tables and the MoE grouping's fixed part.
+    let fixed = rope_bytes(c, longest) + moe_group_fixed(c);
     let budget = free
         .saturating_sub(RESERVE_BYTES.min(free / 8))
-        .saturating_sub(rope);
+        .saturating_sub(fixed);
     // Head: up to an eighth of the budget, at most 2 GiB, at least one row x 1024 entries.
     let head_budget = (budget / 8).clamp(4 * 1024, 2 << 30);
     let vocab = c.vocab_size;
@@ -330,7 +420,15 @@ pub fn plan_memory(
     // Logits chunks alive at once: the run's, and the reference's in a paired head.
     let chunks = if paired { 2 } else { 1 };
     let act_budget = budget.saturating_sub(head_budget);
-    let max_rows = (act_budget / (per_row + per_head_row)).min(MAX_ROWS_CAP);
+    let max_rows = (act_budget / (per_row + per_head_row))
+        .min(MAX_ROWS_CAP)
+        .min(moe_max_rows(c));
+    if longest > moe_max_rows(c) {
+        bail!(
+            "a window of {longest} tokens is more than one pass's expert GEMMs take for this MoE model ({} tokens at most: the tile list must fit a grid's 65,535 blocks)",
+            moe_max_rows(c)
+        );
+    }
     if max_rows < longest.max(1) {
         bail!(
             "not enough free device memory: a window of {longest} tokens needs about {} MiB of activations, {} MiB are free after the weights",
@@ -349,7 +447,8 @@ pub fn plan_memory(
     } else {
         (chunk / 256 * 256).max(256)
     };
-    let planned = max_rows * (per_row + per_head_row) + 4 * chunks * head_rows * vocab_chunk + rope;
+    let planned =
+        max_rows * (per_row + per_head_row) + 4 * chunks * head_rows * vocab_chunk + fixed;
     Ok(MemPlan {
         head,
         max_rows,
@@ -395,6 +494,8 @@ pub struct BufferSizes {
     pub router: usize,
     pub moe_in: usize,
     pub moe_out: usize,
+    /// Its grouping of the routed rows by expert ([`moe_group_bytes`]).
+    pub moe_group: usize,
     /// A paired head's reference rows (precision), its logits chunk, running records and
     /// finished comparisons (0 in a plain head).
     pub h_ref: usize,
@@ -442,6 +543,7 @@ pub fn buffer_sizes(
         router: rows * w.router * 4,
         moe_in: rows * w.moe_in * e,
         moe_out: rows * w.moe_out * 4,
+        moe_group: moe_group_bytes(c, rows),
         h_ref: paired * rows * d * e,
         logits_ref: paired * head_rows * vocab_chunk * 4,
         pair_state: paired * rows * PAIR_ROW_BYTES,
@@ -470,6 +572,7 @@ impl BufferSizes {
             + self.router
             + self.moe_in
             + self.moe_out
+            + self.moe_group
             + self.h_ref
             + self.logits_ref
             + self.pair_state
@@ -789,6 +892,71 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The MoE grouping buffer: the plan's per-row part plus its fixed part bound the bytes
+    /// at every row count (the ceilings' worst cases included), the arrays do not overlap
+    /// and the int4 / u64 arrays are aligned; the tile list fits a grid at the row cap, and
+    /// a window past it is refused with its own message.
+    #[test]
+    fn the_moe_grouping_is_planned_and_bounded() {
+        let c = crate::model::presets::preset("qwen3_5-35b-a3b").unwrap();
+        let (per_row, fixed) = (moe_group_per_row(&c), moe_group_fixed(&c));
+        for rows in [1, 2, 7, 63, 64, 65, 255, 256, 257, 4096, 32_768, 65_536] {
+            let l = MoeGroupLayout::new(rows, 8, 256);
+            assert_eq!(l.bytes, moe_group_bytes(&c, rows));
+            assert!(l.bytes <= rows * per_row + fixed, "{rows} rows");
+            let order = [
+                l.routed, l.tiles, l.src, l.slot, l.pick, l.base, l.offsets, l.bytes,
+            ];
+            assert!(order.windows(2).all(|w| w[0] <= w[1]), "{rows}: {l:?}");
+            assert_eq!(l.tiles - l.routed, 8 * 256);
+            assert_eq!(l.tiles % 16, 0);
+            assert_eq!(l.src - l.tiles, 16 * l.max_tiles);
+        }
+        assert_eq!(
+            MoeGroupLayout::new(3, 2, 5).tiles,
+            48,
+            "u64 [5] rounded up to 16 bytes"
+        );
+        let cap = moe_max_rows(&c);
+        assert!(
+            cap >= MAX_ROWS_CAP,
+            "the 35B-A3B at 8 of 256 experts: {cap}"
+        );
+        let mut wide = c.clone();
+        wide.moe.as_mut().unwrap().num_experts_per_tok = 64;
+        let cap = moe_max_rows(&wide);
+        // At the cap the tile list fits whatever the rounding; a little past it, it would not.
+        assert!(super::super::launch::moe_max_tiles(cap * 64, 256) <= 65_535);
+        assert!(super::super::launch::moe_max_tiles((cap + 2) * 64, 256) > 65_535);
+        let e = plan_memory(
+            &wide,
+            KvDtype::F32,
+            Precision::Bf16,
+            1 << 40,
+            cap + 1,
+            HeadKind::Plain,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("expert GEMMs") && e.contains(&format!("{cap} tokens")),
+            "{e}"
+        );
+        assert!(plan_memory(
+            &c,
+            KvDtype::F32,
+            Precision::Bf16,
+            1 << 40,
+            4096,
+            HeadKind::Plain
+        )
+        .is_ok());
+        assert_eq!(
+            moe_group_bytes(&crate::model::presets::preset("qwen3-8b").unwrap(), 100),
+            0
+        );
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 20] = [
+pub const FAULTS: [Fault; 22] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -172,6 +172,18 @@ pub const FAULTS: [Fault; 20] = [
         what: "the chunked delta rule reads the chunk's decay sums without waiting for the thread that writes them (a barrier removed)",
         from: "                gc[i] = acc;\n            }\n        }\n        __syncthreads();",
         to: "                gc[i] = acc;\n            }\n        }",
+    },
+    Fault {
+        name: "moe-gemm-one-chain",
+        what: "the f32 expert GEMM sums the whole depth in one chain instead of the CPU's blocks of 768",
+        from: "if (k0 > 0 && k0 % MG_KC == 0) {",
+        to: "if (false) {",
+    },
+    Fault {
+        name: "moe-tiles-overlap",
+        what: "the expert GEMM tiles of one expert start 63 rows apart, so they overlap and miss its last rows",
+        from: "v.y = o + t * MOE_TILE_ROWS;",
+        to: "v.y = o + t * (MOE_TILE_ROWS - 1);",
     },
     Fault {
         name: "rope-no-syncwarp",

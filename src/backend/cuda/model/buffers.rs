@@ -153,6 +153,7 @@ impl CudaModel {
                     router: g.alloc(z.router)?,
                     input: g.alloc(z.moe_in)?,
                     out: g.alloc(z.moe_out)?,
+                    group: g.alloc(z.moe_group)?,
                 }),
                 None => None,
             },

@@ -173,15 +173,8 @@ impl CudaModel {
     }
 
     /// Layer `li` over the pass's rows (the last layer's MLP over `x_last`'s, see the module
-    /// doc); adds the MoE routing of its rows to `routed`.
-    pub(super) fn layer(
-        &self,
-        li: usize,
-        l: &Layer<Leaf>,
-        b: &Buffers,
-        p: &Pass,
-        routed: &mut [u64],
-    ) -> Result<()> {
+    /// doc); a MoE layer adds the routing of its rows to the pass's device counts.
+    pub(super) fn layer(&self, li: usize, l: &Layer<Leaf>, b: &Buffers, p: &Pass) -> Result<()> {
         let m = p.rows();
         self.norm(&b.x, Ptr::NULL, &l.norm, &b.h, m)?;
         match &l.mixer {
@@ -207,7 +200,7 @@ impl CudaModel {
                     act: &b.act,
                 };
                 let bufs = b.moe.as_ref().expect("allocated for MoE models");
-                self.moe(mw, bufs, &io, n, routed)
+                self.moe(mw, bufs, &io, n)
             }
         }
     }

@@ -220,10 +220,11 @@ impl CudaModel {
         let (g, w) = (&self.gpu, &self.weights);
         g.memset(&b.err, 0, 16, 0xFF)?;
         self.embed(b, &p)?;
-        // Routed rows per expert in this pass, added to the model's counts when it succeeds.
-        let mut routed = vec![0u64; c.moe.as_ref().map_or(0, |m| m.num_experts)];
+        if let Some(mb) = &b.moe {
+            self.moe_begin(mb)?;
+        }
         for (li, l) in w.layers.iter().enumerate() {
-            self.layer(li, l, b, &p, &mut routed)?;
+            self.layer(li, l, b, &p)?;
         }
         // The head reads the scored rows where the last layer left them.
         let lps = if self.trims(w.layers.len() - 1, &p) {
@@ -245,7 +246,9 @@ impl CudaModel {
             };
             return Err(ScoreError::Window { index, error });
         }
-        if let Some(r) = &self.routing {
+        // Routed rows per expert in this pass, added to the model's counts as it succeeded.
+        if let (Some(r), Some(mb)) = (&self.routing, &b.moe) {
+            let routed = self.moe_routed(mb)?;
             for (t, n) in r.lock().unwrap().iter_mut().zip(&routed) {
                 *t += n;
             }

@@ -2,17 +2,21 @@
 //! (`moe_block`).
 //!
 //! The router is a GEMM and `moe_route` (softmax, top-k with ties to the lower expert,
-//! renormalisation). The choices come back to the host, which groups the tokens by expert
-//! in token order — the same grouping the CPU builds, and the routing counts the report
-//! shows — and uploads where each token's rows go. The normed rows are gathered expert by
-//! expert (`rms_norm` with a row list, the same bits as the block's input), each expert
-//! with tokens runs its gate/up GEMM over its rows, one SwiGLU covers every routed row,
-//! each expert its down GEMM, and `moe_combine` adds each token's weighted expert outputs
-//! in expert-index order, then the sigmoid-gated shared expert, to the residual stream.
+//! renormalisation). The grouping of the tokens by expert, in token order within an expert
+//! (the grouping the CPU builds; [`Grouping::build`] is its host twin), is a stable counting
+//! sort on the device (`moe_count`, `moe_offsets`, `moe_place`), which also lists the expert
+//! GEMMs' tiles and adds the routing counts the report shows to a device array read once per
+//! pass: no routing decision comes back to the host and nothing is allocated per layer. The
+//! normed rows are gathered expert by expert (`rms_norm` with a row list, the same bits as
+//! the block's input), one grouped GEMM launch runs every expert's gate/up product over its
+//! rows, one SwiGLU covers every routed row, one grouped launch the down products, and
+//! `moe_combine` adds each token's weighted expert outputs in expert-index order, then the
+//! sigmoid-gated shared expert, to the residual stream.
 //!
-//! The expert GEMMs are one cuBLAS call per expert that has tokens (a grouped GEMM as a
-//! loop): their rows are contiguous, so the loop is the only thing a fused grouped kernel
-//! would change, not the numbers.
+//! The grouped GEMMs are this crate's kernels, not cuBLAS: the tile list lives on the device,
+//! where cuBLAS's grouped calls want per-group sizes from the host. bf16 runs on tensor
+//! cores; f32 computes the CPU GEMM's bits. Every buffer is the pass's, alive until the pass
+//! ends, so no kernel reads freed memory.
 
 use super::layer::swiglu;
 use super::weights::Moe;
@@ -104,6 +108,8 @@ pub(super) struct MoeBufs {
     /// `[rows · (k + 1), d]` f32: the experts' outputs per routed row, then the shared
     /// expert's per token.
     pub(super) out: DevBuf,
+    /// The grouping by expert and the pass's routing counts (`plan::MoeGroupLayout`).
+    pub(super) group: DevBuf,
 }
 
 /// The buffers a block reads and overwrites besides its own.
@@ -120,17 +126,132 @@ pub(super) struct Io<'a> {
     pub act: &'a DevBuf,
 }
 
+/// One grouped expert product `y[routed, n] = x[routed, k] · w_eᵀ` per expert, over the
+/// tiles `moe_offsets` listed.
+struct Grouped<'a> {
+    x: &'a DevBuf,
+    w: &'a DevBuf,
+    n: usize,
+    k: usize,
+    y: &'a DevBuf,
+}
+
 impl CudaModel {
-    /// Adds the MoE block's output for the `m` rows of `io.h` to `io.x`; adds each expert's
-    /// routed rows to `counts`.
-    pub(super) fn moe(
+    /// Zeroes the pass's routing counts (before its first layer).
+    pub(super) fn moe_begin(&self, b: &MoeBufs) -> Result<()> {
+        let e = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
+        self.gpu.memset(&b.group, 0, 8 * e, 0)
+    }
+
+    /// The pass's routed rows per expert (after its last layer).
+    pub(super) fn moe_routed(&self, b: &MoeBufs) -> Result<Vec<u64>> {
+        let e = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
+        self.gpu.read(&b.group, 0, e)
+    }
+
+    fn grouped_gemm(&self, p: &Grouped, group: &DevBuf, lay: &plan::MoeGroupLayout) -> Result<()> {
+        let grid = (
+            p.n.div_ceil(launch::MOE_TILE_COLS) as u32,
+            lay.max_tiles as u32,
+            1,
+        );
+        let tiles = Ptr::new(group.at(lay.tiles));
+        let (n, k) = (p.n as i32, p.k as i32);
+        match self.precision {
+            Precision::Bf16 => self.gpu.launch(
+                "moe_gemm_bf16",
+                grid,
+                128,
+                0,
+                &launch::MoeGemmBf16 {
+                    x: Ptr::new(p.x.ptr),
+                    w: Ptr::new(p.w.ptr),
+                    tiles,
+                    N: n,
+                    K: k,
+                    y: Ptr::new(p.y.ptr),
+                    ldy: n,
+                },
+            ),
+            Precision::F32 => self.gpu.launch(
+                "moe_gemm_f32",
+                grid,
+                256,
+                0,
+                &launch::MoeGemmF32 {
+                    x: Ptr::new(p.x.ptr),
+                    w: Ptr::new(p.w.ptr),
+                    tiles,
+                    N: n,
+                    K: k,
+                    y: Ptr::new(p.y.ptr),
+                    ldy: n,
+                },
+            ),
+        }
+    }
+
+    /// Groups the block's `m` tokens by expert from the router's choices `idx[m, k]`
+    /// (in `b.router`), into `b.group` laid out as `lay`.
+    fn group_by_expert(
         &self,
-        w: &Moe,
         b: &MoeBufs,
-        io: &Io,
-        m: usize,
-        counts: &mut [u64],
+        idx: u64,
+        lay: &plan::MoeGroupLayout,
+        k: usize,
+        ne: usize,
     ) -> Result<()> {
+        let g = &self.gpu;
+        let grp = &b.group;
+        g.launch(
+            "moe_count",
+            (lay.chunks as u32, 1, 1),
+            256,
+            launch::moe_group_smem(k) as usize,
+            &launch::MoeCount {
+                idx: Ptr::new(idx),
+                rows: lay.rows as i64,
+                k: k as i32,
+                experts: ne as i32,
+                counts: Ptr::new(grp.at(lay.base)),
+            },
+        )?;
+        g.launch(
+            "moe_offsets",
+            (1, 1, 1),
+            256,
+            4 * (2 * ne + 1),
+            &launch::MoeOffsets {
+                counts: Ptr::new(grp.at(lay.base)),
+                chunks: lay.chunks as i32,
+                experts: ne as i32,
+                offsets: Ptr::new(grp.at(lay.offsets)),
+                tiles: Ptr::new(grp.at(lay.tiles)),
+                max_tiles: lay.max_tiles as i32,
+                routed: Ptr::new(grp.at(lay.routed)),
+            },
+        )?;
+        g.launch(
+            "moe_place",
+            (lay.chunks as u32, 1, 1),
+            256,
+            launch::moe_group_smem(k) as usize,
+            &launch::MoePlace {
+                idx: Ptr::new(idx),
+                rows: lay.rows as i64,
+                k: k as i32,
+                experts: ne as i32,
+                base: Ptr::new(grp.at(lay.base)),
+                src: Ptr::new(grp.at(lay.src)),
+                slot: Ptr::new(grp.at(lay.slot)),
+                pick: Ptr::new(grp.at(lay.pick)),
+            },
+        )
+    }
+
+    /// Adds the MoE block's output for the `m` rows of `io.h` to `io.x`, and their routing
+    /// to the pass's counts.
+    pub(super) fn moe(&self, w: &Moe, b: &MoeBufs, io: &Io, m: usize) -> Result<()> {
         let (g, blas, precision) = (&self.gpu, &self.blas, self.precision);
         let cfg = self
             .config
@@ -143,9 +264,16 @@ impl CudaModel {
             cfg.num_experts_per_tok,
             cfg.moe_intermediate_size,
         );
-        let e = precision.elem_bytes();
         let bf16_out = (precision == Precision::Bf16) as i32;
         let routed = m * k;
+        let lay = plan::MoeGroupLayout::new(m, k, ne);
+        if lay.bytes > b.group.bytes {
+            bail!(
+                "MoE grouping of {m} rows needs {} bytes, the pass planned {}",
+                lay.bytes,
+                b.group.bytes
+            );
+        }
         // The router buffer's regions: logits [m, E], gate [m], idx [m, k], wts [m, k].
         let (o_gate, o_idx, o_wts) = (4 * m * ne, 4 * m * (ne + 1), 4 * m * (ne + 1 + k));
         self.matmul_wt(io.h, m, d, &w.router, ne, &b.router, false)?;
@@ -164,13 +292,7 @@ impl CudaModel {
                 wts: Ptr::new(b.router.at(o_wts)),
             },
         )?;
-        let idx: Vec<i32> = g.read(&b.router, o_idx, routed)?;
-        let grouping = Grouping::build(&idx, m, k, ne)?;
-        for (c, n) in counts.iter_mut().zip(grouping.counts()) {
-            *c += n as u64;
-        }
-        let ints = g.upload(&[&grouping.src[..], &grouping.slot, &grouping.pick].concat())?;
-        let (o_src, o_slot, o_pick) = (0, 4 * routed, 8 * routed);
+        self.group_by_expert(b, b.router.at(o_idx), &lay, k, ne)?;
         // The input rows grouped by expert: the block's norm again, over a row list.
         g.launch(
             "rms_norm",
@@ -179,7 +301,7 @@ impl CudaModel {
             0,
             &launch::RmsNorm {
                 x: Ptr::new(io.x.ptr),
-                rows: Ptr::new(ints.at(o_src)),
+                rows: Ptr::new(b.group.at(lay.src)),
                 w: Ptr::new(io.norm.ptr),
                 out: Ptr::<Any>::new(b.input.ptr),
                 out_bf16: bf16_out,
@@ -187,39 +309,23 @@ impl CudaModel {
                 eps,
             },
         )?;
-        let experts_with_rows = || {
-            grouping
-                .offsets
-                .windows(2)
-                .enumerate()
-                .filter(|(_, r)| r[1] > r[0])
-                .map(|(x, r)| (x, r[0], r[1] - r[0]))
+        let gate_up = Grouped {
+            x: &b.input,
+            w: &w.experts.gate_up,
+            n: 2 * fi,
+            k: d,
+            y: io.scratch,
         };
-        for (x, r0, n) in experts_with_rows() {
-            blas.gemm(
-                g,
-                n,
-                2 * fi,
-                d,
-                Mat::of(&b.input, r0 * d * e, d),
-                Mat::of(&w.experts.gate_up, x * 2 * fi * d * e, d),
-                Mat::of(io.scratch, r0 * 2 * fi * 4, 2 * fi),
-                false,
-            )?;
-        }
+        self.grouped_gemm(&gate_up, &b.group, &lay)?;
         swiglu(g, io.scratch, io.act, bf16_out, routed, fi)?;
-        for (x, r0, n) in experts_with_rows() {
-            blas.gemm(
-                g,
-                n,
-                d,
-                fi,
-                Mat::of(io.act, r0 * fi * e, fi),
-                Mat::of(&w.experts.down, x * d * fi * e, fi),
-                Mat::of(&b.out, r0 * d * 4, d),
-                false,
-            )?;
-        }
+        let down = Grouped {
+            x: io.act,
+            w: &w.experts.down,
+            n: d,
+            k: fi,
+            y: &b.out,
+        };
+        self.grouped_gemm(&down, &b.group, &lay)?;
         let (shared, gate) = match &w.shared {
             Some(sh) => {
                 let (sw, gw) = (&sh.mlp, &sh.gate);
@@ -258,8 +364,8 @@ impl CudaModel {
             0,
             &launch::MoeCombine {
                 y: Ptr::new(b.out.ptr),
-                slot: Ptr::new(ints.at(o_slot)),
-                pick: Ptr::new(ints.at(o_pick)),
+                slot: Ptr::new(b.group.at(lay.slot)),
+                pick: Ptr::new(b.group.at(lay.pick)),
                 wts: Ptr::new(b.router.at(o_wts)),
                 k: k as i32,
                 shared,
