@@ -61,7 +61,22 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 20] = [
+/// `delta_rule_chunked`'s sum of the chunk's decays by thread 0 (kernels/delta_net.cu),
+/// which the fault `delta-gc-after-barrier` moves past the following barrier.
+macro_rules! delta_gc_sum {
+    () => {
+        "        if (tid == 0) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; ++i) {
+                acc = __fadd_rn(acc, g[(row0 + i) * hv + j]);
+                gc[i] = acc;
+            }
+        }
+"
+    };
+}
+
+pub const FAULTS: [Fault; 21] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -175,6 +190,12 @@ pub const FAULTS: [Fault; 20] = [
         what: "the chunked delta rule reads the chunk's decay sums without waiting for the thread that writes them (a barrier removed)",
         from: "                gc[i] = acc;\n            }\n        }\n        __syncthreads();",
         to: "                gc[i] = acc;\n            }\n        }",
+    },
+    Fault {
+        name: "delta-gc-after-barrier",
+        what: "the chunked delta rule's thread 0 sums the chunk's decays (gc) just after the barrier that should publish them: the threads resumed after it read them in time, the others would not",
+        from: concat!(delta_gc_sum!(), "        __syncthreads();\n"),
+        to: concat!("        __syncthreads();\n", delta_gc_sum!()),
     },
     Fault {
         name: "rope-no-syncwarp",
