@@ -12,12 +12,25 @@
 // divergent barrier and fails the launch; it never hangs.
 //
 // `__shared__` variables are `static`: one copy, used by one block at a time (the runtime
-// serializes launches process-wide). Strict mode (NINFER_EMU_STRICT=1) fills them with 0xff
-// bytes (NaN as floats) before every block, as a GPU's shared memory starts as garbage, and
-// resumes a block's threads in reverse order: a value one thread writes and another reads
-// without a barrier between them then arrives late, or as poison, instead of passing. Arithmetic is IEEE single/double with no contraction
-// (-ffp-contract=off), so the explicitly rounded intrinsics are exact; `expf`, `exp2f`,
-// `log` and friends are the host's libm, not the GPU's (a limit of the emulation).
+// serializes launches process-wide). Strict mode (NINFER_EMU_STRICT=1) fills them (those in
+// the emu_shared section, below) with 0xff bytes (NaN as floats) before every block, as a
+// GPU's shared memory starts as garbage, and resumes a block's threads in reverse order: a
+// value one thread writes and another reads without a barrier between them then arrives
+// late, or as poison, instead of passing.
+//
+// The race checker (NINFER_EMU_RACECHECK=1) builds this code with GCC's ThreadSanitizer
+// instrumentation, and the runtime itself receives the `__tsan_*` calls: every load and
+// store a kernel makes to shared memory (dynamic, or a `__shared__` static) is recorded
+// with the thread and the block's synchronization epoch, and two accesses to one word by
+// different threads, at least one a write, that no barrier orders fail the launch. Only
+// `__syncthreads` (the whole block) and `__syncwarp` (the warp) order memory; shuffles,
+// ballots and `mma` synchronize the fibers here but are not memory barriers in CUDA, so
+// they order nothing for the checker. Atomics are not recorded. Global memory is not
+// checked.
+//
+// Arithmetic is IEEE single/double with no contraction (-ffp-contract=off), so the
+// explicitly rounded intrinsics are exact; `expf`, `exp2f`, `log` and friends are the
+// host's libm, not the GPU's (a limit of the emulation).
 
 #pragma once
 
@@ -28,9 +41,19 @@
 
 #define NINFER_EMU 1
 
+// Code the race checker's instrumentation must leave alone: the runtime, which receives the
+// instrumentation's calls, and atomics, whose accesses never race with one another.
+#if defined(__SANITIZE_THREAD__)
+#define EMU_UNCHECKED __attribute__((no_sanitize_thread))
+#else
+#define EMU_UNCHECKED
+#endif
+
 // Device functions have internal linkage, so their `__shared__` statics are plain local
-// statics (not COMDAT) and can all live in one section, `emu_shared`, which the runtime
-// fills with a poison value before each block in strict mode (NINFER_EMU_STRICT=1).
+// statics (not COMDAT) and can live in one section, `emu_shared`, which the runtime fills
+// with a poison value before each block in strict mode (NINFER_EMU_STRICT=1). GCC before
+// 14 ignores the section of a static local in a function template: those (qkv_prep's,
+// attn_mma's) stay in .bss, unpoisoned; the race checker watches them all the same.
 #define __device__ static
 #define __global__
 #define __forceinline__ inline
@@ -154,7 +177,8 @@ static inline long long max(long long a, long long b) {
 // ---------------------------------------------------------------- atomics
 
 // Blocks run one at a time and fibers switch only at barriers: a plain update is atomic.
-static inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+// Not instrumented: the race checker does not record atomics.
+EMU_UNCHECKED static inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
     unsigned long long old = *p;
     if (v < old) *p = v;
     return old;

@@ -172,11 +172,25 @@ fn a_divergent_barrier_fails_the_launch() {
 
 /// A race on purpose (kernels/emu_selftest.cu): thread 0 writes a shared value the others
 /// read without a barrier. The default order hides it; strict mode (reverse order, shared
-/// memory poisoned) shows it: every thread but 0 reads the poison.
+/// memory poisoned) shows it: every thread but 0 reads the poison. The race checker
+/// (NINFER_EMU_RACECHECK=1) fails the launch, naming the variable and both lines.
 #[test(gxx)]
 fn a_race_reads_what_the_thread_order_gives() {
     let out = gpu().alloc(64 * 4).unwrap();
-    selftest("emu_selftest_race", 64, vec![p::<f32>(&out).arg()]).unwrap();
+    let launch = selftest("emu_selftest_race", 64, vec![p::<f32>(&out).arg()]);
+    if std::env::var("NINFER_EMU_RACECHECK").is_ok_and(|v| v == "1") {
+        let m = format!("{:#}", launch.unwrap_err());
+        for want in [
+            "race RAW in emu_selftest_race block (0,0,0): thread 0 wrote __shared__",
+            "`emu_selftest_race::value`",
+            "kernels/emu_selftest.cu:",
+            "with no __syncwarp or __syncthreads between",
+        ] {
+            assert!(m.contains(want), "{want:?} not in {m}");
+        }
+        return;
+    }
+    launch.unwrap();
     let got = read_f32(&out, 64);
     assert_eq!(got[0], 7.0);
     if std::env::var("NINFER_EMU_STRICT").is_ok_and(|v| v == "1") {
@@ -238,6 +252,78 @@ fn the_strict_emulator_catches_planted_races() {
                 "fails it too"
             }
         );
+    }
+}
+
+/// The race checker (NINFER_EMU_RACECHECK=1, kernels/emu_runtime.cpp): every kernel check
+/// of this module passes with each load and store to shared memory recorded against the
+/// block's barriers, and a planted race in a real kernel fails its launch with a report
+/// that names the race, the kernel and the source lines, whatever the values say:
+/// `delta-gc-after-barrier` passes its value check in the default order (shown here), and
+/// the checker reports it all the same. The synthetic race is checked in the child
+/// (`a_race_reads_what_the_thread_order_gives`).
+#[test(gxx)]
+fn the_race_checker_passes_the_kernels_and_reports_planted_races() {
+    if in_child() {
+        return;
+    }
+    let check = ("NINFER_EMU_RACECHECK", "1".to_string());
+    let (ok, out) = child_except(
+        &[
+            "planted_kernel_faults_fail_these_checks",
+            "the_kernels_run_clean_under_address_sanitizer",
+            "the_strict_emulator_catches_planted_races",
+            "the_batching_bound_holds_when_the_gemm_order_follows_the_row_count",
+            "the_race_checker_passes_the_kernels_and_reports_planted_races",
+        ],
+        std::slice::from_ref(&check),
+    );
+    assert!(ok, "a kernel check fails under the race checker:\n{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("a_race_reads_what_the_thread_order_gives") && l.ends_with("ok")),
+        "the synthetic race was not checked:\n{out}"
+    );
+    let chunked = "the_chunked_delta_rule_kernel_computes_the_recurrence";
+    let planted = |f: &str| ("NINFER_EMU_FAULT", f.to_string());
+    let (ok_default, out) = child(chunked, &[planted("delta-gc-after-barrier")]);
+    assert!(
+        ok_default && out.contains("planted fault"),
+        "delta-gc-after-barrier was meant to pass the value check in the default order:\n{out}"
+    );
+    for (fault, test, report) in [
+        (
+            "delta-gc-after-barrier",
+            chunked,
+            "race RAW in delta_rule_chunked",
+        ),
+        (
+            "delta-chunk-gc-race",
+            chunked,
+            "race RAW in delta_rule_chunked",
+        ),
+        (
+            "rope-no-syncwarp",
+            "qkv_prep_reproduces_the_cpu_steps_bit_for_bit",
+            "in qkv_prep",
+        ),
+    ] {
+        let (ok, out) = child(test, &[planted(fault), check.clone()]);
+        assert!(
+            !ok,
+            "{test} passed under the race checker with {fault}:\n{out}"
+        );
+        assert!(out.contains("planted fault"), "{fault}: not built:\n{out}");
+        let file = if fault.starts_with("delta") {
+            "kernels/delta_net.cu:"
+        } else {
+            "kernels/qkv.cu:"
+        };
+        let line = out
+            .lines()
+            .find(|l| l.contains(report) && l.contains(file))
+            .unwrap_or_else(|| panic!("{fault}: no {report:?} at {file} reported:\n{out}"));
+        eprintln!("{fault}: {line}");
     }
 }
 

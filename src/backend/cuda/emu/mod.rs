@@ -9,7 +9,10 @@
 //! (`NINFER_EMU_CXX` overrides), cached on disk under a digest of its text and flags
 //! (`NINFER_EMU_CACHE_DIR`, default the system temporary directory), and loaded with
 //! `dlopen`. `NINFER_EMU_SANITIZE=address` builds it with AddressSanitizer (the process must
-//! then preload libasan).
+//! then preload libasan). `NINFER_EMU_RACECHECK=1` builds it with GCC's ThreadSanitizer
+//! instrumentation but without its runtime: the emulator's runtime receives the calls and
+//! fails a launch whose threads touch a word of shared memory, one of them writing, with
+//! no barrier between them (kernels/emu_runtime.cpp, "the race checker").
 //!
 //! What it cannot show: NVRTC's code generation (FMA contraction, `--fmad`), the GPU's
 //! `expf`/`exp2f`/`log`, the tensor cores' accumulation order, real warp-scheduling races,
@@ -58,7 +61,22 @@ pub struct Fault {
     pub to: &'static str,
 }
 
-pub const FAULTS: [Fault; 22] = [
+/// `delta_rule_chunked`'s sum of the chunk's decays by thread 0 (kernels/delta_net.cu),
+/// which the fault `delta-gc-after-barrier` moves past the following barrier.
+macro_rules! delta_gc_sum {
+    () => {
+        "        if (tid == 0) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; ++i) {
+                acc = __fadd_rn(acc, g[(row0 + i) * hv + j]);
+                gc[i] = acc;
+            }
+        }
+"
+    };
+}
+
+pub const FAULTS: [Fault; 23] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -186,6 +204,12 @@ pub const FAULTS: [Fault; 22] = [
         to: "v.y = o + t * (MOE_TILE_ROWS - 1);",
     },
     Fault {
+        name: "delta-gc-after-barrier",
+        what: "the chunked delta rule's thread 0 sums the chunk's decays (gc) just after the barrier that should publish them: the threads resumed after it read them in time, the others would not",
+        from: concat!(delta_gc_sum!(), "        __syncthreads();\n"),
+        to: concat!("        __syncthreads();\n", delta_gc_sum!()),
+    },
+    Fault {
         name: "rope-no-syncwarp",
         what: "q/k preparation reads its RoPE partner from the warp's staging row without a __syncwarp",
         from: "        __syncwarp();\n        int half = rot >> 1;",
@@ -252,6 +276,8 @@ pub fn planted() -> Result<Option<&'static Fault>> {
 /// How the library is built.
 pub struct BuildOptions {
     pub sanitize_address: bool,
+    /// The shared-memory race checker (`NINFER_EMU_RACECHECK=1`).
+    pub race_check: bool,
     pub fault: Option<&'static Fault>,
 }
 
@@ -260,28 +286,55 @@ impl BuildOptions {
     /// build (a planted fault changes scores on purpose: never in an ordinary build, and a
     /// run records it in its report, `settings.test_fault`).
     pub fn from_env() -> Result<BuildOptions> {
-        Ok(BuildOptions {
+        let o = BuildOptions {
             sanitize_address: std::env::var("NINFER_EMU_SANITIZE").is_ok_and(|v| v == "address"),
+            race_check: std::env::var("NINFER_EMU_RACECHECK").is_ok_and(|v| v == "1"),
             fault: planted()?,
-        })
+        };
+        if o.sanitize_address && o.race_check {
+            bail!("NINFER_EMU_SANITIZE=address and NINFER_EMU_RACECHECK=1 build different libraries: set one");
+        }
+        Ok(o)
     }
 
+    /// The compiler's flags. The race checker's build compiles (`-c`) with ThreadSanitizer's
+    /// instrumentation, then links (`link_flags`) without `-fsanitize`, so libtsan is not
+    /// pulled in: the runtime in the library answers the instrumentation's calls.
     fn flags(&self) -> Vec<&'static str> {
         let mut f = vec![
             "-std=c++17",
             "-fPIC",
-            "-shared",
             "-ffp-contract=off",
             "-fno-fast-math",
             "-fno-strict-aliasing",
             "-w",
         ];
         if self.sanitize_address {
-            f.extend(["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]);
+            f.extend([
+                "-shared",
+                "-O1",
+                "-g",
+                "-fsanitize=address",
+                "-fno-omit-frame-pointer",
+            ]);
+        } else if self.race_check {
+            f.extend([
+                "-c",
+                "-O1",
+                "-g",
+                "-fsanitize=thread",
+                "--param",
+                "tsan-instrument-func-entry-exit=0",
+            ]);
         } else {
-            f.push("-O2");
+            f.extend(["-shared", "-O2"]);
         }
         f
+    }
+
+    /// The second step of a two-step build (the race checker's), or None.
+    fn link_flags(&self) -> Option<Vec<&'static str>> {
+        self.race_check.then(|| vec!["-shared", "-fPIC"])
     }
 }
 
@@ -329,6 +382,10 @@ impl Library {
         let mut h = Sha256::new();
         h.update(&version.stdout);
         h.update(opts.flags().join(" "));
+        if let Some(link) = opts.link_flags() {
+            h.update(" link: ");
+            h.update(link.join(" "));
+        }
         h.update(&text);
         let digest = hex::encode(&h.finalize()[..12]);
         let dir = cache_dir();
@@ -344,24 +401,35 @@ impl Library {
             let src = work.path().join("kernels.cpp");
             std::fs::write(&src, &text)?;
             let out = work.path().join("kernels.so");
-            let r = std::process::Command::new(&cxx)
-                .args(opts.flags())
-                .arg(&src)
-                .arg("-o")
-                .arg(&out)
-                .output()
-                .map_err(|e| anyhow!("`{cxx}` did not run ({e})"))?;
-            if !r.status.success() {
-                let log = String::from_utf8_lossy(&r.stderr);
-                let first: Vec<&str> = log
-                    .lines()
-                    .filter(|l| l.contains("error"))
-                    .take(5)
-                    .collect();
-                bail!(
-                    "compiling the kernels for the emulated device failed ({cxx}): {}",
-                    first.join(" | ")
-                );
+            let run = |args: &[&str], input: &std::path::Path, output: &std::path::Path| {
+                let r = std::process::Command::new(&cxx)
+                    .args(args)
+                    .arg(input)
+                    .arg("-o")
+                    .arg(output)
+                    .output()
+                    .map_err(|e| anyhow!("`{cxx}` did not run ({e})"))?;
+                if !r.status.success() {
+                    let log = String::from_utf8_lossy(&r.stderr);
+                    let first: Vec<&str> = log
+                        .lines()
+                        .filter(|l| l.contains("error"))
+                        .take(5)
+                        .collect();
+                    bail!(
+                        "compiling the kernels for the emulated device failed ({cxx}): {}",
+                        first.join(" | ")
+                    );
+                }
+                Ok(())
+            };
+            match opts.link_flags() {
+                Some(link) => {
+                    let obj = work.path().join("kernels.o");
+                    run(&opts.flags(), &src, &obj)?;
+                    run(&link, &obj, &out)?;
+                }
+                None => run(&opts.flags(), &src, &out)?,
             }
             // Atomic publish: concurrent builders of the same digest race harmlessly.
             std::fs::rename(&out, &so)?;
@@ -438,7 +506,8 @@ impl Library {
             ),
             _ => {}
         }
-        let mut err = vec![0u8; 512];
+        // Room for the race checker's report (up to 16 hazards, a line each).
+        let mut err = vec![0u8; 16 * 1024];
         let r = (self.launch)(
             c.as_ptr(),
             grid.0,
@@ -452,13 +521,123 @@ impl Library {
         );
         if r != 0 {
             let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+            let why = String::from_utf8_lossy(&err[..end]);
             bail!(
                 "emulated kernel launch failed: {}",
-                String::from_utf8_lossy(&err[..end])
+                symbolize(&why, &self.path)
             );
         }
         Ok(())
     }
+}
+
+/// The race checker's addresses in `report` (`{pc:0x..}` for an instruction, `{data:0x..}`
+/// for a `__shared__` variable, offsets in the library `so`) as source lines (`addr2line`:
+/// the `#line` directives of the translation unit name `kernels/*.cu`) and variable names
+/// (`nm`). An address that cannot be resolved stays as `kernels.so+0x..`.
+fn symbolize(report: &str, so: &std::path::Path) -> String {
+    let mut pcs: Vec<String> = Vec::new();
+    let mut datas: Vec<u64> = Vec::new();
+    for (tag, list) in [("{pc:0x", 0), ("{data:0x", 1)] {
+        for part in report.split(tag).skip(1) {
+            if let Some(hex) = part.split('}').next() {
+                if list == 0 {
+                    pcs.push(format!("0x{hex}"));
+                } else if let Ok(v) = u64::from_str_radix(hex, 16) {
+                    datas.push(v);
+                }
+            }
+        }
+    }
+    if pcs.is_empty() && datas.is_empty() {
+        return report.to_string();
+    }
+    let mut out = report.to_string();
+    pcs.sort();
+    pcs.dedup();
+    if !pcs.is_empty() {
+        let lines = std::process::Command::new("addr2line")
+            .arg("-e")
+            .arg(so)
+            .args(&pcs)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let lines: Vec<&str> = lines.lines().collect();
+        for (i, pc) in pcs.iter().enumerate() {
+            let at = match lines.get(i) {
+                Some(l) if !l.starts_with("??") => {
+                    // The #line directives name kernels/<file>, which addr2line puts under
+                    // the compiler's working directory.
+                    let l = l.split(" (discriminator").next().unwrap_or(l);
+                    let l = l.rfind("kernels/").map_or(l, |i| &l[i..]);
+                    format!("{l} (kernels.so+{pc})")
+                }
+                _ => format!("kernels.so+{pc}"),
+            };
+            out = out.replace(&format!("{{pc:{pc}}}"), &at);
+        }
+    }
+    if !datas.is_empty() {
+        // Local symbols with their sizes: "<value> <size> <type> <name>".
+        let table = std::process::Command::new("nm")
+            .args(["-C", "-S", "--defined-only"])
+            .arg(so)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let symbols: Vec<(u64, u64, &str)> = table
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.splitn(4, ' ');
+                let v = u64::from_str_radix(f.next()?, 16).ok()?;
+                let n = u64::from_str_radix(f.next()?, 16).ok()?;
+                let _kind = f.next()?;
+                Some((v, n, f.next()?))
+            })
+            .collect();
+        for d in datas {
+            let name = symbols
+                .iter()
+                .find(|(v, n, _)| d >= *v && d < v + n)
+                .map(|(v, _, name)| {
+                    let name = without_parameters(name);
+                    if d == *v {
+                        format!("`{name}`")
+                    } else {
+                        format!("`{name}`+0x{:x}", d - v)
+                    }
+                })
+                .unwrap_or_else(|| format!("kernels.so+0x{d:x}"));
+            out = out.replace(&format!("{{data:0x{d:x}}}"), &name);
+        }
+    }
+    out
+}
+
+/// A demangled static local's name without its function's parameter list:
+/// `f<1>(int, float)::x` becomes `f<1>::x`.
+fn without_parameters(name: &str) -> String {
+    let Some(end) = name.rfind(")::") else {
+        return name.to_string();
+    };
+    let mut depth = 0;
+    for (i, c) in name[..=end].char_indices().rev() {
+        match c {
+            ')' => depth += 1,
+            '(' => {
+                depth -= 1;
+                if depth == 0 {
+                    return format!("{}{}", &name[..i], &name[end + 1..]);
+                }
+            }
+            _ => {}
+        }
+    }
+    name.to_string()
 }
 
 #[cfg(test)]
@@ -479,6 +658,14 @@ mod tests {
                 f.name
             );
         }
+        assert_eq!(
+            without_parameters("qkv_prep<1, 5, 4>(float const*, void (*)(int), int)::stage"),
+            "qkv_prep<1, 5, 4>::stage"
+        );
+        assert_eq!(
+            without_parameters("emu_selftest_race::value"),
+            "emu_selftest_race::value"
+        );
         assert!(fault("nope")
             .unwrap_err()
             .to_string()
