@@ -12,8 +12,8 @@
 // divergent barrier and fails the launch; it never hangs.
 //
 // `__shared__` variables are `static`: one copy, used by one block at a time (the runtime
-// serializes launches process-wide). Strict mode (NINFER_EMU_STRICT=1) fills them (those in
-// the emu_shared section, below) with 0xff bytes (NaN as floats) before every block, as a
+// serializes launches process-wide). Strict mode (NINFER_EMU_STRICT=1) fills them all (see
+// the emu_shared section below) with 0xff bytes (NaN as floats) before every block, as a
 // GPU's shared memory starts as garbage, and resumes a block's threads in reverse order: a
 // value one thread writes and another reads without a barrier between them then arrives
 // late, or as poison, instead of passing.
@@ -53,7 +53,8 @@
 // statics (not COMDAT) and can live in one section, `emu_shared`, which the runtime fills
 // with a poison value before each block in strict mode (NINFER_EMU_STRICT=1). GCC before
 // 14 ignores the section of a static local in a function template: those (qkv_prep's,
-// attn_mma's) stay in .bss, unpoisoned; the race checker watches them all the same.
+// attn_mma's, moe_gemm's) stay in .bss, and the host hands their places to the runtime
+// (`ninfer_emu_static_shared`) so strict mode poisons them as well.
 #define __device__ static
 #define __global__
 #define __forceinline__ inline

@@ -12,6 +12,7 @@
 // word of shared memory (see "the race checker" below). Every function of this file is
 // EMU_UNCHECKED: never instrumented itself.
 
+#include <dlfcn.h>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -275,9 +276,20 @@ EMU_UNCHECKED bool strict_mode() {
 extern "C" char __start_emu_shared[] __attribute__((weak));
 extern "C" char __stop_emu_shared[] __attribute__((weak));
 
+// The `__shared__` statics of function templates, which GCC (before 14) leaves out of the
+// section: (offset in this library, bytes), given by the host from the library's symbol
+// table (`ninfer_emu_static_shared`).
+std::vector<std::pair<uint64_t, uint64_t>> template_shared;
+
 EMU_UNCHECKED void poison_static_shared() {
     if (__start_emu_shared && __stop_emu_shared > __start_emu_shared)
         std::memset(__start_emu_shared, 0xff, (size_t)(__stop_emu_shared - __start_emu_shared));
+    static char* base = [] {
+        Dl_info info;
+        return dladdr((void*)&poison_static_shared, &info) ? (char*)info.dli_fbase : nullptr;
+    }();
+    if (base)
+        for (const auto& r : template_shared) std::memset(base + r.first, 0xff, (size_t)r.second);
 }
 
 // ---------------------------------------------------------------- the race checker
@@ -698,6 +710,13 @@ EMU_TSAN void __tsan_vptr_read(void**) {}
 // ---------------------------------------------------------------- the C interface
 
 // Whether `entry` exists, and its parameter count (-1 when it does not).
+// The host's list of the templated kernels' `__shared__` statics (offsets in this library
+// and sizes), for strict mode to poison with the others before each block.
+extern "C" EMU_UNCHECKED void ninfer_emu_static_shared(const uint64_t* offsets, const uint64_t* bytes, size_t n) {
+    template_shared.clear();
+    for (size_t i = 0; i < n; ++i) template_shared.emplace_back(offsets[i], bytes[i]);
+}
+
 extern "C" EMU_UNCHECKED int ninfer_emu_arity(const char* entry) {
     const Entry* e = find_entry(entry);
     return e ? e->arity : -1;

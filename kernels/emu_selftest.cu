@@ -61,3 +61,17 @@ extern "C" __global__ void emu_selftest_race(float* __restrict__ out) {
     if (threadIdx.x == 0) value = 7.0f;
     out[threadIdx.x] = value;
 }
+
+// A function template's static shared array, read by one thread before its block writes
+// it: a GPU gives garbage there. In the default mode the emulator gives the previous
+// block's value; in strict mode the poison, as for every other static (GCC puts the
+// statics of templates outside the `emu_shared` section, so the host lists them).
+template <int N>
+__device__ void selftest_held(float* out) {
+    __shared__ float held[N];
+    out[blockIdx.x] = held[0];
+    held[0] = 5.0f;
+}
+extern "C" __global__ void emu_selftest_template_shared(float* __restrict__ out) {
+    selftest_held<4>(out);
+}

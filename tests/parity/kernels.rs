@@ -200,6 +200,31 @@ fn a_race_reads_what_the_thread_order_gives() {
     }
 }
 
+/// Static shared memory starts each block as a GPU's does, as garbage, in strict mode: a
+/// function template's `__shared__` array read before its block writes it holds the poison
+/// in every block (GCC keeps such statics out of the section strict mode poisons, so the
+/// host finds them in the symbol table). In the default mode the second block reads what
+/// the first one wrote.
+#[test(gxx)]
+fn strict_mode_poisons_the_shared_statics_of_templates() {
+    let out = gpu().alloc(2 * 4).unwrap();
+    gpu()
+        .launch(
+            "emu_selftest_template_shared",
+            (2, 1, 1),
+            1,
+            0,
+            &Raw(vec![p::<f32>(&out).arg()]),
+        )
+        .unwrap();
+    let got = read_f32(&out, 2);
+    if std::env::var("NINFER_EMU_STRICT").is_ok_and(|v| v == "1") {
+        assert!(got.iter().all(|v| v.is_nan()), "{got:?}");
+    } else {
+        assert_eq!(got[1], 5.0, "{got:?}");
+    }
+}
+
 /// Strict mode (NINFER_EMU_STRICT=1, kernels/emu.h): every kernel check of this module passes
 /// with a block's threads resumed in reverse order and static shared memory poisoned per
 /// block; the synthetic race above reads poison there; and two races planted in real kernels

@@ -34,12 +34,13 @@ pub const RUNTIME: &str = include_str!("../../../../kernels/emu_runtime.cpp");
 pub const SELFTEST: &str = include_str!("../../../../kernels/emu_selftest.cu");
 
 /// Entry points only the emulated device has (`kernels/emu_selftest.cu`).
-pub const SELFTEST_ENTRIES: [&str; 5] = [
+pub const SELFTEST_ENTRIES: [&str; 6] = [
     "emu_selftest_warp_ops",
     "emu_selftest_divergent_barrier",
     "emu_selftest_early_exit",
     "emu_selftest_mma",
     "emu_selftest_race",
+    "emu_selftest_template_shared",
 ];
 
 /// Every entry point of the emulated device: each program's, then the self tests'.
@@ -350,6 +351,64 @@ type LaunchFn = unsafe extern "C" fn(
     usize,
 ) -> i32;
 type ArityFn = unsafe extern "C" fn(*const c_char) -> i32;
+type StaticSharedFn = unsafe extern "C" fn(*const u64, *const u64, usize);
+
+/// Whether strict mode is on (`NINFER_EMU_STRICT=1`, read by the runtime too).
+fn strict() -> bool {
+    std::env::var("NINFER_EMU_STRICT").is_ok_and(|v| v == "1")
+}
+
+/// The names of the kernels' `__shared__` variables (`__shared__ <type> <name>[..];` or
+/// `<name>;`), from the sources.
+fn shared_names() -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for text in MODULES.iter().map(|m| m.source).chain([COMMON, SELFTEST]) {
+        for decl in text.split("__shared__").skip(1) {
+            let decl = decl.split([';', '[', '\n']).next().unwrap_or("");
+            if let Some(name) = decl.split_whitespace().last() {
+                if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    names.push(name.to_string());
+                }
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// (offset, bytes) of each function-local `__shared__` static in the library `so`, from
+/// its symbol table (`nm`): GCC before 14 ignores the `emu_shared` section on the statics
+/// of function templates (`qkv_prep`'s `stage`, the tensor-core kernels' tiles), so strict
+/// mode is given their places to poison.
+fn template_shared(so: &std::path::Path) -> Result<Vec<(u64, u64)>> {
+    let out = std::process::Command::new("nm")
+        .args(["-C", "-S", "--defined-only"])
+        .arg(so)
+        .output()
+        .map_err(|e| anyhow!("NINFER_EMU_STRICT=1 needs `nm` (binutils) to find the kernels' shared statics: {e}"))?;
+    if !out.status.success() {
+        bail!("NINFER_EMU_STRICT=1: `nm {}` failed", so.display());
+    }
+    let names = shared_names();
+    let table = String::from_utf8_lossy(&out.stdout);
+    let mut found = Vec::new();
+    for l in table.lines() {
+        let mut f = l.splitn(4, ' ');
+        let (Some(v), Some(n), Some(kind), Some(sym)) = (f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let (Ok(v), Ok(n)) = (u64::from_str_radix(v, 16), u64::from_str_radix(n, 16)) else {
+            continue;
+        };
+        let var = sym.rsplit("::").next().unwrap_or("");
+        if sym.contains(">(") && "bBdDu".contains(kind) && names.iter().any(|x| x == var) {
+            found.push((v, n));
+        }
+    }
+    Ok(found)
+}
 
 /// The loaded kernel library.
 pub struct Library {
@@ -456,6 +515,16 @@ impl Library {
             let a: libloading::Symbol<ArityFn> = lib.get(b"ninfer_emu_arity\0")?;
             (*l, *a)
         };
+        if strict() {
+            let (offsets, bytes): (Vec<u64>, Vec<u64>) = template_shared(&so)?.into_iter().unzip();
+            // SAFETY: defined by kernels/emu_runtime.cpp with this signature; it copies the
+            // arrays.
+            unsafe {
+                let f: libloading::Symbol<StaticSharedFn> =
+                    lib.get(b"ninfer_emu_static_shared\0")?;
+                f(offsets.as_ptr(), bytes.as_ptr(), offsets.len());
+            }
+        }
         Ok(Library {
             _lib: lib,
             launch,
