@@ -395,6 +395,10 @@ step() { # name, timeout seconds, command...
 [ "$mode" = build ] && step nvrtc 240 "$(tb parity)" nvrtc:: --nocapture
 # 2. Device codecs store the CPU's bits (the `::cuda` half of each parity case).
 NINFER_CUDA_SYNC=1 step kv-codecs 120 "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
+# 2b. Every kernel against its CPU twin on this GPU (the emulated device's checks, run here:
+#     the bit-for-bit claims meet the GPU's FMA contraction and libm; checks of the emulator
+#     itself skip themselves).
+NINFER_KERNEL_DEVICE=cuda NINFER_CUDA_SYNC=1 step kernels-gpu 150 "$(tb parity)" kernels:: --nocapture --test-threads 1
 # 3. Parity with the CPU reference: the hybrid and MoE cases first, then the rest.
 skip=()
 [ -f models/smollm2-135m-bf16.ninfer ] || { skip=(--skip smollm2); say "no SmolLM2 artifact: its parity is skipped"; }
@@ -454,12 +458,17 @@ if [ -f models/smollm2-135m-bf16.ninfer ]; then
 fi
 # 8. compute-sanitizer (where the tool is there and the runtime lets it read the device):
 #    memcheck over the KV codecs and the small hybrid's parity (few tokens); racecheck, about
-#    50 times slower, over the KV codecs only.
+#    50 times slower, over the kernel checks of the Gated DeltaNet, attention, q/k/v and MoE
+#    kernels on this GPU (the shapes of tests/parity/kernels.rs: small), then the KV codecs.
 sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -n 1)"
 if [ -n "$sanitizer" ]; then
   NINFER_PARITY_OUT="$work/sanitize.jsonl" NINFER_PARITY_TOKENS=128 step sanitize-memcheck 90 "$sanitizer" --tool memcheck --error-exitcode 9 \
     "$(tb parity)" ::cuda --skip model::tiny --skip smollm2 --skip reruns --skip batching --skip bad_token \
     --nocapture --test-threads 1
+  for part in delta attention qkv moe expert; do
+    NINFER_KERNEL_DEVICE=cuda step "sanitize-racecheck-$part" 90 "$sanitizer" --tool racecheck --error-exitcode 9 \
+      "$(tb parity)" "$part" --skip model:: --skip planted --skip strict --skip race_checker --nocapture --test-threads 1
+  done
   NINFER_PARITY_OUT="$work/sanitize.jsonl" step sanitize-racecheck 90 "$sanitizer" --tool racecheck --error-exitcode 9 \
     "$(tb parity)" ::cuda --skip model:: --nocapture --test-threads 1
 else

@@ -18,9 +18,32 @@ use ninfer_perplexity::kv::{hadamard, Elem, KvDtype};
 use ninfer_perplexity::model::{ForwardError, Part};
 use std::sync::OnceLock;
 
+/// Whether the checks run on a GPU (`NINFER_KERNEL_DEVICE=cuda`, as ci/gpu-check.sh runs
+/// them, plainly and under compute-sanitizer) instead of the emulated device.
+fn on_gpu() -> bool {
+    std::env::var("NINFER_KERNEL_DEVICE").is_ok_and(|v| v == "cuda")
+}
+
+/// The device every check launches on: the emulated one, or CUDA device 0.
 fn gpu() -> &'static Gpu {
     static G: OnceLock<Gpu> = OnceLock::new();
-    G.get_or_init(|| Gpu::emulated().expect("the emulated CUDA device (needs g++)"))
+    G.get_or_init(|| {
+        if on_gpu() {
+            Gpu::open_target(ninfer_perplexity::backend::cuda::Target::Cuda(0))
+                .expect("NINFER_KERNEL_DEVICE=cuda: CUDA device 0")
+        } else {
+            Gpu::emulated().expect("the emulated CUDA device (needs g++)")
+        }
+    })
+}
+
+/// For a check of the emulator itself (its self-test kernels, strict mode, the race
+/// checker, planted faults): true, after saying so, when the checks run on a GPU.
+fn emu_only() -> bool {
+    if on_gpu() {
+        eprintln!("skipped: a check of the emulated device (NINFER_KERNEL_DEVICE=cuda)");
+    }
+    on_gpu()
 }
 
 use crate::common::rng::Rng;
@@ -84,6 +107,9 @@ fn selftest(name: &str, block: u32, args: Vec<Arg>) -> anyhow::Result<()> {
 
 #[test(gxx)]
 fn warp_exchanges_follow_their_definitions() {
+    if emu_only() {
+        return;
+    }
     let x: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 - 20.0).collect();
     let (xb, out) = (up(&x), gpu().alloc(6 * 64 * 4).unwrap());
     selftest(
@@ -112,6 +138,9 @@ fn warp_exchanges_follow_their_definitions() {
 /// One mma.m16n8k16 against the product computed here (integers: exact in any order).
 #[test(gxx)]
 fn mma_follows_the_ptx_fragment_layout() {
+    if emu_only() {
+        return;
+    }
     let a: Vec<f32> = (0..256).map(|i| ((i * 7) % 9) as f32 - 4.0).collect(); // [16, 16]
     let b: Vec<f32> = (0..128).map(|i| ((i * 5) % 7) as f32 - 3.0).collect(); // [16, 8]
     let c: Vec<f32> = (0..128).map(|i| i as f32).collect(); // [16, 8]
@@ -140,6 +169,9 @@ fn mma_follows_the_ptx_fragment_layout() {
 /// the launch with a message; it never hangs.
 #[test(gxx)]
 fn a_divergent_barrier_fails_the_launch() {
+    if emu_only() {
+        return;
+    }
     let out = gpu().alloc(64 * 4).unwrap();
     let e = selftest(
         "emu_selftest_divergent_barrier",
@@ -176,6 +208,9 @@ fn a_divergent_barrier_fails_the_launch() {
 /// (NINFER_EMU_RACECHECK=1) fails the launch, naming the variable and both lines.
 #[test(gxx)]
 fn a_race_reads_what_the_thread_order_gives() {
+    if emu_only() {
+        return;
+    }
     let out = gpu().alloc(64 * 4).unwrap();
     let launch = selftest("emu_selftest_race", 64, vec![p::<f32>(&out).arg()]);
     if std::env::var("NINFER_EMU_RACECHECK").is_ok_and(|v| v == "1") {
@@ -207,6 +242,9 @@ fn a_race_reads_what_the_thread_order_gives() {
 /// the first one wrote.
 #[test(gxx)]
 fn strict_mode_poisons_the_shared_statics_of_templates() {
+    if emu_only() {
+        return;
+    }
     let out = gpu().alloc(2 * 4).unwrap();
     gpu()
         .launch(
@@ -233,6 +271,9 @@ fn strict_mode_poisons_the_shared_statics_of_templates() {
 /// their checks in strict mode (whether the default order also catches them is printed).
 #[test(gxx)]
 fn the_strict_emulator_catches_planted_races() {
+    if emu_only() {
+        return;
+    }
     if in_child() {
         return;
     }
@@ -289,6 +330,9 @@ fn the_strict_emulator_catches_planted_races() {
 /// (`a_race_reads_what_the_thread_order_gives`).
 #[test(gxx)]
 fn the_race_checker_passes_the_kernels_and_reports_planted_races() {
+    if emu_only() {
+        return;
+    }
     if in_child() {
         return;
     }
@@ -361,6 +405,9 @@ fn the_race_checker_passes_the_kernels_and_reports_planted_races() {
 /// the small hybrid 2.9e-6.
 #[test(gxx)]
 fn the_batching_bound_holds_when_the_gemm_order_follows_the_row_count() {
+    if emu_only() {
+        return;
+    }
     if in_child() {
         return;
     }
@@ -389,6 +436,9 @@ fn the_batching_bound_holds_when_the_gemm_order_follows_the_row_count() {
 
 #[test(gxx)]
 fn a_launch_with_the_wrong_arguments_is_refused() {
+    if emu_only() {
+        return;
+    }
     let e = selftest("emu_selftest_mma", 32, vec![Arg::I32(1)]).unwrap_err();
     assert!(
         format!("{e:#}").contains("takes 3 parameters, 1 were given"),
@@ -1634,6 +1684,9 @@ fn in_child() -> bool {
 /// fail; the same checks pass on the clean kernels (the other tests of this file).
 #[test(gxx)]
 fn planted_kernel_faults_fail_these_checks() {
+    if emu_only() {
+        return;
+    }
     if in_child() {
         return;
     }
@@ -1720,6 +1773,9 @@ fn planted_kernel_faults_fail_these_checks() {
 /// reported, which shows the sanitizer is really watching.
 #[test(gxx)]
 fn the_kernels_run_clean_under_address_sanitizer() {
+    if emu_only() {
+        return;
+    }
     if in_child() {
         return;
     }
