@@ -155,8 +155,8 @@ extern "C" __global__ void delta_gated_norm(const float* __restrict__ o, const f
 //   v_new   = u - w S                                                [n, Dv]
 //   o_i     = exp(gc_i) q_i S + sum_{j<=i} (q_i . k_j) exp(gc_i - gc_j) v_new_j
 //   S       = exp(gc_last) S + sum_i k_i exp(gc_last - gc_i) v_new_i^T
-// Every element is one thread's sum in a fixed order, with no atomics and no reduction
-// across threads: the result is deterministic. Only
+// Every element is a sum in a fixed order (one thread's, or in the triangular solve one
+// term per wavefront step, in step order), with no atomics: the result is deterministic. Only
 // differences gc_i - gc_j (j <= i) and gc_last - gc_i are exponentiated besides exp(gc_i),
 // so no factor exceeds 1 however negative g is.
 //
@@ -224,7 +224,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         const int n = min(C, span.y - c0);
         const i64 row0 = (i64)span.x + c0;
         // The last of this warp's rows in the chunk (-1: none), the bound of its triangular sums.
-        const int i_last = min(i0 + 7, n - 1);
+        const int i_last = i0 < n ? min(i0 + 7, n - 1) : -1;
         __syncthreads();  // the previous chunk's State update is done with K and U
         // k rows, beta; gc by one thread in token order (the CPU's sum).
         for (int idx = tid; idx < n * dk; idx += nt) {

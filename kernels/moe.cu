@@ -276,6 +276,7 @@ moe_gemm_bf16(const u16* __restrict__ x, const u16* __restrict__ w, const int4* 
 // blocks' chains added in order. 256 threads, each 4 x 4 outputs (rows ty + 16 i, columns
 // tx + 16 j). Grid: (ceil(N / 64), max_tiles), block 256.
 #define MG_KC 768
+static_assert(MG_KC % MG_K == 0, "a depth block ends where a staged slice does");
 extern "C" __global__ void __launch_bounds__(256)
 moe_gemm_f32(const float* __restrict__ x, const float* __restrict__ w, const int4* __restrict__ tiles, int N,
              int K, float* __restrict__ y, int ldy) {

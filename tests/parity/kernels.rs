@@ -2245,6 +2245,12 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
     assert!(launch::delta_chunked_state_in_shared(128, 128));
     assert!(!launch::delta_chunked_state_in_shared(256, 256));
     assert!(!launch::delta_chunked_fits(0, 8));
+    // Within the shared memory but wider than a thread's tile of State columns.
+    assert!(!launch::delta_chunked_fits(64, 300));
+    assert!(src.contains(&format!(
+        "#define DELTA_THREADS {}\n",
+        launch::DELTA_CHUNKED_THREADS
+    )));
 
     let full: &[usize] = &[1, c - 1, c, c + 1, 3 * c + 5, 300];
     // (lens, hk, hv, dk, dv)
@@ -2285,7 +2291,7 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
                 .launch(
                     "delta_rule_chunked",
                     (spans.len() as u32, hv as u32, 1),
-                    256,
+                    launch::DELTA_CHUNKED_THREADS,
                     launch::delta_chunked_smem_with(dk, dv, state_in_shared) as usize,
                     &launch::DeltaRuleChunked {
                         c: p(&cb),

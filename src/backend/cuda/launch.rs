@@ -439,7 +439,7 @@ kernel_args! {
     /// `delta_rule_chunked`: the same function as [`DeltaRule`] (the same inputs, output and
     /// grid (windows, Hv)), computed [`DELTA_CHUNK`] tokens at a time in the WY form (CPU
     /// twin: `cpu::delta_rule::chunked`); equal to the recurrence to f32 rounding, not bit
-    /// for bit. Block: any size (256); dynamic shared memory: [`delta_chunked_smem`]. Takes
+    /// for bit. Block: [`DELTA_CHUNKED_THREADS`]; dynamic shared memory: [`delta_chunked_smem`]. Takes
     /// every Dk, Dv up to [`DELTA_CHUNKED_MAX_DIM`] ([`delta_chunked_fits`]).
     DeltaRuleChunked = ("delta_net", ["delta_rule_chunked"]) {
         c: Ptr<f32>,
@@ -501,11 +501,18 @@ pub fn delta_chunked_state_bytes(dk: usize, dv: usize) -> usize {
     }
 }
 
-/// Whether `delta_rule_chunked` takes (dk, dv): both at least 1 and [`delta_chunked_smem`]
-/// within the limit (true for every pair up to [`DELTA_CHUNKED_MAX_DIM`]).
+/// Whether `delta_rule_chunked` takes (dk, dv): both from 1 to [`DELTA_CHUNKED_MAX_DIM`] (a
+/// thread's register tile covers at most 256 State columns) and [`delta_chunked_smem`]
+/// within the limit (true for every such pair).
 pub fn delta_chunked_fits(dk: usize, dv: usize) -> bool {
-    dk >= 1 && dv >= 1 && delta_chunked_smem(dk, dv) as usize <= super::plan::MAX_DYNAMIC_SMEM
+    (1..=DELTA_CHUNKED_MAX_DIM).contains(&dk)
+        && (1..=DELTA_CHUNKED_MAX_DIM).contains(&dv)
+        && delta_chunked_smem(dk, dv) as usize <= super::plan::MAX_DYNAMIC_SMEM
 }
+
+/// Threads of a `delta_rule_chunked` block (`DELTA_THREADS`): exactly 8 warps, each owning 8
+/// of a chunk's 64 rows.
+pub const DELTA_CHUNKED_THREADS: u32 = 256;
 
 kernel_args! {
     /// `delta_gated_norm`: `rmsnorm(o) · w · act(z)` per value head.

@@ -609,6 +609,10 @@ pub const MAX_DYNAMIC_SMEM: usize = 227 << 10;
 /// bits.
 pub fn check_delta_net(h: &crate::model::config::HybridConfig, device_smem: usize) -> Result<()> {
     let (dk, dv) = (h.linear_key_head_dim, h.linear_value_head_dim);
+    let max = super::launch::DELTA_CHUNKED_MAX_DIM;
+    if dk > max || dv > max {
+        bail!("Gated DeltaNet heads of {dk} x {dv}: the CUDA kernels take key and value head dims up to {max}");
+    }
     let need = super::launch::delta_chunked_smem_with(dk, dv, true) as usize;
     if !super::launch::delta_chunked_state_in_shared(dk, dv) {
         bail!(
@@ -980,6 +984,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("256 x 256") && e.contains("227 KiB"), "{e}");
+        // Small enough for shared memory, wider than a thread's tile of State columns.
+        (h.linear_key_head_dim, h.linear_value_head_dim) = (64, 300);
+        let e = check_delta_net(&h, MAX_DYNAMIC_SMEM)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("64 x 300") && e.contains("up to 256"), "{e}");
     }
 
     #[test]

@@ -109,7 +109,7 @@ impl CudaModel {
         g.launch(
             "delta_rule_chunked",
             (windows as u32, hv as u32, 1),
-            256,
+            launch::DELTA_CHUNKED_THREADS,
             launch::delta_chunked_smem(dk, dv) as usize,
             &launch::DeltaRuleChunked {
                 c: Ptr::new(b.conv.ptr),
