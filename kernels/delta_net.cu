@@ -188,6 +188,63 @@ extern "C" __global__ void delta_gated_norm(const float* __restrict__ o, const f
 #define DELTA_CHUNK 64
 #define DELTA_THREADS 256
 
+// Register-tile helpers of delta_rule_chunked: warp rows i0 .. i0 + 7, lane columns
+// lane + 32 q (q < CPT); every sum runs over its index from 0, products rounded as written.
+
+// acc[r][q] = sum_e X[i0 + r, e] S[e, lane + 32 q] (X: [C, ldk] in shared memory, S: [Dk, Dv]).
+template <int CPT>
+__device__ __forceinline__ void rows_times_state(float (&acc)[8][CPT], const float* X, int ldk, int i0,
+                                                 const float* S, int dk, int dv, int lane) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+#pragma unroll
+        for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
+    for (int e = 0; e < dk; ++e) {
+        float b[CPT];
+#pragma unroll
+        for (int q = 0; q < CPT; ++q) b[q] = S[e * dv + min(lane + 32 * q, dv - 1)];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            float a = X[(i0 + r) * ldk + e];
+#pragma unroll
+            for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
+        }
+    }
+}
+
+// acc[r][q] += sum_{m <= i0 + r, m <= i_last} T[i0 + r, m] B[m, lane + 32 q] (T: [C, C] lower
+// triangle and diagonal, B: [C, ld] with `cols` columns).
+template <int CPT>
+__device__ __forceinline__ void add_lower_times(float (&acc)[8][CPT], const float* T, int i0, int i_last,
+                                                const float* B, int ld, int cols, int lane) {
+    const int C = DELTA_CHUNK;
+    for (int m = 0; m <= i_last; ++m) {
+        float b[CPT];
+#pragma unroll
+        for (int q = 0; q < CPT; ++q) b[q] = B[m * ld + min(lane + 32 * q, cols - 1)];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (m > i0 + r) continue;
+            float a = T[(i0 + r) * C + m];
+#pragma unroll
+            for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
+        }
+    }
+}
+
+// acc[r] = X[i0 + r] . K[m] over Dk (X, K: [C, ldk]; m clamped to the chunk's rows).
+__device__ __forceinline__ void rows_dot_key(float (&acc)[8], const float* X, const float* K, int ldk, int i0,
+                                             int m, int n, int dk) {
+    const float* km = K + min(m, n - 1) * ldk;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
+    for (int e = 0; e < dk; ++e) {
+        float b = km[e];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(X[(i0 + r) * ldk + e], b));
+    }
+}
+
 template <bool S_SHARED, int CPT>
 __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __restrict__ c, int conv_dim,
                                                    const float* __restrict__ beta, const float* __restrict__ g,
@@ -251,15 +308,8 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         for (int m0 = 0; m0 < C; m0 += 32) {
             if (m0 >= i_last) break;  // warp-uniform: no column of this block is below a row
             const int m = m0 + lane;
-            const float* km = K + min(m, n - 1) * ldk;
             float acc[8];
-#pragma unroll
-            for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
-            for (int e = 0; e < dk; ++e) {
-                float b = km[e];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(K[(i0 + r) * ldk + e], b));
-            }
+            rows_dot_key(acc, K, K, ldk, i0, m, n, dk);
 #pragma unroll
             for (int r = 0; r < 8; ++r) {
                 int i = i0 + r;
@@ -327,18 +377,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         for (int r = 0; r < 8; ++r)
 #pragma unroll
             for (int q = 0; q < CPT; ++q) u[r][q] = 0.0f;
-        for (int m = 0; m <= i_last; ++m) {
-            float b[CPT];
-#pragma unroll
-            for (int q = 0; q < CPT; ++q) b[q] = U[m * dv + min(lane + 32 * q, dv - 1)];
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                if (m > i0 + r) continue;
-                float a = A[(i0 + r) * C + m];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) u[r][q] = __fadd_rn(u[r][q], __fmul_rn(a, b[q]));
-            }
-        }
+        add_lower_times(u, A, i0, i_last, U, dv, dv, lane);
         __syncthreads();  // beta v and w are complete
 #pragma unroll
         for (int r = 0; r < 8; ++r)
@@ -350,21 +389,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         // v_new = u - w S, in place (each thread its own elements of U).
         {
             float ws[8][CPT];
-#pragma unroll
-            for (int r = 0; r < 8; ++r)
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) ws[r][q] = 0.0f;
-            for (int e = 0; e < dk; ++e) {
-                float b[CPT];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) b[q] = S[e * dv + min(lane + 32 * q, dv - 1)];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    float a = QW[(i0 + r) * ldk + e];
-#pragma unroll
-                    for (int q = 0; q < CPT; ++q) ws[r][q] = __fadd_rn(ws[r][q], __fmul_rn(a, b[q]));
-                }
-            }
+            rows_times_state(ws, QW, ldk, i0, S, dk, dv, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
@@ -384,15 +409,8 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         for (int m0 = 0; m0 < C; m0 += 32) {
             if (m0 > i_last) break;
             const int m = m0 + lane;
-            const float* km = K + min(m, n - 1) * ldk;
             float acc[8];
-#pragma unroll
-            for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
-            for (int e = 0; e < dk; ++e) {
-                float b = km[e];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(QW[(i0 + r) * ldk + e], b));
-            }
+            rows_dot_key(acc, QW, K, ldk, i0, m, n, dk);
 #pragma unroll
             for (int r = 0; r < 8; ++r) {
                 int i = i0 + r;
@@ -403,39 +421,14 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         // o_i = exp(gc_i) (q_i S) + sum_{m <= i} P[i, m] v_new_m.
         {
             float acc[8][CPT];
-#pragma unroll
-            for (int r = 0; r < 8; ++r)
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
-            for (int e = 0; e < dk; ++e) {
-                float b[CPT];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) b[q] = S[e * dv + min(lane + 32 * q, dv - 1)];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    float a = QW[(i0 + r) * ldk + e];
-#pragma unroll
-                    for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
-                }
-            }
+            rows_times_state(acc, QW, ldk, i0, S, dk, dv, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r) {
                 float f = egc[min(i0 + r, n - 1)];
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) acc[r][q] = __fmul_rn(f, acc[r][q]);
             }
-            for (int m = 0; m <= i_last; ++m) {
-                float b[CPT];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) b[q] = U[m * dv + min(lane + 32 * q, dv - 1)];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    if (m > i0 + r) continue;
-                    float a = P[(i0 + r) * C + m];
-#pragma unroll
-                    for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
-                }
-            }
+            add_lower_times(acc, P, i0, i_last, U, dv, dv, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll

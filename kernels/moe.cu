@@ -99,16 +99,23 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const i32* _
 #define MOE_GROUP_ROWS 256
 #define MOE_TILE_ROWS 64
 
+// Copies the choices of the tokens r0 .. r0 + MOE_GROUP_ROWS (those that exist) from
+// idx[rows, k] into ch, then waits for the whole block; returns how many choices that is.
+__device__ __forceinline__ int stage_chunk(i32* ch, const i32* __restrict__ idx, i64 r0, i64 rows, int k) {
+    int n = (int)min((i64)MOE_GROUP_ROWS, rows - r0) * k;
+    for (int t = threadIdx.x; t < n; t += blockDim.x) ch[t] = idx[r0 * k + t];
+    __syncthreads();
+    return n;
+}
+
 // counts[chunk, e] = the choices of expert e among the chunk's tokens, from idx[rows, k].
 // Dynamic shared memory: MOE_GROUP_ROWS * k ints. Grid: (ceil(rows / MOE_GROUP_ROWS)),
 // block 256.
 extern "C" __global__ void moe_count(const i32* __restrict__ idx, i64 rows, int k, int experts,
                                      i32* __restrict__ counts) {
     DYNAMIC_SHARED(i32, ch);
-    i64 r0 = (i64)blockIdx.x * MOE_GROUP_ROWS;
-    int n = (int)min((i64)MOE_GROUP_ROWS, rows - r0) * k;
-    for (int t = threadIdx.x; t < n; t += blockDim.x) ch[t] = idx[r0 * k + t];
-    __syncthreads();
+    const i64 r0 = (i64)blockIdx.x * MOE_GROUP_ROWS;
+    const int n = stage_chunk(ch, idx, r0, rows, k);
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int cnt = 0;
         for (int t = 0; t < n; ++t) cnt += ch[t] == e;
@@ -179,10 +186,8 @@ extern "C" __global__ void moe_place(const i32* __restrict__ idx, i64 rows, int 
                                      const i32* __restrict__ base, i32* __restrict__ src, i32* __restrict__ slot,
                                      i32* __restrict__ pick) {
     DYNAMIC_SHARED(i32, ch);
-    i64 r0 = (i64)blockIdx.x * MOE_GROUP_ROWS;
-    int n = (int)min((i64)MOE_GROUP_ROWS, rows - r0) * k;
-    for (int t = threadIdx.x; t < n; t += blockDim.x) ch[t] = idx[r0 * k + t];
-    __syncthreads();
+    const i64 r0 = (i64)blockIdx.x * MOE_GROUP_ROWS;
+    const int n = stage_chunk(ch, idx, r0, rows, k);
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
         int pos = base[(i64)blockIdx.x * experts + e];
         for (int t = 0; t < n; ++t) {

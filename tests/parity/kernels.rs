@@ -2644,55 +2644,16 @@ fn the_expert_combine_reproduces_the_cpu_sums_bit_for_bit() {
     }
 }
 
-/// Runs the device grouping (`moe_count`, `moe_offsets`, `moe_place`) of the choices `idx`
-/// into `grp`, laid out as `lay`, as the model does.
+/// Runs the device grouping of the choices `idx` into `grp`, laid out as `lay`, as the
+/// model does.
 fn device_group(idx: &DevBuf, grp: &DevBuf, lay: &plan::MoeGroupLayout, k: usize, experts: usize) {
-    let g = gpu();
-    g.launch(
-        "moe_count",
-        (lay.chunks as u32, 1, 1),
-        256,
-        launch::moe_group_smem(k) as usize,
-        &launch::MoeCount {
-            idx: p(idx),
-            rows: lay.rows as i64,
-            k: k as i32,
-            experts: experts as i32,
-            counts: Ptr::new(grp.at(lay.base)),
-        },
-    )
-    .unwrap();
-    g.launch(
-        "moe_offsets",
-        (1, 1, 1),
-        256,
-        4 * (2 * experts + 1),
-        &launch::MoeOffsets {
-            counts: Ptr::new(grp.at(lay.base)),
-            chunks: lay.chunks as i32,
-            experts: experts as i32,
-            offsets: Ptr::new(grp.at(lay.offsets)),
-            tiles: Ptr::new(grp.at(lay.tiles)),
-            max_tiles: lay.max_tiles as i32,
-            routed: Ptr::new(grp.at(lay.routed)),
-        },
-    )
-    .unwrap();
-    g.launch(
-        "moe_place",
-        (lay.chunks as u32, 1, 1),
-        256,
-        launch::moe_group_smem(k) as usize,
-        &launch::MoePlace {
-            idx: p(idx),
-            rows: lay.rows as i64,
-            k: k as i32,
-            experts: experts as i32,
-            base: Ptr::new(grp.at(lay.base)),
-            src: Ptr::new(grp.at(lay.src)),
-            slot: Ptr::new(grp.at(lay.slot)),
-            pick: Ptr::new(grp.at(lay.pick)),
-        },
+    ninfer_perplexity::backend::cuda::model::moe::group_by_expert(
+        gpu(),
+        idx.ptr,
+        grp,
+        lay,
+        k,
+        experts,
     )
     .unwrap();
 }

@@ -21,7 +21,7 @@
 use super::layer::swiglu;
 use super::weights::Moe;
 use super::CudaModel;
-use crate::backend::cuda::device::DevBuf;
+use crate::backend::cuda::device::{DevBuf, Gpu};
 use crate::backend::cuda::gemm::Mat;
 use crate::backend::cuda::launch::{self, Any, Ptr};
 use crate::backend::cuda::plan::{self, Precision};
@@ -136,6 +136,63 @@ struct Grouped<'a> {
     y: &'a DevBuf,
 }
 
+/// Groups `lay.rows` tokens by expert from their choices `idx[rows, k]` (a device address)
+/// into `grp` laid out as `lay`: the three grouping kernels, as the block runs them (the
+/// kernel tests call this too).
+pub fn group_by_expert(
+    g: &Gpu,
+    idx: u64,
+    grp: &DevBuf,
+    lay: &plan::MoeGroupLayout,
+    k: usize,
+    ne: usize,
+) -> Result<()> {
+    g.launch(
+        "moe_count",
+        (lay.chunks as u32, 1, 1),
+        256,
+        launch::moe_group_smem(k) as usize,
+        &launch::MoeCount {
+            idx: Ptr::new(idx),
+            rows: lay.rows as i64,
+            k: k as i32,
+            experts: ne as i32,
+            counts: Ptr::new(grp.at(lay.base)),
+        },
+    )?;
+    g.launch(
+        "moe_offsets",
+        (1, 1, 1),
+        256,
+        4 * (2 * ne + 1),
+        &launch::MoeOffsets {
+            counts: Ptr::new(grp.at(lay.base)),
+            chunks: lay.chunks as i32,
+            experts: ne as i32,
+            offsets: Ptr::new(grp.at(lay.offsets)),
+            tiles: Ptr::new(grp.at(lay.tiles)),
+            max_tiles: lay.max_tiles as i32,
+            routed: Ptr::new(grp.at(lay.routed)),
+        },
+    )?;
+    g.launch(
+        "moe_place",
+        (lay.chunks as u32, 1, 1),
+        256,
+        launch::moe_group_smem(k) as usize,
+        &launch::MoePlace {
+            idx: Ptr::new(idx),
+            rows: lay.rows as i64,
+            k: k as i32,
+            experts: ne as i32,
+            base: Ptr::new(grp.at(lay.base)),
+            src: Ptr::new(grp.at(lay.src)),
+            slot: Ptr::new(grp.at(lay.slot)),
+            pick: Ptr::new(grp.at(lay.pick)),
+        },
+    )
+}
+
 impl CudaModel {
     /// Zeroes the pass's routing counts (before its first layer).
     pub(super) fn moe_begin(&self, b: &MoeBufs) -> Result<()> {
@@ -191,64 +248,6 @@ impl CudaModel {
         }
     }
 
-    /// Groups the block's `m` tokens by expert from the router's choices `idx[m, k]`
-    /// (in `b.router`), into `b.group` laid out as `lay`.
-    fn group_by_expert(
-        &self,
-        b: &MoeBufs,
-        idx: u64,
-        lay: &plan::MoeGroupLayout,
-        k: usize,
-        ne: usize,
-    ) -> Result<()> {
-        let g = &self.gpu;
-        let grp = &b.group;
-        g.launch(
-            "moe_count",
-            (lay.chunks as u32, 1, 1),
-            256,
-            launch::moe_group_smem(k) as usize,
-            &launch::MoeCount {
-                idx: Ptr::new(idx),
-                rows: lay.rows as i64,
-                k: k as i32,
-                experts: ne as i32,
-                counts: Ptr::new(grp.at(lay.base)),
-            },
-        )?;
-        g.launch(
-            "moe_offsets",
-            (1, 1, 1),
-            256,
-            4 * (2 * ne + 1),
-            &launch::MoeOffsets {
-                counts: Ptr::new(grp.at(lay.base)),
-                chunks: lay.chunks as i32,
-                experts: ne as i32,
-                offsets: Ptr::new(grp.at(lay.offsets)),
-                tiles: Ptr::new(grp.at(lay.tiles)),
-                max_tiles: lay.max_tiles as i32,
-                routed: Ptr::new(grp.at(lay.routed)),
-            },
-        )?;
-        g.launch(
-            "moe_place",
-            (lay.chunks as u32, 1, 1),
-            256,
-            launch::moe_group_smem(k) as usize,
-            &launch::MoePlace {
-                idx: Ptr::new(idx),
-                rows: lay.rows as i64,
-                k: k as i32,
-                experts: ne as i32,
-                base: Ptr::new(grp.at(lay.base)),
-                src: Ptr::new(grp.at(lay.src)),
-                slot: Ptr::new(grp.at(lay.slot)),
-                pick: Ptr::new(grp.at(lay.pick)),
-            },
-        )
-    }
-
     /// Adds the MoE block's output for the `m` rows of `io.h` to `io.x`, and their routing
     /// to the pass's counts.
     pub(super) fn moe(&self, w: &Moe, b: &MoeBufs, io: &Io, m: usize) -> Result<()> {
@@ -292,7 +291,7 @@ impl CudaModel {
                 wts: Ptr::new(b.router.at(o_wts)),
             },
         )?;
-        self.group_by_expert(b, b.router.at(o_idx), &lay, k, ne)?;
+        group_by_expert(g, b.router.at(o_idx), &b.group, &lay, k, ne)?;
         // The input rows grouped by expert: the block's norm again, over a row list.
         g.launch(
             "rms_norm",
