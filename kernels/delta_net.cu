@@ -212,16 +212,20 @@ __device__ __forceinline__ void rows_times_state(float (&acc)[8][CPT], const flo
     }
 }
 
-// acc[r][q] += sum_{m <= i0 + r, m <= i_last} T[i0 + r, m] B[m, lane + 32 q] (T: [C, C] lower
-// triangle and diagonal, B: [C, ld] with `cols` columns).
-template <int CPT>
+// acc[r][q] += sum_{m <= i0 + r, m <= i_last} T[i0 + r, m] (scale[m] B[m, lane + 32 q])
+// (T: [C, C] lower triangle and diagonal, B: [C, ld] with `cols` columns; without SCALED,
+// no scale and no product).
+template <bool SCALED, int CPT>
 __device__ __forceinline__ void add_lower_times(float (&acc)[8][CPT], const float* T, int i0, int i_last,
-                                                const float* B, int ld, int cols, int lane) {
+                                                const float* B, int ld, int cols, const float* scale, int lane) {
     const int C = DELTA_CHUNK;
     for (int m = 0; m <= i_last; ++m) {
         float b[CPT];
 #pragma unroll
-        for (int q = 0; q < CPT; ++q) b[q] = B[m * ld + min(lane + 32 * q, cols - 1)];
+        for (int q = 0; q < CPT; ++q) {
+            float v = B[m * ld + min(lane + 32 * q, cols - 1)];
+            b[q] = SCALED ? __fmul_rn(scale[m], v) : v;
+        }
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             if (m > i0 + r) continue;
@@ -350,18 +354,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             for (int r = 0; r < 8; ++r)
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
-            for (int m = 0; m <= i_last; ++m) {
-                float b[CPT];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) b[q] = __fmul_rn(bk[m], K[m * ldk + min(e0 + lane + 32 * q, dk - 1)]);
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    if (m > i0 + r) continue;
-                    float a = A[(i0 + r) * C + m];
-#pragma unroll
-                    for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
-                }
-            }
+            add_lower_times<true>(acc, A, i0, i_last, K + e0, ldk, dk - e0, bk, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
@@ -377,7 +370,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         for (int r = 0; r < 8; ++r)
 #pragma unroll
             for (int q = 0; q < CPT; ++q) u[r][q] = 0.0f;
-        add_lower_times(u, A, i0, i_last, U, dv, dv, lane);
+        add_lower_times<false>(u, A, i0, i_last, U, dv, dv, nullptr, lane);
         __syncthreads();  // beta v and w are complete
 #pragma unroll
         for (int r = 0; r < 8; ++r)
@@ -428,7 +421,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) acc[r][q] = __fmul_rn(f, acc[r][q]);
             }
-            add_lower_times(acc, P, i0, i_last, U, dv, dv, lane);
+            add_lower_times<false>(acc, P, i0, i_last, U, dv, dv, nullptr, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
