@@ -17,7 +17,7 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 // The one place the emulated device (kernels/emu.h, which defines NINFER_EMU) differs:
-// it supplies these two itself, for C++.
+// it supplies these itself (the tensor-core products as exchanges among the warp's fibers).
 #ifndef NINFER_EMU
 // The block's dynamic shared memory (the size is a launch parameter).
 #define DYNAMIC_SHARED(T, name) extern __shared__ T name[]
@@ -29,6 +29,29 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], u32 a0, u32 a1, u3
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four warp-wide tf32 tensor-core products sharing A, each as three (3xTF32): for t < 4,
+// acc[t] += lo(A) hi(B_t) + hi(A) lo(B_t) + hi(A) hi(B_t), in that order, with
+// mma.m16n8k8 (A 16x8 row-major: a[0] = (g, c), a[1] = (g+8, c), a[2] = (g, c+4),
+// a[3] = (g+8, c+4); B_t 8x8: b[t][0] = (k c, n g), b[t][1] = (k c+4, n g); C as in
+// mma_bf16_16816; g = lane / 4, c = lane % 4). The registers hold f32 bit patterns of which
+// the tensor core reads the top 19 (sign, exponent, 10 fraction bits).
+__device__ __forceinline__ void mma_tf32_1688(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma3_tf32_x4(float (&acc)[4][4], const u32 (&ah)[4], const u32 (&al)[4],
+                                             const u32 (&bh)[4][2], const u32 (&bl)[4][2]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        mma_tf32_1688(acc[t], al[0], al[1], al[2], al[3], bh[t][0], bh[t][1]);
+        mma_tf32_1688(acc[t], ah[0], ah[1], ah[2], ah[3], bl[t][0], bl[t][1]);
+        mma_tf32_1688(acc[t], ah[0], ah[1], ah[2], ah[3], bh[t][0], bh[t][1]);
+    }
 }
 #endif
 

@@ -249,7 +249,79 @@ __device__ __forceinline__ void rows_dot_key(float (&acc)[8], const float* X, co
     }
 }
 
-template <bool S_SHARED, int CPT>
+// Tensor-core helpers of delta_rule_chunked_tc. 3xTF32: each f32 operand x is split into
+// hi = tf32(x) and lo = tf32(x - hi) (round to nearest, ties away, by bits, so the GPU and
+// the emulator split alike), and a product is lo·hi + hi·lo + hi·hi on mma.m16n8k8: only
+// lo·lo (about 2^-22 relative) is dropped, so the products are as accurate as f32 ones.
+
+__device__ __forceinline__ float tf32_round(float x) {
+    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
+}
+
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    float h = tf32_round(x);
+    hi = __float_as_uint(h);
+    lo = __float_as_uint(tf32_round(__fsub_rn(x, h)));  // x - h is exact
+}
+
+// acc += X[r0 .. r0 + 15, 0 .. kdim) · Y[0 .. kdim, c0 .. c0 + 31) for this lane's elements
+// of the 16 x 32 output tile (four n8 blocks; element (t, e) at row r0 + g + 8 (e / 2),
+// column c0 + 8 t + 2 c + e % 2). x(row, k) and y(k, col) return 0 outside their matrices,
+// so a tile may overhang the chunk's rows, the columns and the depth. Warp-uniform.
+template <typename FX, typename FY>
+__device__ __forceinline__ void tc_tile(float (&acc)[4][4], int r0, int c0, int kdim, FX x, FY y, int lane) {
+    const int g = lane >> 2, c = lane & 3;
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+        u32 ah[4], al[4];
+        tf32_split(x(r0 + g, k0 + c), ah[0], al[0]);
+        tf32_split(x(r0 + g + 8, k0 + c), ah[1], al[1]);
+        tf32_split(x(r0 + g, k0 + c + 4), ah[2], al[2]);
+        tf32_split(x(r0 + g + 8, k0 + c + 4), ah[3], al[3]);
+        u32 bh[4][2], bl[4][2];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            tf32_split(y(k0 + c, c0 + 8 * t + g), bh[t][0], bl[t][0]);
+            tf32_split(y(k0 + c + 4, c0 + 8 * t + g), bh[t][1], bl[t][1]);
+        }
+        mma3_tf32_x4(acc, ah, al, bh, bl);
+    }
+}
+
+// f(row, col, element) for each of this lane's elements of the tile at (r0, c0).
+template <typename F>
+__device__ __forceinline__ void tc_each(float (&acc)[4][4], int r0, int c0, int lane, F f) {
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(r0 + g + 8 * (e >> 1), c0 + 8 * t + 2 * c + (e & 1), acc[t][e]);
+}
+
+__device__ __forceinline__ void tc_zero(float (&acc)[4][4]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][e] = 0.0f;
+}
+
+// Tile tt of a [rows, cols] output in 16 x 32 tiles, row-major: its corner (r0, c0).
+__device__ __forceinline__ int2 tc_corner(int tt, int cols) {
+    const int nc = (cols + 31) / 32;
+    int2 r;
+    r.x = tt / nc * 16;
+    r.y = tt % nc * 32;
+    return r;
+}
+
+__device__ __forceinline__ int tc_tiles(int rows, int cols) {
+    return ((rows + 15) / 16) * ((cols + 31) / 32);
+}
+
+// Tiles of a chunk's [C, Dv] output one warp holds at once in delta_rule_chunked_tc (u,
+// until every thread has read beta v): 4 x ceil(Dv / 32) tiles over 8 warps.
+#define TC_HELD(CPT) ((CPT) == 4 ? 2 : 4)
+
+template <bool TC, bool S_SHARED, int CPT>
 __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __restrict__ c, int conv_dim,
                                                    const float* __restrict__ beta, const float* __restrict__ g,
                                                    int2 span, int hk, int dk, int hv, int dv,
@@ -257,8 +329,8 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
     const int C = DELTA_CHUNK;
     const int ldk = dk | 1;
     const int tid = threadIdx.x, nt = DELTA_THREADS;
-    const int lane = tid & 31;
-    const int i0 = (tid >> 5) * 8;  // this warp's rows of the chunk: i0 .. i0 + 7
+    const int lane = tid & 31, warp = tid >> 5;
+    const int i0 = warp * 8;  // this warp's rows of the chunk: i0 .. i0 + 7 (CUDA-core form)
     const int j = blockIdx.y;
     const int kh = j / (hv / hk);
     float* S;  // [Dk, Dv]
@@ -309,15 +381,32 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             ef[i] = expf(__fsub_rn(gc[n - 1], gc[i]));
             bk[i] = __fmul_rn(bt[i], e);
         }
-        for (int m0 = 0; m0 < C; m0 += 32) {
-            if (m0 >= i_last) break;  // warp-uniform: no column of this block is below a row
-            const int m = m0 + lane;
-            float acc[8];
-            rows_dot_key(acc, K, K, ldk, i0, m, n, dk);
+        // Chunk operands as the tensor-core tiles read them: 0 past the chunk's rows and Dk.
+        auto key_rows = [&](int i, int e) { return i < n && e < dk ? K[i * ldk + e] : 0.0f; };
+        auto key_cols = [&](int e, int m) { return m < n && e < dk ? K[m * ldk + e] : 0.0f; };
+        if (TC) {
+            // Tiles with a column below the diagonal only (c0 < r0 + 15).
+            for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
+                const int2 o0 = tc_corner(tt, n);
+                if (o0.y >= o0.x + 15) continue;
+                float acc[4][4];
+                tc_zero(acc);
+                tc_tile(acc, o0.x, o0.y, dk, key_rows, key_cols, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
+                    if (i < n && m < i) P[i * C + m] = __fmul_rn(__fmul_rn(-bt[i], v), expf(__fsub_rn(gc[i], gc[m])));
+                });
+            }
+        } else {
+            for (int m0 = 0; m0 < C; m0 += 32) {
+                if (m0 >= i_last) break;  // warp-uniform: no column of this block is below a row
+                const int m = m0 + lane;
+                float acc[8];
+                rows_dot_key(acc, K, K, ldk, i0, m, n, dk);
 #pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                int i = i0 + r;
-                if (i < n && m < i) P[i * C + m] = __fmul_rn(__fmul_rn(-bt[i], acc[r]), expf(__fsub_rn(gc[i], gc[m])));
+                for (int r = 0; r < 8; ++r) {
+                    int i = i0 + r;
+                    if (i < n && m < i) P[i * C + m] = __fmul_rn(__fmul_rn(-bt[i], acc[r]), expf(__fsub_rn(gc[i], gc[m])));
+                }
             }
         }
         // A = (I - L)^-1 by forward substitution, A[i, m] = L[i, m] + sum_{m < r < i} L[i, r]
@@ -347,40 +436,81 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             U[i * dv + d] = __fmul_rn(bt[i], c[(row0 + i) * conv_dim + v_off + d]);
         }
         __syncthreads();
-        // w = A (beta exp(gc) k) over Dk in passes of 32 CPT columns.
-        for (int e0 = 0; e0 < dk; e0 += 32 * CPT) {
-            float acc[8][CPT];
+        auto lower_a = [&](int i, int m) { return i < n && m <= i ? A[i * C + m] : 0.0f; };
+        auto value_rows = [&](int m, int d) { return m < n && d < dv ? U[m * dv + d] : 0.0f; };
+        auto state = [&](int e, int d) { return e < dk && d < dv ? S[e * dv + d] : 0.0f; };
+        // u = A (beta v), this thread's tile held in registers until every thread has read
+        // beta v, then stored over it (tensor cores: the warp's tiles warp + 8 t of [n, Dv]).
+        float u[8][CPT];
+        float ut[TC_HELD(CPT)][4][4];
+        if (TC) {
+            // w = A (beta exp(gc) k).
+            for (int tt = warp; tt < tc_tiles(n, dk); tt += 8) {
+                const int2 o0 = tc_corner(tt, dk);
+                float acc[4][4];
+                tc_zero(acc);
+                tc_tile(acc, o0.x, o0.y, n, lower_a,
+                        [&](int m, int e) { return m < n && e < dk ? __fmul_rn(bk[m], K[m * ldk + e]) : 0.0f; }, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int i, int e, float& v) {
+                    if (i < n && e < dk) QW[i * ldk + e] = v;
+                });
+            }
+#pragma unroll
+            for (int t = 0; t < TC_HELD(CPT); ++t) {
+                const int tt = warp + 8 * t;
+                tc_zero(ut[t]);
+                if (tt < tc_tiles(n, dv)) {
+                    const int2 o0 = tc_corner(tt, dv);
+                    tc_tile(ut[t], o0.x, o0.y, n, lower_a, value_rows, lane);
+                }
+            }
+        } else {
+            // w = A (beta exp(gc) k) over Dk in passes of 32 CPT columns.
+            for (int e0 = 0; e0 < dk; e0 += 32 * CPT) {
+                float acc[8][CPT];
+#pragma unroll
+                for (int r = 0; r < 8; ++r)
+#pragma unroll
+                    for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
+                add_lower_times<true>(acc, A, i0, i_last, K + e0, ldk, dk - e0, bk, lane);
+#pragma unroll
+                for (int r = 0; r < 8; ++r)
+#pragma unroll
+                    for (int q = 0; q < CPT; ++q) {
+                        int i = i0 + r, e = e0 + lane + 32 * q;
+                        if (i < n && e < dk) QW[i * ldk + e] = acc[r][q];
+                    }
+            }
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
-                for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
-            add_lower_times<true>(acc, A, i0, i_last, K + e0, ldk, dk - e0, bk, lane);
+                for (int q = 0; q < CPT; ++q) u[r][q] = 0.0f;
+            add_lower_times<false>(u, A, i0, i_last, U, dv, dv, nullptr, lane);
+        }
+        __syncthreads();  // beta v and w are complete
+        if (TC) {
+            // v_new = u + (-w) S, accumulated onto the held u, stored over beta v.
+#pragma unroll
+            for (int t = 0; t < TC_HELD(CPT); ++t) {
+                const int tt = warp + 8 * t;
+                if (tt < tc_tiles(n, dv)) {
+                    const int2 o0 = tc_corner(tt, dv);
+                    tc_tile(ut[t], o0.x, o0.y, dk,
+                            [&](int i, int e) { return i < n && e < dk ? -QW[i * ldk + e] : 0.0f; }, state, lane);
+                    tc_each(ut[t], o0.x, o0.y, lane, [&](int i, int d, float& v) {
+                        if (i < n && d < dv) U[i * dv + d] = v;
+                    });
+                }
+            }
+        } else {
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) {
-                    int i = i0 + r, e = e0 + lane + 32 * q;
-                    if (i < n && e < dk) QW[i * ldk + e] = acc[r][q];
+                    int i = i0 + r, d = lane + 32 * q;
+                    if (i < n && d < dv) U[i * dv + d] = u[r][q];
                 }
-        }
-        // u = A (beta v), this thread's tile held in registers until every thread has read
-        // beta v, then stored over it.
-        float u[8][CPT];
-#pragma unroll
-        for (int r = 0; r < 8; ++r)
-#pragma unroll
-            for (int q = 0; q < CPT; ++q) u[r][q] = 0.0f;
-        add_lower_times<false>(u, A, i0, i_last, U, dv, dv, nullptr, lane);
-        __syncthreads();  // beta v and w are complete
-#pragma unroll
-        for (int r = 0; r < 8; ++r)
-#pragma unroll
-            for (int q = 0; q < CPT; ++q) {
-                int i = i0 + r, d = lane + 32 * q;
-                if (i < n && d < dv) U[i * dv + d] = u[r][q];
-            }
-        // v_new = u - w S, in place (each thread its own elements of U).
-        {
+            // v_new = u - w S, in place (each thread its own elements of U).
             float ws[8][CPT];
             rows_times_state(ws, QW, ldk, i0, S, dk, dv, lane);
 #pragma unroll
@@ -399,20 +529,47 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         }
         __syncthreads();
         // P = (q_i . k_m) exp(gc_i - gc_m) for m <= i, as L above.
-        for (int m0 = 0; m0 < C; m0 += 32) {
-            if (m0 > i_last) break;
-            const int m = m0 + lane;
-            float acc[8];
-            rows_dot_key(acc, QW, K, ldk, i0, m, n, dk);
+        auto query_rows = [&](int i, int e) { return i < n && e < dk ? QW[i * ldk + e] : 0.0f; };
+        if (TC) {
+            for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
+                const int2 o0 = tc_corner(tt, n);
+                if (o0.y > o0.x + 15) continue;
+                float acc[4][4];
+                tc_zero(acc);
+                tc_tile(acc, o0.x, o0.y, dk, query_rows, key_cols, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
+                    if (i < n && m <= i) P[i * C + m] = __fmul_rn(v, expf(__fsub_rn(gc[i], gc[m])));
+                });
+            }
+        } else {
+            for (int m0 = 0; m0 < C; m0 += 32) {
+                if (m0 > i_last) break;
+                const int m = m0 + lane;
+                float acc[8];
+                rows_dot_key(acc, QW, K, ldk, i0, m, n, dk);
 #pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                int i = i0 + r;
-                if (i < n && m <= i) P[i * C + m] = __fmul_rn(acc[r], expf(__fsub_rn(gc[i], gc[m])));
+                for (int r = 0; r < 8; ++r) {
+                    int i = i0 + r;
+                    if (i < n && m <= i) P[i * C + m] = __fmul_rn(acc[r], expf(__fsub_rn(gc[i], gc[m])));
+                }
             }
         }
         __syncthreads();
         // o_i = exp(gc_i) (q_i S) + sum_{m <= i} P[i, m] v_new_m.
-        {
+        if (TC) {
+            for (int tt = warp; tt < tc_tiles(n, dv); tt += 8) {
+                const int2 o0 = tc_corner(tt, dv);
+                float acc[4][4];
+                tc_zero(acc);
+                tc_tile(acc, o0.x, o0.y, dk, query_rows, state, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int i, int, float& v) { v = __fmul_rn(egc[min(i, n - 1)], v); });
+                tc_tile(acc, o0.x, o0.y, n, [&](int i, int m) { return i < n && m <= i ? P[i * C + m] : 0.0f; },
+                        value_rows, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int i, int d, float& v) {
+                    if (i < n && d < dv) o[((row0 + i) * hv + j) * dv + d] = v;
+                });
+            }
+        } else {
             float acc[8][CPT];
             rows_times_state(acc, QW, ldk, i0, S, dk, dv, lane);
 #pragma unroll
@@ -434,61 +591,95 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         // S = exp(gc_last) S + sum_i (exp(gc_last - gc_i) k_i) v_new_i^T, warp w updating
         // State rows 8w .. 8w + 7 of each pass of 64.
         const float carry = egc[n - 1];
-        for (int e0 = 0; e0 < dk; e0 += 64) {
-            const int er = e0 + i0;  // this warp's first State row of the pass
-            if (er >= dk) continue;  // warp-uniform
-            float acc[8][CPT];
-#pragma unroll
-            for (int r = 0; r < 8; ++r)
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) {
-                    // Only this thread's own elements: another thread writes the rest.
-                    int e = er + r, d = lane + 32 * q;
-                    acc[r][q] = e < dk && d < dv ? __fmul_rn(S[e * dv + d], carry) : 0.0f;
-                }
-            for (int i = 0; i < n; ++i) {
-                float b[CPT];
-#pragma unroll
-                for (int q = 0; q < CPT; ++q) b[q] = U[i * dv + min(lane + 32 * q, dv - 1)];
-                const float f = ef[i];
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    float a = __fmul_rn(f, K[i * ldk + min(er + r, dk - 1)]);
-#pragma unroll
-                    for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
-                }
+        if (TC) {
+            // The warp's tiles of [Dk, Dv]: each thread scales and replaces its own elements.
+            for (int tt = warp; tt < tc_tiles(dk, dv); tt += 8) {
+                const int2 o0 = tc_corner(tt, dv);
+                float acc[4][4];
+                tc_each(acc, o0.x, o0.y, lane,
+                        [&](int e, int d, float& v) { v = e < dk && d < dv ? __fmul_rn(S[e * dv + d], carry) : 0.0f; });
+                tc_tile(acc, o0.x, o0.y, n,
+                        [&](int e, int i) { return e < dk && i < n ? __fmul_rn(ef[i], K[i * ldk + e]) : 0.0f; },
+                        value_rows, lane);
+                tc_each(acc, o0.x, o0.y, lane, [&](int e, int d, float& v) {
+                    if (e < dk && d < dv) S[e * dv + d] = v;
+                });
             }
+        } else {
+            for (int e0 = 0; e0 < dk; e0 += 64) {
+                const int er = e0 + i0;  // this warp's first State row of the pass
+                if (er >= dk) continue;  // warp-uniform
+                float acc[8][CPT];
 #pragma unroll
-            for (int r = 0; r < 8; ++r)
+                for (int r = 0; r < 8; ++r)
 #pragma unroll
-                for (int q = 0; q < CPT; ++q) {
-                    int e = er + r, d = lane + 32 * q;
-                    if (e < dk && d < dv) S[e * dv + d] = acc[r][q];
+                    for (int q = 0; q < CPT; ++q) {
+                        // Only this thread's own elements: another thread writes the rest.
+                        int e = er + r, d = lane + 32 * q;
+                        acc[r][q] = e < dk && d < dv ? __fmul_rn(S[e * dv + d], carry) : 0.0f;
+                    }
+                for (int i = 0; i < n; ++i) {
+                    float b[CPT];
+#pragma unroll
+                    for (int q = 0; q < CPT; ++q) b[q] = U[i * dv + min(lane + 32 * q, dv - 1)];
+                    const float f = ef[i];
+#pragma unroll
+                    for (int r = 0; r < 8; ++r) {
+                        float a = __fmul_rn(f, K[i * ldk + min(er + r, dk - 1)]);
+#pragma unroll
+                        for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
+                    }
                 }
+#pragma unroll
+                for (int r = 0; r < 8; ++r)
+#pragma unroll
+                    for (int q = 0; q < CPT; ++q) {
+                        int e = er + r, d = lane + 32 * q;
+                        if (e < dk && d < dv) S[e * dv + d] = acc[r][q];
+                    }
+            }
         }
     }
 }
 
 // The gated delta rule in the chunked form above, one block per (window, value head); the
 // parameters are delta_rule_recurrent's, plus `state`: null to keep the State in shared
-// memory, else global scratch for it (Dk * Dv floats per block, see above).
-// One block per SM is what its shared memory allows anyway; saying so lets the register
+// memory, else global scratch for it (Dk * Dv floats per block, see above). TC picks the
+// products' form: CUDA cores (delta_rule_chunked), or tf32 tensor cores three products
+// each (delta_rule_chunked_tc); the scalar steps (loads, decays, the triangular solve) are
+// the same code.
+template <bool TC>
+__device__ __forceinline__ void delta_chunked(const float* __restrict__ c, int conv_dim, const float* __restrict__ beta,
+                                              const float* __restrict__ g, const int2* __restrict__ spans, int hk,
+                                              int dk, int hv, int dv, float* __restrict__ state,
+                                              float* __restrict__ o) {
+    DYNAMIC_SHARED(float, smem);
+    int2 span = spans[blockIdx.x];
+    if (dv <= 128) {
+        if (state == nullptr) {
+            delta_chunked_head<TC, true, 4>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
+        } else {
+            delta_chunked_head<TC, false, 4>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
+        }
+    } else if (state == nullptr) {
+        delta_chunked_head<TC, true, 8>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
+    } else {
+        delta_chunked_head<TC, false, 8>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
+    }
+}
+
+// One block per SM is what the shared memory allows anyway; saying so lets the register
 // tiles use up to 255 registers instead of spilling at 128.
 extern "C" __global__ void __launch_bounds__(DELTA_THREADS, 1)
 delta_rule_chunked(const float* __restrict__ c, int conv_dim, const float* __restrict__ beta,
                    const float* __restrict__ g, const int2* __restrict__ spans, int hk, int dk, int hv, int dv,
                    float* __restrict__ state, float* __restrict__ o) {
-    DYNAMIC_SHARED(float, smem);
-    int2 span = spans[blockIdx.x];
-    if (dv <= 128) {
-        if (state == nullptr) {
-            delta_chunked_head<true, 4>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
-        } else {
-            delta_chunked_head<false, 4>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
-        }
-    } else if (state == nullptr) {
-        delta_chunked_head<true, 8>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
-    } else {
-        delta_chunked_head<false, 8>(smem, c, conv_dim, beta, g, span, hk, dk, hv, dv, state, o);
-    }
+    delta_chunked<false>(c, conv_dim, beta, g, spans, hk, dk, hv, dv, state, o);
+}
+
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS, 1)
+delta_rule_chunked_tc(const float* __restrict__ c, int conv_dim, const float* __restrict__ beta,
+                      const float* __restrict__ g, const int2* __restrict__ spans, int hk, int dk, int hv, int dv,
+                      float* __restrict__ state, float* __restrict__ o) {
+    delta_chunked<true>(c, conv_dim, beta, g, spans, hk, dk, hv, dv, state, o);
 }

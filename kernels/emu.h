@@ -110,6 +110,8 @@ static void emu_block_barrier(int site);
 static void emu_warp_barrier(int op, int site);
 // Per-warp exchange slots, double-buffered so one barrier per exchange suffices.
 static uint64_t* emu_warp_slots(int parity);
+// Registers one lane hands to a warp's tensor-core product (the largest: mma3_tf32_x4's).
+#define EMU_MMA_SLOT 24
 static uint32_t* emu_warp_mma_slots(int parity);
 static inline int emu_next_parity() {
     return (int)(emu_cur->xchg++ & 1u);
@@ -280,4 +282,66 @@ static inline void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint3
         for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
         c[e] += acc;
     }
+}
+
+// ---------------------------------------------------------------- mma.m16n8k8 (tf32)
+
+static inline float emu_tf32(uint32_t r) {
+    return __uint_as_float(r & 0xffffe000u);
+}
+
+// mma3_tf32_x4 (kernels/common.cuh): for t < 4, acc[t] += lo(A) hi(B_t), then hi(A) lo(B_t),
+// then hi(A) hi(B_t), each one mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, here in
+// one exchange among the warp's lanes instead of twelve (g = lane / 4, c = lane % 4):
+//   A 16x8: a[0] = (g, c), a[1] = (g+8, c), a[2] = (g, c+4), a[3] = (g+8, c+4)
+//   B 8x8:  b[t][0] = (k c, n g), b[t][1] = (k c+4, n g)
+//   C 16x8: as mma_bf16_16816
+// Only the top 19 bits of each operand are read (the tf32 value); products of two tf32
+// values are exact in f32, each mma's eight summed in k order in f32, then added to the
+// accumulator.
+static inline void mma3_tf32_x4(float (&acc)[4][4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                const uint32_t (&bh)[4][2], const uint32_t (&bl)[4][2]) {
+    int p = emu_next_parity();
+    uint32_t* s = emu_warp_mma_slots(p);
+    unsigned lane = emu_cur->lane;
+    uint32_t* mine = s + lane * EMU_MMA_SLOT;
+    for (int r = 0; r < 4; ++r) {
+        mine[r] = ah[r];
+        mine[4 + r] = al[r];
+    }
+    for (int t = 0; t < 4; ++t)
+        for (int h = 0; h < 2; ++h) {
+            mine[8 + 2 * t + h] = bh[t][h];
+            mine[16 + 2 * t + h] = bl[t][h];
+        }
+    emu_warp_barrier(EMU_MMA, __LINE__);
+    // This lane's operands read back from the lanes holding them: A's rows g and g + 8, and
+    // B_t's columns 2c and 2c + 1, hi ([0]) and lo ([1]), over k.
+    const int g = (int)lane >> 2, cc = (int)lane & 3;
+    float a[2][2][8], b[2][4][2][8];
+    for (int k = 0; k < 8; ++k) {
+        const uint32_t* from = s + (g * 4 + (k & 3)) * EMU_MMA_SLOT;
+        for (int h = 0; h < 2; ++h) {
+            a[0][h][k] = emu_tf32(from[h + 2 * (k >> 2)]);
+            a[1][h][k] = emu_tf32(from[4 + h + 2 * (k >> 2)]);
+        }
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t* col = s + ((2 * cc + h) * 4 + (k & 3)) * EMU_MMA_SLOT;
+            for (int t = 0; t < 4; ++t) {
+                b[0][t][h][k] = emu_tf32(col[8 + 2 * t + (k >> 2)]);
+                b[1][t][h][k] = emu_tf32(col[16 + 2 * t + (k >> 2)]);
+            }
+        }
+    }
+    // The three products in order: lo·hi, hi·lo, hi·hi.
+    const int lo_a[3] = {1, 0, 0}, lo_b[3] = {0, 1, 0};
+    for (int t = 0; t < 4; ++t)
+        for (int m = 0; m < 3; ++m)
+            for (int e = 0; e < 4; ++e) {
+                const float* x = a[lo_a[m]][e >> 1];
+                const float* y = b[lo_b[m]][t][e & 1];
+                float sum = 0.0f;
+                for (int k = 0; k < 8; ++k) sum += x[k] * y[k];
+                acc[t][e] += sum;
+            }
 }

@@ -100,7 +100,7 @@ struct Fiber {
 
 struct Warp {
     uint64_t slots[2][32];
-    uint32_t mma[2][32 * 6];
+    uint32_t mma[2][32 * EMU_MMA_SLOT];
 };
 
 struct Run {

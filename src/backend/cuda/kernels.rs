@@ -175,6 +175,7 @@ impl Program {
                 "delta_prep",
                 "delta_rule_recurrent",
                 "delta_rule_chunked",
+                "delta_rule_chunked_tc",
                 "delta_gated_norm",
             ]
             .iter()
@@ -228,6 +229,7 @@ mod tests {
     fn the_hybrid_and_moe_kernels_are_hot() {
         for e in [
             "delta_rule_chunked",
+            "delta_rule_chunked_tc",
             "delta_prep",
             "moe_route",
             "moe_gemm_bf16",

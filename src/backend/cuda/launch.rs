@@ -441,7 +441,10 @@ kernel_args! {
     /// twin: `cpu::delta_rule::chunked`); equal to the recurrence to f32 rounding, not bit
     /// for bit. Block: [`DELTA_CHUNKED_THREADS`]; dynamic shared memory: [`delta_chunked_smem`]. Takes
     /// every Dk, Dv up to [`DELTA_CHUNKED_MAX_DIM`] ([`delta_chunked_fits`]).
-    DeltaRuleChunked = ("delta_net", ["delta_rule_chunked"]) {
+    /// `delta_rule_chunked_tc` is the same kernel with its matrix products on tf32 tensor
+    /// cores, three products each (3xTF32: as accurate as f32); [`delta_chunked_entry`]
+    /// picks one by precision.
+    DeltaRuleChunked = ("delta_net", ["delta_rule_chunked", "delta_rule_chunked_tc"]) {
         c: Ptr<f32>,
         conv_dim: i32,
         beta: Ptr<f32>,
@@ -456,6 +459,17 @@ kernel_args! {
         /// float offset `(j · windows + w) · Dk · Dv` (no need to clear it).
         state: Ptr<f32>,
         o: Ptr<f32>,
+    }
+}
+
+/// The chunked rule's entry point for a precision: in bf16 mode the tensor-core form
+/// (`delta_rule_chunked_tc`), in f32 mode the CUDA-core form, whose every element is one
+/// fixed chain of rounded f32 operations. Both are within f32 rounding of the recurrence
+/// (tests/parity/kernels.rs `the_chunked_delta_rule_kernel_computes_the_recurrence`).
+pub fn delta_chunked_entry(precision: super::plan::Precision) -> &'static str {
+    match precision {
+        super::plan::Precision::Bf16 => "delta_rule_chunked_tc",
+        super::plan::Precision::F32 => "delta_rule_chunked",
     }
 }
 

@@ -105,9 +105,10 @@ impl CudaModel {
         scan(gdecay, hv, StatePart::Decay)?;
         scan(beta, hv, StatePart::Beta)?;
         // o[m, Hv, Dv]: the State's read-out (in `q`, free in this layer), by the chunked
-        // rule with each window's State in shared memory (`plan::check_delta_net`).
+        // rule with each window's State in shared memory (`plan::check_delta_net`), its
+        // products on tensor cores in bf16 mode.
         g.launch(
-            "delta_rule_chunked",
+            launch::delta_chunked_entry(self.precision),
             (windows as u32, hv as u32, 1),
             launch::DELTA_CHUNKED_THREADS,
             launch::delta_chunked_smem(dk, dv) as usize,
