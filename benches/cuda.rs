@@ -4,8 +4,11 @@
 //! Processed tokens per second and achieved TFLOP/s are reported, the FLOPs counted by
 //! `model::flops::Work::CudaScoring` (projections, MLP, causal attention, the head on scored rows, the
 //! last layer's MLP on the rows the head reads).
-//! Target (issue 6): at least 40% of the measured bf16 dense rate. The numbers are printed
-//! and written as JSON to `$NINFER_BENCH_OUT` when set.
+//! Target (issue 6): at least 40% of the measured bf16 dense rate. For a hybrid preset it
+//! also times the chunked delta rule's two forms on the model's head shapes and the same
+//! windows: `delta_rule_chunked` (CUDA cores) against `delta_rule_chunked_tc` (tensor
+//! cores, what bf16 mode runs). The numbers are printed and written as JSON to
+//! `$NINFER_BENCH_OUT` when set.
 //!
 //! Settings (environment): NINFER_BENCH_ARTIFACT (an existing artifact to use; else random
 //! weights of the preset's shape are generated in memory), NINFER_BENCH_PRESET
@@ -109,6 +112,31 @@ fn random_model_throughput_against_the_gemm_rate() {
         "peak_allocated_bytes": mem.peak_allocated_bytes, "peak_used_bytes": mem.peak_used_bytes,
         "gpu": m.gpu().info.name,
     });
+    let mut out = out;
+    // Hybrid models: the chunked rule's CUDA-core form (f32 mode's) against its tensor-core
+    // form (bf16 mode's, the one timed above) on the same inputs, at the model's head shapes.
+    if let Some(h) = c.hybrid.as_ref() {
+        let (hk, dk, hv, dv) = (
+            h.linear_num_key_heads,
+            h.linear_key_head_dim,
+            h.linear_num_value_heads,
+            h.linear_value_head_dim,
+        );
+        let d = bench::delta_rule_times(m.gpu(), ws.len(), p.context, hk, dk, hv, dv, 5).unwrap();
+        eprintln!(
+            "delta_rule_chunked ({} windows x {} rows, Hk {hk}, Hv {hv}, {dk} x {dv}): CUDA cores {:.3} ms, \
+             tensor cores {:.3} ms ({:.2}x), outputs within {:.1e}",
+            ws.len(),
+            p.context,
+            d.cuda_cores_s * 1e3,
+            d.tensor_cores_s * 1e3,
+            d.cuda_cores_s / d.tensor_cores_s,
+            d.max_rel_diff
+        );
+        out["delta_rule_cuda_cores_ms"] = (d.cuda_cores_s * 1e3).into();
+        out["delta_rule_tensor_cores_ms"] = (d.tensor_cores_s * 1e3).into();
+        out["delta_rule_max_rel_diff"] = d.max_rel_diff.into();
+    }
     eprintln!("{out}");
     if let Ok(path) = std::env::var("NINFER_BENCH_OUT") {
         std::fs::write(path, out.to_string()).unwrap();

@@ -193,4 +193,115 @@ pub mod bench {
         let median = times[times.len() / 2];
         Ok(2.0 * (n as f64).powi(3) / median / 1e12)
     }
+
+    /// The chunked gated delta rule's two forms on the same inputs.
+    #[derive(Debug, Clone, Copy)]
+    pub struct DeltaRuleTimes {
+        /// Median seconds per launch of `delta_rule_chunked` (CUDA cores, f32 mode's).
+        pub cuda_cores_s: f64,
+        /// Median seconds per launch of `delta_rule_chunked_tc` (tensor cores, bf16 mode's).
+        pub tensor_cores_s: f64,
+        /// max |o_tc − o_cc| / max |o_cc|: the two forms computed the same thing.
+        pub max_rel_diff: f64,
+    }
+
+    /// Times both forms of the chunked rule, alternating, `reps` launches each after one
+    /// untimed, on `windows` packed windows of `tokens` rows with Hk key heads of Dk and Hv
+    /// value heads of Dv (the layer's own input ranges: q, k unit-norm, q scaled by
+    /// Dk^-1/2, beta in (0, 1), g in (-0.3, 0]). Each launch is timed alone between
+    /// synchronizations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule_times(
+        gpu: &Gpu,
+        windows: usize,
+        tokens: usize,
+        hk: usize,
+        dk: usize,
+        hv: usize,
+        dv: usize,
+        reps: usize,
+    ) -> Result<DeltaRuleTimes> {
+        use super::launch::{self, DeltaRuleChunked, Ptr};
+        anyhow::ensure!(
+            launch::delta_chunked_fits(dk, dv) && launch::delta_chunked_state_in_shared(dk, dv),
+            "delta_rule_times: {dk} x {dv} heads need the State in global scratch"
+        );
+        let (rows, conv_dim) = (windows * tokens, 2 * hk * dk + hv * dv);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut unit = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let mut c: Vec<f32> = (0..rows * conv_dim).map(|_| 2.0 * unit() - 1.0).collect();
+        for row in c.chunks_mut(conv_dim) {
+            for (h, x) in row[..2 * hk * dk].chunks_mut(dk).enumerate() {
+                let scale = if h < hk { (dk as f32).sqrt().recip() } else { 1.0 };
+                let norm = x.iter().map(|a| a * a).sum::<f32>().sqrt().max(1e-6);
+                x.iter_mut().for_each(|a| *a *= scale / norm);
+            }
+        }
+        let beta: Vec<f32> = (0..rows * hv).map(|_| 0.02 + 0.96 * unit()).collect();
+        let g: Vec<f32> = (0..rows * hv).map(|_| -0.3 * unit()).collect();
+        let spans: Vec<[i32; 2]> = (0..windows)
+            .map(|w| [(w * tokens) as i32, tokens as i32])
+            .collect();
+        let (cb, bb, gb, sb) = (
+            gpu.upload(&c)?,
+            gpu.upload(&beta)?,
+            gpu.upload(&g)?,
+            gpu.upload(&spans)?,
+        );
+        drop(c);
+        let outs = [gpu.alloc(4 * rows * hv * dv)?, gpu.alloc(4 * rows * hv * dv)?];
+        let entries = ["delta_rule_chunked", "delta_rule_chunked_tc"];
+        let mut times = [Vec::with_capacity(reps), Vec::with_capacity(reps)];
+        for i in 0..=reps {
+            for (k, entry) in entries.iter().enumerate() {
+                gpu.sync()?;
+                let t = std::time::Instant::now();
+                gpu.launch(
+                    entry,
+                    (windows as u32, hv as u32, 1),
+                    launch::DELTA_CHUNKED_THREADS,
+                    launch::delta_chunked_smem(dk, dv) as usize,
+                    &DeltaRuleChunked {
+                        c: Ptr::new(cb.ptr),
+                        conv_dim: conv_dim as i32,
+                        beta: Ptr::new(bb.ptr),
+                        g: Ptr::new(gb.ptr),
+                        spans: Ptr::new(sb.ptr),
+                        hk: hk as i32,
+                        dk: dk as i32,
+                        hv: hv as i32,
+                        dv: dv as i32,
+                        state: Ptr::NULL,
+                        o: Ptr::new(outs[k].ptr),
+                    },
+                )?;
+                gpu.sync()?;
+                if i > 0 {
+                    times[k].push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        let n = rows * hv * dv;
+        let (a, b): (Vec<f32>, Vec<f32>) = (gpu.read(&outs[0], 0, n)?, gpu.read(&outs[1], 0, n)?);
+        let (mut d, mut m) = (0f64, 0f64);
+        for (x, y) in a.iter().zip(&b) {
+            anyhow::ensure!(x.is_finite() && y.is_finite(), "delta_rule_times: a non-finite output");
+            d = d.max((x - y).abs() as f64);
+            m = m.max(x.abs() as f64);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|x, y| x.total_cmp(y));
+            v[v.len() / 2]
+        };
+        Ok(DeltaRuleTimes {
+            cuda_cores_s: median(&mut times[0]),
+            tensor_cores_s: median(&mut times[1]),
+            max_rel_diff: d / m.max(f64::MIN_POSITIVE),
+        })
+    }
 }

@@ -77,7 +77,7 @@ macro_rules! delta_gc_sum {
     };
 }
 
-pub const FAULTS: [Fault; 23] = [
+pub const FAULTS: [Fault; 24] = [
     Fault {
         name: "e4m3-truncate",
         what: "the e4m3 encoder truncates normal values instead of rounding to nearest even",
@@ -107,6 +107,12 @@ pub const FAULTS: [Fault; 23] = [
         what: "Gated DeltaNet value head j reads key head j % Hk instead of j / (Hv / Hk)",
         from: "int kh = j / (hv / hk);",
         to: "int kh = j % hk;",
+    },
+    Fault {
+        name: "delta-tc-single-tf32",
+        what: "the tensor-core chunked delta rule drops the low tf32 parts, one tf32 product instead of 3xTF32",
+        from: "lo = __float_as_uint(tf32_round(__fsub_rn(x, h)));",
+        to: "lo = 0u;",
     },
     Fault {
         name: "delta-chunk-undecayed-carry",
