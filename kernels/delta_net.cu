@@ -161,7 +161,10 @@ extern "C" __global__ void delta_gated_norm(const float* __restrict__ o, const f
 // so no factor exceeds 1 however negative g is.
 //
 // Dynamic shared memory (floats; ldk = Dk | 1, an odd row stride so that threads reading
-// one column of K or Q see distinct banks; C = DELTA_CHUNK):
+// one column of K or Q see distinct banks, except in the tensor-core form for Dk a multiple
+// of 32, which uses ldk = Dk and key_at's flips; C = DELTA_CHUNK). A and P are addressed
+// through tri_at, and in the tensor-core form K, QW, U and S through key_at and row_at:
+// each permutes columns within a row so that reads spread over the banks:
 //   S    [Dk, Dv]      the State (only when `state` is null; else in global memory)
 //   K    [C, ldk]      the chunk's k rows
 //   QW   [C, ldk]      w, then the chunk's q rows
@@ -170,7 +173,7 @@ extern "C" __global__ void delta_gated_norm(const float* __restrict__ o, const f
 //   P    [C, C]        L (strictly lower), then (Q K^T) o decay (lower triangle, diagonal)
 //   gc, egc, ef, bk, bt [C]   gc, exp(gc), exp(gc_last - gc), beta exp(gc), beta
 // = (S ? Dk*Dv : 0) + 2*C*ldk + C*Dv + 2*C*C + 5*C floats (launch.rs
-// `delta_chunked_smem`): 193.75 KiB for Dk = Dv = 128 with S. With `state` non-null, S of
+// `delta_chunked_smem`, with ldk = Dk | 1): 193.75 KiB for Dk = Dv = 128 with S. With `state` non-null, S of
 // block (w, j) is state[(j * windows + w) * Dk * Dv ..][Dk * Dv] (f32, global), which
 // every Dk, Dv <= 256 fits without. Grid: (windows, Hv), block DELTA_THREADS.
 //
@@ -191,10 +194,44 @@ extern "C" __global__ void delta_gated_norm(const float* __restrict__ o, const f
 // Register-tile helpers of delta_rule_chunked: warp rows i0 .. i0 + 7, lane columns
 // lane + 32 q (q < CPT); every sum runs over its index from 0, products rounded as written.
 
-// acc[r][q] = sum_e X[i0 + r, e] S[e, lane + 32 q] (X: [C, ldk] in shared memory, S: [Dk, Dv]).
+// Where element (i, m) of a chunk's [C, C] matrix (A, P) lives: row i, its column m with
+// bits 2..4 flipped by i % 8. Rows are 64 floats, so without the swizzle the 8 rows one
+// tensor-core fragment reads (and a column of the wavefront) fall in one bank; with it a
+// fragment's 32 elements fall in 32 banks. It permutes columns within the row's own half
+// (bits 2..4 only), and every access goes through it: addresses change, values do not.
+__device__ __forceinline__ int tri_at(int i, int m) {
+    return i * DELTA_CHUNK + (m ^ ((i & 7) << 2));
+}
+
+// Where element (row, col) of a [rows, ld] matrix of the chunk's values or State (U, S)
+// lives: with `sw` = 24 (ld a multiple of 32), its column with bits 3..4 flipped by row % 4,
+// so the four rows a tensor-core B fragment reads at one column fall in four banks instead
+// of one; with `sw` = 0 (other widths, where the flip could leave the row) as stored. Only
+// addresses change, not values.
+__device__ __forceinline__ int row_at(int row, int col, int ld, int sw) {
+    return row * ld + (col ^ (((row & 3) << 3) & sw));
+}
+
+// Where element (row, e) of the chunk's [C, ldk] key or query rows (K, QW) lives. With
+// `sw` (the tensor-core form, Dk a multiple of 32, ldk = Dk) column e is flipped by a 5-bit
+// function of the row: a fragment's 8 rows x 4 columns then fall in 32 banks (4 ways on one
+// bank with the odd stride), the 4 rows x 8 columns of a B fragment of row-major keys in
+// 16 banks, and a column of any 32 consecutive rows in 32. Without it, rows of ldk = Dk | 1
+// (odd) floats and no flip. Only addresses change, not values.
+__device__ __forceinline__ int key_at(int row, int e, int ldk, bool sw) {
+    return row * ldk + (sw ? e ^ (((row & 7) << 2) | ((row >> 3) & 3)) : e);
+}
+
+// The swizzle of row_at for rows of `ld` floats.
+__device__ __forceinline__ int row_swizzle(int ld) {
+    return (ld & 31) == 0 ? 24 : 0;
+}
+
+// acc[r][q] = sum_e X[i0 + r, e] S[e, lane + 32 q] (X: [C, ldk] in shared memory, S: [Dk, Dv]
+// at row_at with swizzle sw).
 template <int CPT>
-__device__ __forceinline__ void rows_times_state(float (&acc)[8][CPT], const float* X, int ldk, int i0,
-                                                 const float* S, int dk, int dv, int lane) {
+__device__ __forceinline__ void rows_times_state(float (&acc)[8][CPT], const float* X, int ldk, bool ksw, int i0,
+                                                 const float* S, int dk, int dv, int sw, int lane) {
 #pragma unroll
     for (int r = 0; r < 8; ++r)
 #pragma unroll
@@ -202,50 +239,49 @@ __device__ __forceinline__ void rows_times_state(float (&acc)[8][CPT], const flo
     for (int e = 0; e < dk; ++e) {
         float b[CPT];
 #pragma unroll
-        for (int q = 0; q < CPT; ++q) b[q] = S[e * dv + min(lane + 32 * q, dv - 1)];
+        for (int q = 0; q < CPT; ++q) b[q] = S[row_at(e, min(lane + 32 * q, dv - 1), dv, sw)];
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
-            float a = X[(i0 + r) * ldk + e];
+            float a = X[key_at(i0 + r, e, ldk, ksw)];
 #pragma unroll
             for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
         }
     }
 }
 
-// acc[r][q] += sum_{m <= i0 + r, m <= i_last} T[i0 + r, m] (scale[m] B[m, lane + 32 q])
-// (T: [C, C] lower triangle and diagonal, B: [C, ld] with `cols` columns; without SCALED,
-// no scale and no product).
-template <bool SCALED, int CPT>
-__device__ __forceinline__ void add_lower_times(float (&acc)[8][CPT], const float* T, int i0, int i_last,
-                                                const float* B, int ld, int cols, const float* scale, int lane) {
-    const int C = DELTA_CHUNK;
+// acc[r][q] += sum_{m <= i0 + r, m <= i_last} T[i0 + r, m] (scale[m] B(m, lane + 32 q))
+// (T: [C, C] lower triangle and diagonal; B(m, col), `cols` columns, read through `b`;
+// without SCALED, no scale and no product).
+template <bool SCALED, int CPT, typename FB>
+__device__ __forceinline__ void add_lower_times(float (&acc)[8][CPT], const float* T, int i0, int i_last, FB b,
+                                                int cols, const float* scale, int lane) {
     for (int m = 0; m <= i_last; ++m) {
-        float b[CPT];
+        float bm[CPT];
 #pragma unroll
         for (int q = 0; q < CPT; ++q) {
-            float v = B[m * ld + min(lane + 32 * q, cols - 1)];
-            b[q] = SCALED ? __fmul_rn(scale[m], v) : v;
+            float v = b(m, min(lane + 32 * q, cols - 1));
+            bm[q] = SCALED ? __fmul_rn(scale[m], v) : v;
         }
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             if (m > i0 + r) continue;
-            float a = T[(i0 + r) * C + m];
+            float a = T[tri_at(i0 + r, m)];
 #pragma unroll
-            for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
+            for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, bm[q]));
         }
     }
 }
 
 // acc[r] = X[i0 + r] . K[m] over Dk (X, K: [C, ldk]; m clamped to the chunk's rows).
-__device__ __forceinline__ void rows_dot_key(float (&acc)[8], const float* X, const float* K, int ldk, int i0,
+__device__ __forceinline__ void rows_dot_key(float (&acc)[8], const float* X, const float* K, int ldk, bool ksw, int i0,
                                              int m, int n, int dk) {
-    const float* km = K + min(m, n - 1) * ldk;
+    const int km = min(m, n - 1);
 #pragma unroll
     for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
     for (int e = 0; e < dk; ++e) {
-        float b = km[e];
+        float b = K[key_at(km, e, ldk, ksw)];
 #pragma unroll
-        for (int r = 0; r < 8; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(X[(i0 + r) * ldk + e], b));
+        for (int r = 0; r < 8; ++r) acc[r] = __fadd_rn(acc[r], __fmul_rn(X[key_at(i0 + r, e, ldk, ksw)], b));
     }
 }
 
@@ -327,7 +363,11 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                                                    int2 span, int hk, int dk, int hv, int dv,
                                                    float* __restrict__ state, float* __restrict__ o) {
     const int C = DELTA_CHUNK;
-    const int ldk = dk | 1;
+    // The bank-spreading layouts (key_at, row_at) serve the tensor-core fragments; the
+    // CUDA-core form keeps plain rows (its reads are conflict-free with an odd ldk, and the
+    // flips' address arithmetic would cost it registers).
+    const bool ksw = TC && (dk & 31) == 0;
+    const int ldk = ksw ? dk : dk | 1;
     const int tid = threadIdx.x, nt = DELTA_THREADS;
     const int lane = tid & 31, warp = tid >> 5;
     const int i0 = warp * 8;  // this warp's rows of the chunk: i0 .. i0 + 7 (CUDA-core form)
@@ -352,6 +392,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
     float* bk = ef + C;        // [C]
     float* bt = bk + C;        // [C]
     const int q_off = kh * dk, k_off = hk * dk + kh * dk, v_off = 2 * hk * dk + j * dv;
+    const int vsw = TC ? row_swizzle(dv) : 0;  // U and S: element (row, d) at row_at(row, d, dv, vsw)
     for (int idx = tid; idx < dk * dv; idx += nt) S[idx] = 0.0f;
     for (int c0 = 0; c0 < span.y; c0 += C) {
         const int n = min(C, span.y - c0);
@@ -362,7 +403,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         // k rows, beta; gc by one thread in token order (the CPU's sum).
         for (int idx = tid; idx < n * dk; idx += nt) {
             int i = idx / dk, e = idx - i * dk;
-            K[i * ldk + e] = c[(row0 + i) * conv_dim + k_off + e];
+            K[key_at(i, e, ldk, ksw)] = c[(row0 + i) * conv_dim + k_off + e];
         }
         for (int i = tid; i < n; i += nt) bt[i] = beta[(row0 + i) * hv + j];
         if (tid == 0) {
@@ -382,8 +423,8 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             bk[i] = __fmul_rn(bt[i], e);
         }
         // Chunk operands as the tensor-core tiles read them: 0 past the chunk's rows and Dk.
-        auto key_rows = [&](int i, int e) { return i < n && e < dk ? K[i * ldk + e] : 0.0f; };
-        auto key_cols = [&](int e, int m) { return m < n && e < dk ? K[m * ldk + e] : 0.0f; };
+        auto key_rows = [&](int i, int e) { return i < n && e < dk ? K[key_at(i, e, ldk, ksw)] : 0.0f; };
+        auto key_cols = [&](int e, int m) { return m < n && e < dk ? K[key_at(m, e, ldk, ksw)] : 0.0f; };
         if (TC) {
             // Tiles with a column below the diagonal only (c0 < r0 + 15).
             for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
@@ -393,7 +434,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 tc_zero(acc);
                 tc_tile(acc, o0.x, o0.y, dk, key_rows, key_cols, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
-                    if (i < n && m < i) P[i * C + m] = __fmul_rn(__fmul_rn(-bt[i], v), expf(__fsub_rn(gc[i], gc[m])));
+                    if (i < n && m < i) P[tri_at(i, m)] = __fmul_rn(__fmul_rn(-bt[i], v), expf(__fsub_rn(gc[i], gc[m])));
                 });
             }
         } else {
@@ -401,11 +442,11 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 if (m0 >= i_last) break;  // warp-uniform: no column of this block is below a row
                 const int m = m0 + lane;
                 float acc[8];
-                rows_dot_key(acc, K, K, ldk, i0, m, n, dk);
+                rows_dot_key(acc, K, K, ldk, ksw, i0, m, n, dk);
 #pragma unroll
                 for (int r = 0; r < 8; ++r) {
                     int i = i0 + r;
-                    if (i < n && m < i) P[i * C + m] = __fmul_rn(__fmul_rn(-bt[i], acc[r]), expf(__fsub_rn(gc[i], gc[m])));
+                    if (i < n && m < i) P[tri_at(i, m)] = __fmul_rn(__fmul_rn(-bt[i], acc[r]), expf(__fsub_rn(gc[i], gc[m])));
                 }
             }
         }
@@ -416,29 +457,30 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         // sum, and row r - 1 (read by no one at step r) is made final.
         for (int idx = tid; idx < n * n; idx += nt) {
             int i = idx / n, m = idx - i * n;
-            if (m <= i) A[i * C + m] = m == i ? 1.0f : 0.0f;
+            if (m <= i) A[tri_at(i, m)] = m == i ? 1.0f : 0.0f;
         }
         for (int r = 1; r < n; ++r) {
             __syncthreads();  // step r - 1's sums are done
             const int below = n - 1 - r;  // rows r + 1 .. n - 1
             for (int idx = tid; idx < below * r; idx += nt) {
                 int i = r + 1 + idx / r, m = idx % r;
-                float arm = __fadd_rn(P[r * C + m], A[r * C + m]);
-                A[i * C + m] = __fadd_rn(A[i * C + m], __fmul_rn(P[i * C + r], arm));
+                float arm = __fadd_rn(P[tri_at(r, m)], A[tri_at(r, m)]);
+                A[tri_at(i, m)] = __fadd_rn(A[tri_at(i, m)], __fmul_rn(P[tri_at(i, r)], arm));
             }
-            for (int m = tid; m < r - 1; m += nt) A[(r - 1) * C + m] = __fadd_rn(P[(r - 1) * C + m], A[(r - 1) * C + m]);
+            for (int m = tid; m < r - 1; m += nt) A[tri_at(r - 1, m)] = __fadd_rn(P[tri_at(r - 1, m)], A[tri_at(r - 1, m)]);
         }
         __syncthreads();
-        for (int m = tid; m < n - 1; m += nt) A[(n - 1) * C + m] = __fadd_rn(P[(n - 1) * C + m], A[(n - 1) * C + m]);
+        for (int m = tid; m < n - 1; m += nt) A[tri_at(n - 1, m)] = __fadd_rn(P[tri_at(n - 1, m)], A[tri_at(n - 1, m)]);
         // beta v staged in U (v read from its rows in c once).
         for (int idx = tid; idx < n * dv; idx += nt) {
             int i = idx / dv, d = idx - i * dv;
-            U[i * dv + d] = __fmul_rn(bt[i], c[(row0 + i) * conv_dim + v_off + d]);
+            U[row_at(i, d, dv, vsw)] = __fmul_rn(bt[i], c[(row0 + i) * conv_dim + v_off + d]);
         }
         __syncthreads();
-        auto lower_a = [&](int i, int m) { return i < n && m <= i ? A[i * C + m] : 0.0f; };
-        auto value_rows = [&](int m, int d) { return m < n && d < dv ? U[m * dv + d] : 0.0f; };
-        auto state = [&](int e, int d) { return e < dk && d < dv ? S[e * dv + d] : 0.0f; };
+        auto lower_a = [&](int i, int m) { return i < n && m <= i ? A[tri_at(i, m)] : 0.0f; };
+        auto value_at = [&](int m, int d) { return U[row_at(m, d, dv, vsw)]; };
+        auto value_rows = [&](int m, int d) { return m < n && d < dv ? value_at(m, d) : 0.0f; };
+        auto state = [&](int e, int d) { return e < dk && d < dv ? S[row_at(e, d, dv, vsw)] : 0.0f; };
         // u = A (beta v), this thread's tile held in registers until every thread has read
         // beta v, then stored over it (tensor cores: the warp's tiles warp + 8 t of [n, Dv]).
         float u[8][CPT];
@@ -450,9 +492,9 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 float acc[4][4];
                 tc_zero(acc);
                 tc_tile(acc, o0.x, o0.y, n, lower_a,
-                        [&](int m, int e) { return m < n && e < dk ? __fmul_rn(bk[m], K[m * ldk + e]) : 0.0f; }, lane);
+                        [&](int m, int e) { return m < n && e < dk ? __fmul_rn(bk[m], K[key_at(m, e, ldk, ksw)]) : 0.0f; }, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int e, float& v) {
-                    if (i < n && e < dk) QW[i * ldk + e] = v;
+                    if (i < n && e < dk) QW[key_at(i, e, ldk, ksw)] = v;
                 });
             }
 #pragma unroll
@@ -472,20 +514,21 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 for (int r = 0; r < 8; ++r)
 #pragma unroll
                     for (int q = 0; q < CPT; ++q) acc[r][q] = 0.0f;
-                add_lower_times<true>(acc, A, i0, i_last, K + e0, ldk, dk - e0, bk, lane);
+                add_lower_times<true>(acc, A, i0, i_last, [&](int m, int e) { return K[key_at(m, e0 + e, ldk, ksw)]; },
+                                      dk - e0, bk, lane);
 #pragma unroll
                 for (int r = 0; r < 8; ++r)
 #pragma unroll
                     for (int q = 0; q < CPT; ++q) {
                         int i = i0 + r, e = e0 + lane + 32 * q;
-                        if (i < n && e < dk) QW[i * ldk + e] = acc[r][q];
+                        if (i < n && e < dk) QW[key_at(i, e, ldk, ksw)] = acc[r][q];
                     }
             }
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) u[r][q] = 0.0f;
-            add_lower_times<false>(u, A, i0, i_last, U, dv, dv, nullptr, lane);
+            add_lower_times<false>(u, A, i0, i_last, value_at, dv, nullptr, lane);
         }
         __syncthreads();  // beta v and w are complete
         if (TC) {
@@ -496,9 +539,9 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 if (tt < tc_tiles(n, dv)) {
                     const int2 o0 = tc_corner(tt, dv);
                     tc_tile(ut[t], o0.x, o0.y, dk,
-                            [&](int i, int e) { return i < n && e < dk ? -QW[i * ldk + e] : 0.0f; }, state, lane);
+                            [&](int i, int e) { return i < n && e < dk ? -QW[key_at(i, e, ldk, ksw)] : 0.0f; }, state, lane);
                     tc_each(ut[t], o0.x, o0.y, lane, [&](int i, int d, float& v) {
-                        if (i < n && d < dv) U[i * dv + d] = v;
+                        if (i < n && d < dv) U[row_at(i, d, dv, vsw)] = v;
                     });
                 }
             }
@@ -508,28 +551,28 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) {
                     int i = i0 + r, d = lane + 32 * q;
-                    if (i < n && d < dv) U[i * dv + d] = u[r][q];
+                    if (i < n && d < dv) U[row_at(i, d, dv, vsw)] = u[r][q];
                 }
             // v_new = u - w S, in place (each thread its own elements of U).
             float ws[8][CPT];
-            rows_times_state(ws, QW, ldk, i0, S, dk, dv, lane);
+            rows_times_state(ws, QW, ldk, ksw, i0, S, dk, dv, vsw, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) {
                     int i = i0 + r, d = lane + 32 * q;
-                    if (i < n && d < dv) U[i * dv + d] = __fsub_rn(U[i * dv + d], ws[r][q]);
+                    if (i < n && d < dv) U[row_at(i, d, dv, vsw)] = __fsub_rn(U[row_at(i, d, dv, vsw)], ws[r][q]);
                 }
         }
         __syncthreads();
         // q rows over w.
         for (int idx = tid; idx < n * dk; idx += nt) {
             int i = idx / dk, e = idx - i * dk;
-            QW[i * ldk + e] = c[(row0 + i) * conv_dim + q_off + e];
+            QW[key_at(i, e, ldk, ksw)] = c[(row0 + i) * conv_dim + q_off + e];
         }
         __syncthreads();
         // P = (q_i . k_m) exp(gc_i - gc_m) for m <= i, as L above.
-        auto query_rows = [&](int i, int e) { return i < n && e < dk ? QW[i * ldk + e] : 0.0f; };
+        auto query_rows = [&](int i, int e) { return i < n && e < dk ? QW[key_at(i, e, ldk, ksw)] : 0.0f; };
         if (TC) {
             for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
                 const int2 o0 = tc_corner(tt, n);
@@ -538,7 +581,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 tc_zero(acc);
                 tc_tile(acc, o0.x, o0.y, dk, query_rows, key_cols, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
-                    if (i < n && m <= i) P[i * C + m] = __fmul_rn(v, expf(__fsub_rn(gc[i], gc[m])));
+                    if (i < n && m <= i) P[tri_at(i, m)] = __fmul_rn(v, expf(__fsub_rn(gc[i], gc[m])));
                 });
             }
         } else {
@@ -546,11 +589,11 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 if (m0 > i_last) break;
                 const int m = m0 + lane;
                 float acc[8];
-                rows_dot_key(acc, QW, K, ldk, i0, m, n, dk);
+                rows_dot_key(acc, QW, K, ldk, ksw, i0, m, n, dk);
 #pragma unroll
                 for (int r = 0; r < 8; ++r) {
                     int i = i0 + r;
-                    if (i < n && m <= i) P[i * C + m] = __fmul_rn(acc[r], expf(__fsub_rn(gc[i], gc[m])));
+                    if (i < n && m <= i) P[tri_at(i, m)] = __fmul_rn(acc[r], expf(__fsub_rn(gc[i], gc[m])));
                 }
             }
         }
@@ -563,7 +606,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 tc_zero(acc);
                 tc_tile(acc, o0.x, o0.y, dk, query_rows, state, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int, float& v) { v = __fmul_rn(egc[min(i, n - 1)], v); });
-                tc_tile(acc, o0.x, o0.y, n, [&](int i, int m) { return i < n && m <= i ? P[i * C + m] : 0.0f; },
+                tc_tile(acc, o0.x, o0.y, n, [&](int i, int m) { return i < n && m <= i ? P[tri_at(i, m)] : 0.0f; },
                         value_rows, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int d, float& v) {
                     if (i < n && d < dv) o[((row0 + i) * hv + j) * dv + d] = v;
@@ -571,14 +614,14 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             }
         } else {
             float acc[8][CPT];
-            rows_times_state(acc, QW, ldk, i0, S, dk, dv, lane);
+            rows_times_state(acc, QW, ldk, ksw, i0, S, dk, dv, vsw, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r) {
                 float f = egc[min(i0 + r, n - 1)];
 #pragma unroll
                 for (int q = 0; q < CPT; ++q) acc[r][q] = __fmul_rn(f, acc[r][q]);
             }
-            add_lower_times<false>(acc, P, i0, i_last, U, dv, dv, nullptr, lane);
+            add_lower_times<false>(acc, P, i0, i_last, value_at, dv, nullptr, lane);
 #pragma unroll
             for (int r = 0; r < 8; ++r)
 #pragma unroll
@@ -597,12 +640,12 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 const int2 o0 = tc_corner(tt, dv);
                 float acc[4][4];
                 tc_each(acc, o0.x, o0.y, lane,
-                        [&](int e, int d, float& v) { v = e < dk && d < dv ? __fmul_rn(S[e * dv + d], carry) : 0.0f; });
+                        [&](int e, int d, float& v) { v = e < dk && d < dv ? __fmul_rn(S[row_at(e, d, dv, vsw)], carry) : 0.0f; });
                 tc_tile(acc, o0.x, o0.y, n,
-                        [&](int e, int i) { return e < dk && i < n ? __fmul_rn(ef[i], K[i * ldk + e]) : 0.0f; },
+                        [&](int e, int i) { return e < dk && i < n ? __fmul_rn(ef[i], K[key_at(i, e, ldk, ksw)]) : 0.0f; },
                         value_rows, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int e, int d, float& v) {
-                    if (e < dk && d < dv) S[e * dv + d] = v;
+                    if (e < dk && d < dv) S[row_at(e, d, dv, vsw)] = v;
                 });
             }
         } else {
@@ -616,16 +659,16 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                     for (int q = 0; q < CPT; ++q) {
                         // Only this thread's own elements: another thread writes the rest.
                         int e = er + r, d = lane + 32 * q;
-                        acc[r][q] = e < dk && d < dv ? __fmul_rn(S[e * dv + d], carry) : 0.0f;
+                        acc[r][q] = e < dk && d < dv ? __fmul_rn(S[row_at(e, d, dv, vsw)], carry) : 0.0f;
                     }
                 for (int i = 0; i < n; ++i) {
                     float b[CPT];
 #pragma unroll
-                    for (int q = 0; q < CPT; ++q) b[q] = U[i * dv + min(lane + 32 * q, dv - 1)];
+                    for (int q = 0; q < CPT; ++q) b[q] = U[row_at(i, min(lane + 32 * q, dv - 1), dv, vsw)];
                     const float f = ef[i];
 #pragma unroll
                     for (int r = 0; r < 8; ++r) {
-                        float a = __fmul_rn(f, K[i * ldk + min(er + r, dk - 1)]);
+                        float a = __fmul_rn(f, K[key_at(i, min(er + r, dk - 1), ldk, ksw)]);
 #pragma unroll
                         for (int q = 0; q < CPT; ++q) acc[r][q] = __fadd_rn(acc[r][q], __fmul_rn(a, b[q]));
                     }
@@ -635,7 +678,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
 #pragma unroll
                     for (int q = 0; q < CPT; ++q) {
                         int e = er + r, d = lane + 32 * q;
-                        if (e < dk && d < dv) S[e * dv + d] = acc[r][q];
+                        if (e < dk && d < dv) S[row_at(e, d, dv, vsw)] = acc[r][q];
                     }
             }
         }

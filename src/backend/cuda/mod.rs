@@ -237,7 +237,11 @@ pub mod bench {
         let mut c: Vec<f32> = (0..rows * conv_dim).map(|_| 2.0 * unit() - 1.0).collect();
         for row in c.chunks_mut(conv_dim) {
             for (h, x) in row[..2 * hk * dk].chunks_mut(dk).enumerate() {
-                let scale = if h < hk { (dk as f32).sqrt().recip() } else { 1.0 };
+                let scale = if h < hk {
+                    (dk as f32).sqrt().recip()
+                } else {
+                    1.0
+                };
                 let norm = x.iter().map(|a| a * a).sum::<f32>().sqrt().max(1e-6);
                 x.iter_mut().for_each(|a| *a *= scale / norm);
             }
@@ -254,7 +258,10 @@ pub mod bench {
             gpu.upload(&spans)?,
         );
         drop(c);
-        let outs = [gpu.alloc(4 * rows * hv * dv)?, gpu.alloc(4 * rows * hv * dv)?];
+        let outs = [
+            gpu.alloc(4 * rows * hv * dv)?,
+            gpu.alloc(4 * rows * hv * dv)?,
+        ];
         let entries = ["delta_rule_chunked", "delta_rule_chunked_tc"];
         let mut times = [Vec::with_capacity(reps), Vec::with_capacity(reps)];
         for i in 0..=reps {
@@ -290,7 +297,10 @@ pub mod bench {
         let (a, b): (Vec<f32>, Vec<f32>) = (gpu.read(&outs[0], 0, n)?, gpu.read(&outs[1], 0, n)?);
         let (mut d, mut m) = (0f64, 0f64);
         for (x, y) in a.iter().zip(&b) {
-            anyhow::ensure!(x.is_finite() && y.is_finite(), "delta_rule_times: a non-finite output");
+            anyhow::ensure!(
+                x.is_finite() && y.is_finite(),
+                "delta_rule_times: a non-finite output"
+            );
             d = d.max((x - y).abs() as f64);
             m = m.max(x.abs() as f64);
         }

@@ -117,8 +117,8 @@ pub const FAULTS: [Fault; 24] = [
     Fault {
         name: "delta-chunk-undecayed-carry",
         what: "the chunked delta rule carries the State into the next chunk without its decay exp(gc_last)",
-        from: "? __fmul_rn(S[e * dv + d], carry) : 0.0f;",
-        to: "? S[e * dv + d] : 0.0f;",
+        from: "? __fmul_rn(S[row_at(e, d, dv, vsw)], carry) : 0.0f;",
+        to: "? S[row_at(e, d, dv, vsw)] : 0.0f;",
     },
     Fault {
         name: "bf16-store-overrun",
