@@ -211,6 +211,10 @@ for name in ("bench.json", "bench-hybrid.json", "bench-moe.json"):
     print(f"processed {b['tokens_per_s']:.0f} tokens/s, {b['tflops']:.0f} TFLOP/s = {100*b['fraction_of_gemm']:.0f}% of the measured bf16 GEMM rate "
           f"({b['gemm_bf16_tflops']:.0f} TFLOP/s; target >= 40%); load {b['load_s']:.1f}s, warm-up {b['warmup_s']:.1f}s, "
           f"peak allocated {b['peak_allocated_bytes']/2**30:.1f} GiB, device used {b['peak_used_bytes']/2**30:.1f} GiB")
+    if "delta_rule_cuda_cores_ms" in b:
+      print(f"chunked delta rule per layer, same inputs: CUDA cores {b['delta_rule_cuda_cores_ms']:.2f} ms, "
+            f"tensor cores (3xTF32) {b['delta_rule_tensor_cores_ms']:.2f} ms "
+            f"({b['delta_rule_cuda_cores_ms']/b['delta_rule_tensor_cores_ms']:.2f}x); outputs within {b['delta_rule_max_rel_diff']:.1e}")
   else:
     print(f"== random-weight benchmark ({name}): no result ==")
 PY
