@@ -287,17 +287,26 @@ __device__ __forceinline__ void rows_dot_key(float (&acc)[8], const float* X, co
 
 // Tensor-core helpers of delta_rule_chunked_tc. 3xTF32: each f32 operand x is split into
 // hi = tf32(x) and lo = tf32(x - hi) (round to nearest, ties away, by bits, so the GPU and
-// the emulator split alike), and a product is lo·hi + hi·lo + hi·hi on mma.m16n8k8: only
-// lo·lo (about 2^-22 relative) is dropped, so the products are as accurate as f32 ones.
+// the emulator split alike), and a product is lo·hi + hi·lo + hi·hi on mma.m16n8k8. Each
+// operand keeps about 22 of its 24 significant bits and lo·lo (about 2^-22 relative) is
+// dropped: products about 2^-22 relative, a little under f32's 2^-24, and the tensor
+// core's summation order is its own (the check's bounds hold either way).
 
+// x rounded to tf32 by its bits. Inf and NaN pass as they are (rounding a NaN's bits could
+// carry into the sign and make it zero), and a finite x that would round up to infinity is
+// truncated instead, so a finite operand never turns into inf - inf.
 __device__ __forceinline__ float tf32_round(float x) {
-    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
+    const u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) >= 0x7f800000u) return x;
+    u32 r = (u + 0x1000u) & 0xffffe000u;
+    if ((r & 0x7fffffffu) == 0x7f800000u) r = u & 0xffffe000u;
+    return __uint_as_float(r);
 }
 
 __device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
     float h = tf32_round(x);
     hi = __float_as_uint(h);
-    lo = __float_as_uint(tf32_round(__fsub_rn(x, h)));  // x - h is exact
+    lo = __float_as_uint(tf32_round(__fsub_rn(x, h)));  // x - h is exact (NaN for inf, NaN)
 }
 
 // acc += X[r0 .. r0 + 15, 0 .. kdim) · Y[0 .. kdim, c0 .. c0 + 31) for this lane's elements
@@ -491,7 +500,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 const int2 o0 = tc_corner(tt, dk);
                 float acc[4][4];
                 tc_zero(acc);
-                tc_tile(acc, o0.x, o0.y, n, lower_a,
+                tc_tile(acc, o0.x, o0.y, min(n, o0.x + 16), lower_a,
                         [&](int m, int e) { return m < n && e < dk ? __fmul_rn(bk[m], K[key_at(m, e, ldk, ksw)]) : 0.0f; }, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int e, float& v) {
                     if (i < n && e < dk) QW[key_at(i, e, ldk, ksw)] = v;
@@ -503,7 +512,7 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 tc_zero(ut[t]);
                 if (tt < tc_tiles(n, dv)) {
                     const int2 o0 = tc_corner(tt, dv);
-                    tc_tile(ut[t], o0.x, o0.y, n, lower_a, value_rows, lane);
+                    tc_tile(ut[t], o0.x, o0.y, min(n, o0.x + 16), lower_a, value_rows, lane);
                 }
             }
         } else {
@@ -606,7 +615,8 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
                 tc_zero(acc);
                 tc_tile(acc, o0.x, o0.y, dk, query_rows, state, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int, float& v) { v = __fmul_rn(egc[min(i, n - 1)], v); });
-                tc_tile(acc, o0.x, o0.y, n, [&](int i, int m) { return i < n && m <= i ? P[tri_at(i, m)] : 0.0f; },
+                tc_tile(acc, o0.x, o0.y, min(n, o0.x + 16),
+                        [&](int i, int m) { return i < n && m <= i ? P[tri_at(i, m)] : 0.0f; },
                         value_rows, lane);
                 tc_each(acc, o0.x, o0.y, lane, [&](int i, int d, float& v) {
                     if (i < n && d < dv) o[((row0 + i) * hv + j) * dv + d] = v;

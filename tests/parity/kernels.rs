@@ -2380,6 +2380,71 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
     }
 }
 
+/// A NaN reaching the chunked rule stays non-finite in both forms: one v element of window
+/// 0 set to the NaN a GPU's arithmetic makes (bits 0x7fffffff, whose rounding to tf32 by
+/// bits once carried into the sign and gave -0: a silently finite output), and in a second
+/// run one k element. Every output of that value head from the NaN's token on is
+/// non-finite, and the other window, which shares nothing with it, stays finite. (The
+/// tensor-core form may also poison up to 15 earlier rows of the NaN's 16-row tile: 0 x NaN
+/// inside a product. The model's scans stop at the first non-finite input before the rule
+/// runs, docs/hybrid.md.)
+#[test(gxx)]
+fn a_nan_reaching_the_chunked_rule_stays_non_finite() {
+    let (hk, hv, dk, dv) = (1usize, 2usize, 32usize, 32usize);
+    let lens = [70usize, 70];
+    let rows: usize = lens.iter().sum();
+    let conv_dim = 2 * hk * dk + hv * dv;
+    let nan = f32::from_bits(0x7fff_ffff);
+    let spans: Vec<[i32; 2]> = vec![[0, 70], [70, 70]];
+    let (t_nan, head) = (40usize, 1usize);
+    // (what, channel of the NaN in row t_nan of c)
+    for (what, ch) in [("v", 2 * hk * dk + head * dv + 3), ("k", hk * dk + 5)] {
+        let (mut cv, beta, g) = delta_rule_inputs(&mut Rng(83), rows, hk, hv, dk, dv);
+        cv[t_nan * conv_dim + ch] = nan;
+        let (cb, bb, gb, sb) = (up(&cv), up(&beta), up(&g), up(&spans));
+        for entry in ["delta_rule_chunked", "delta_rule_chunked_tc"] {
+            let ob = up(&vec![0f32; rows * hv * dv]);
+            gpu()
+                .launch(
+                    entry,
+                    (spans.len() as u32, hv as u32, 1),
+                    launch::DELTA_CHUNKED_THREADS,
+                    launch::delta_chunked_smem(dk, dv) as usize,
+                    &launch::DeltaRuleChunked {
+                        c: p(&cb),
+                        conv_dim: conv_dim as i32,
+                        beta: p(&bb),
+                        g: p(&gb),
+                        spans: p(&sb),
+                        hk: hk as i32,
+                        dk: dk as i32,
+                        hv: hv as i32,
+                        dv: dv as i32,
+                        state: Ptr::NULL,
+                        o: p(&ob),
+                    },
+                )
+                .unwrap();
+            let o = read_f32(&ob, rows * hv * dv);
+            let row = |t: usize, j: usize| &o[(t * hv + j) * dv..(t * hv + j + 1) * dv];
+            for t in t_nan..70 {
+                assert!(
+                    row(t, head).iter().any(|x| !x.is_finite()),
+                    "{entry}, NaN in {what}: token {t} of head {head} is finite"
+                );
+            }
+            for t in 70..rows {
+                for j in 0..hv {
+                    assert!(
+                        row(t, j).iter().all(|x| x.is_finite()),
+                        "{entry}, NaN in {what}: window 1 (token {t}, head {j}) is not finite"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The kernel comparison `cargo bench --bench cuda` runs for hybrid presets
 /// (`bench::delta_rule_times`) launches both forms of the chunked rule on the same inputs
 /// and finds them agreeing (here within the 2e-6 bound of the check above), on a small
