@@ -2214,6 +2214,69 @@ fn delta_rule_inputs(
     (c, beta, g)
 }
 
+/// The chunked rule's inputs on the device (`delta_rule_inputs`' layout, packed windows
+/// `spans`), launched in either form.
+struct ChunkedRun {
+    c: DevBuf,
+    beta: DevBuf,
+    g: DevBuf,
+    spans: DevBuf,
+    windows: usize,
+    rows: usize,
+    /// (Hk, Dk, Hv, Dv)
+    heads: (usize, usize, usize, usize),
+}
+
+impl ChunkedRun {
+    fn new(
+        c: &[f32],
+        beta: &[f32],
+        g: &[f32],
+        spans: &[[i32; 2]],
+        heads: (usize, usize, usize, usize),
+    ) -> ChunkedRun {
+        ChunkedRun {
+            c: up(c),
+            beta: up(beta),
+            g: up(g),
+            spans: up(spans),
+            windows: spans.len(),
+            rows: spans.iter().map(|s| s[1] as usize).sum(),
+            heads,
+        }
+    }
+
+    /// `o[rows, Hv, Dv]` from `entry`, the output first filled with `fill` (NaN: an element
+    /// left unwritten shows), the State in shared memory or in NaN-filled global scratch.
+    fn run(&self, entry: &str, state_in_shared: bool, fill: f32) -> Vec<f32> {
+        let (hk, dk, hv, dv) = self.heads;
+        let ob = up(&vec![fill; self.rows * hv * dv]);
+        let state = (!state_in_shared).then(|| up(&vec![f32::NAN; self.windows * hv * dk * dv]));
+        gpu()
+            .launch(
+                entry,
+                (self.windows as u32, hv as u32, 1),
+                launch::DELTA_CHUNKED_THREADS,
+                launch::delta_chunked_smem_with(dk, dv, state_in_shared) as usize,
+                &launch::DeltaRuleChunked {
+                    c: p(&self.c),
+                    conv_dim: (2 * hk * dk + hv * dv) as i32,
+                    beta: p(&self.beta),
+                    g: p(&self.g),
+                    spans: p(&self.spans),
+                    hk: hk as i32,
+                    dk: dk as i32,
+                    hv: hv as i32,
+                    dv: dv as i32,
+                    state: state.as_ref().map_or(Ptr::NULL, p),
+                    o: p(&ob),
+                },
+            )
+            .unwrap();
+        read_f32(&ob, self.rows * hv * dv)
+    }
+}
+
 /// The chunked gated delta rule (`delta_rule_chunked`: the WY form, 64 tokens a chunk, the
 /// State carried between chunks) computes the token recurrence (the CPU `recurrent`, the
 /// specification) to f32 rounding. Packed windows of 1, C - 1, C, C + 1, 3C + 5 and 300
@@ -2295,33 +2358,8 @@ fn the_chunked_delta_rule_kernel_computes_the_recurrence() {
             chunked(cw, qk, v, bw, gw, &shape, &mut cpu[out]);
             r0 += t;
         }
-        let (cb, bb, gb, sb) = (up(&cv), up(&beta), up(&g), up(&spans));
-        let run = |entry: &str, state_in_shared: bool| -> Vec<f32> {
-            let ob = up(&vec![f32::NAN; rows * hv * dv]);
-            let state = (!state_in_shared).then(|| up(&vec![f32::NAN; spans.len() * hv * dk * dv]));
-            gpu()
-                .launch(
-                    entry,
-                    (spans.len() as u32, hv as u32, 1),
-                    launch::DELTA_CHUNKED_THREADS,
-                    launch::delta_chunked_smem_with(dk, dv, state_in_shared) as usize,
-                    &launch::DeltaRuleChunked {
-                        c: p(&cb),
-                        conv_dim: conv_dim as i32,
-                        beta: p(&bb),
-                        g: p(&gb),
-                        spans: p(&sb),
-                        hk: hk as i32,
-                        dk: dk as i32,
-                        hv: hv as i32,
-                        dv: dv as i32,
-                        state: state.as_ref().map_or(Ptr::NULL, p),
-                        o: p(&ob),
-                    },
-                )
-                .unwrap();
-            read_f32(&ob, rows * hv * dv)
-        };
+        let dev = ChunkedRun::new(&cv, &beta, &g, &spans, (hk, dk, hv, dv));
+        let run = |entry: &str, state_in_shared: bool| dev.run(entry, state_in_shared, f32::NAN);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let shared = launch::delta_chunked_state_in_shared(dk, dv);
         // Worst max |Δ| / max |ref| over (window, value head).
@@ -2401,31 +2439,10 @@ fn a_nan_reaching_the_chunked_rule_stays_non_finite() {
     for (what, ch) in [("v", 2 * hk * dk + head * dv + 3), ("k", hk * dk + 5)] {
         let (mut cv, beta, g) = delta_rule_inputs(&mut Rng(83), rows, hk, hv, dk, dv);
         cv[t_nan * conv_dim + ch] = nan;
-        let (cb, bb, gb, sb) = (up(&cv), up(&beta), up(&g), up(&spans));
+        let dev = ChunkedRun::new(&cv, &beta, &g, &spans, (hk, dk, hv, dv));
         for entry in ["delta_rule_chunked", "delta_rule_chunked_tc"] {
-            let ob = up(&vec![0f32; rows * hv * dv]);
-            gpu()
-                .launch(
-                    entry,
-                    (spans.len() as u32, hv as u32, 1),
-                    launch::DELTA_CHUNKED_THREADS,
-                    launch::delta_chunked_smem(dk, dv) as usize,
-                    &launch::DeltaRuleChunked {
-                        c: p(&cb),
-                        conv_dim: conv_dim as i32,
-                        beta: p(&bb),
-                        g: p(&gb),
-                        spans: p(&sb),
-                        hk: hk as i32,
-                        dk: dk as i32,
-                        hv: hv as i32,
-                        dv: dv as i32,
-                        state: Ptr::NULL,
-                        o: p(&ob),
-                    },
-                )
-                .unwrap();
-            let o = read_f32(&ob, rows * hv * dv);
+            // Filled with zeros: only a written non-finite value counts.
+            let o = dev.run(entry, true, 0.0);
             let row = |t: usize, j: usize| &o[(t * hv + j) * dv..(t * hv + j + 1) * dv];
             for t in t_nan..70 {
                 assert!(
