@@ -366,6 +366,42 @@ __device__ __forceinline__ int tc_tiles(int rows, int cols) {
 // until every thread has read beta v): 4 x ceil(Dv / 32) tiles over 8 warps.
 #define TC_HELD(CPT) ((CPT) == 4 ? 2 : 4)
 
+// store(i, m, X[i] . K[m]) for the chunk's rows i < n and m < i (m <= i with DIAG), the dot
+// over Dk (X, K: [C, ldk] at key_at): the products of L (X = K) and of P (X = Q). The
+// tensor-core form takes the 16 x 32 tiles with an element on or below the diagonal in turn
+// over the warps; the CUDA-core form gives warp w its rows i0 .. i0 + 7 and lane l the
+// columns l and l + 32, up to the warp's last row i_last. Warp-uniform.
+template <bool TC, bool DIAG, typename F>
+__device__ __forceinline__ void lower_key_products(const float* X, const float* K, int ldk, bool ksw, int n, int dk,
+                                                   int i0, int i_last, int lane, F store) {
+    if (TC) {
+        auto x_rows = [&](int i, int e) { return i < n && e < dk ? X[key_at(i, e, ldk, ksw)] : 0.0f; };
+        auto key_cols = [&](int e, int m) { return m < n && e < dk ? K[key_at(m, e, ldk, ksw)] : 0.0f; };
+        for (int tt = i0 / 8; tt < tc_tiles(n, n); tt += 8) {
+            const int2 o0 = tc_corner(tt, n);
+            if (DIAG ? o0.y > o0.x + 15 : o0.y >= o0.x + 15) continue;
+            float acc[4][4];
+            tc_zero(acc);
+            tc_tile(acc, o0.x, o0.y, dk, x_rows, key_cols, lane);
+            tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
+                if (i < n && (DIAG ? m <= i : m < i)) store(i, m, v);
+            });
+        }
+    } else {
+        for (int m0 = 0; m0 < DELTA_CHUNK; m0 += 32) {
+            if (DIAG ? m0 > i_last : m0 >= i_last) break;  // no column of this block is below a row
+            const int m = m0 + lane;
+            float acc[8];
+            rows_dot_key(acc, X, K, ldk, ksw, i0, m, n, dk);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                int i = i0 + r;
+                if (i < n && (DIAG ? m <= i : m < i)) store(i, m, acc[r]);
+            }
+        }
+    }
+}
+
 template <bool TC, bool S_SHARED, int CPT>
 __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __restrict__ c, int conv_dim,
                                                    const float* __restrict__ beta, const float* __restrict__ g,
@@ -423,42 +459,16 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
             }
         }
         __syncthreads();
-        // The decay factors, and L = -beta_i (k_i . k_m) exp(gc_i - gc_m) below the diagonal,
-        // lane l computing columns m = l and l + 32 of its warp's rows.
+        // The decay factors, and L = -beta_i (k_i . k_m) exp(gc_i - gc_m) below the diagonal.
         for (int i = tid; i < n; i += nt) {
             float e = expf(gc[i]);
             egc[i] = e;
             ef[i] = expf(__fsub_rn(gc[n - 1], gc[i]));
             bk[i] = __fmul_rn(bt[i], e);
         }
-        // Chunk operands as the tensor-core tiles read them: 0 past the chunk's rows and Dk.
-        auto key_rows = [&](int i, int e) { return i < n && e < dk ? K[key_at(i, e, ldk, ksw)] : 0.0f; };
-        auto key_cols = [&](int e, int m) { return m < n && e < dk ? K[key_at(m, e, ldk, ksw)] : 0.0f; };
-        if (TC) {
-            // Tiles with a column below the diagonal only (c0 < r0 + 15).
-            for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
-                const int2 o0 = tc_corner(tt, n);
-                if (o0.y >= o0.x + 15) continue;
-                float acc[4][4];
-                tc_zero(acc);
-                tc_tile(acc, o0.x, o0.y, dk, key_rows, key_cols, lane);
-                tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
-                    if (i < n && m < i) P[tri_at(i, m)] = __fmul_rn(__fmul_rn(-bt[i], v), expf(__fsub_rn(gc[i], gc[m])));
-                });
-            }
-        } else {
-            for (int m0 = 0; m0 < C; m0 += 32) {
-                if (m0 >= i_last) break;  // warp-uniform: no column of this block is below a row
-                const int m = m0 + lane;
-                float acc[8];
-                rows_dot_key(acc, K, K, ldk, ksw, i0, m, n, dk);
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    int i = i0 + r;
-                    if (i < n && m < i) P[tri_at(i, m)] = __fmul_rn(__fmul_rn(-bt[i], acc[r]), expf(__fsub_rn(gc[i], gc[m])));
-                }
-            }
-        }
+        lower_key_products<TC, false>(K, K, ldk, ksw, n, dk, i0, i_last, lane, [&](int i, int m, float v) {
+            P[tri_at(i, m)] = __fmul_rn(__fmul_rn(-bt[i], v), expf(__fsub_rn(gc[i], gc[m])));
+        });
         // A = (I - L)^-1 by forward substitution, A[i, m] = L[i, m] + sum_{m < r < i} L[i, r]
         // A[r, m] (the sum from 0 in r order), A[m, m] = 1: as a wavefront over r. A[i, m]
         // below the diagonal holds the running sum until its row is final; at step r every
@@ -581,31 +591,10 @@ __device__ __forceinline__ void delta_chunked_head(float* smem, const float* __r
         }
         __syncthreads();
         // P = (q_i . k_m) exp(gc_i - gc_m) for m <= i, as L above.
+        lower_key_products<TC, true>(QW, K, ldk, ksw, n, dk, i0, i_last, lane, [&](int i, int m, float v) {
+            P[tri_at(i, m)] = __fmul_rn(v, expf(__fsub_rn(gc[i], gc[m])));
+        });
         auto query_rows = [&](int i, int e) { return i < n && e < dk ? QW[key_at(i, e, ldk, ksw)] : 0.0f; };
-        if (TC) {
-            for (int tt = warp; tt < tc_tiles(n, n); tt += 8) {
-                const int2 o0 = tc_corner(tt, n);
-                if (o0.y > o0.x + 15) continue;
-                float acc[4][4];
-                tc_zero(acc);
-                tc_tile(acc, o0.x, o0.y, dk, query_rows, key_cols, lane);
-                tc_each(acc, o0.x, o0.y, lane, [&](int i, int m, float& v) {
-                    if (i < n && m <= i) P[tri_at(i, m)] = __fmul_rn(v, expf(__fsub_rn(gc[i], gc[m])));
-                });
-            }
-        } else {
-            for (int m0 = 0; m0 < C; m0 += 32) {
-                if (m0 > i_last) break;
-                const int m = m0 + lane;
-                float acc[8];
-                rows_dot_key(acc, QW, K, ldk, ksw, i0, m, n, dk);
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    int i = i0 + r;
-                    if (i < n && m <= i) P[tri_at(i, m)] = __fmul_rn(acc[r], expf(__fsub_rn(gc[i], gc[m])));
-                }
-            }
-        }
         __syncthreads();
         // o_i = exp(gc_i) (q_i S) + sum_{m <= i} P[i, m] v_new_m.
         if (TC) {
